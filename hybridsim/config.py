@@ -1,0 +1,501 @@
+"""Scenario files: schema, YAML loading, validation with file:line context.
+
+The keys here are a contract (SPEC §4): keys may be added, never renamed or
+dropped. Every error names the key path and the YAML line it came from.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import InputError
+from .model import AttentionGeometry, MambaGeometry, MLAGeometry, ModelGeometry
+from .presets import PRESETS, build_preset
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# ----------------------------------------------------------------------------- model
+
+
+class ModelSection(_Strict):
+    """A preset, explicit geometry, or a preset with some sections overridden."""
+
+    preset: Optional[str] = Field(None, description="name from `hybridsim presets`")
+    mamba: Optional[dict[str, Any]] = Field(None, description="Mamba geometry (or overrides of the preset's)")
+    attention: Optional[dict[str, Any]] = Field(None, description="GQA attention geometry (or overrides)")
+    mla: Optional[dict[str, Any]] = Field(None, description="MLA geometry (or overrides)")
+
+    @model_validator(mode="after")
+    def _known_preset(self) -> "ModelSection":
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r}; known: {', '.join(PRESETS)}")
+        if self.preset is None and not (self.mamba or self.attention or self.mla):
+            raise ValueError("give a preset or at least one of mamba, attention, mla")
+        return self
+
+    def geometry(self) -> ModelGeometry:
+        base: dict[str, Any] = {}
+        name, source = "custom", "user-defined"
+        if self.preset is not None:
+            g = build_preset(self.preset)
+            name, source = g.name, g.source
+            base = {k: (getattr(g, k).model_dump() if getattr(g, k) else None)
+                    for k in ("mamba", "attention", "mla")}
+        merged = {}
+        for key, cls in (("mamba", MambaGeometry), ("attention", AttentionGeometry), ("mla", MLAGeometry)):
+            override = getattr(self, key)
+            section = dict(base.get(key) or {})
+            if override is not None:
+                section.update(override)
+                if self.preset is not None:
+                    name = f"{self.preset}+overrides"
+            merged[key] = cls(**section) if section else None
+        return ModelGeometry(name=name, source=source, **merged)
+
+
+# ----------------------------------------------------------------------------- cache / scheduler
+
+
+class CacheSection(_Strict):
+    block_size: int = Field(16, ge=1, description="tokens per block (attention and, in align/all, Mamba)")
+    num_blocks: int = Field(..., ge=2, description="blocks in the shared pool, including the null block 0")
+    enable_prefix_caching: bool = True
+    mamba_cache_mode: Optional[Literal["none", "align", "all"]] = Field(
+        None, description="none | align | all; default align with prefix caching, else none")
+
+    def resolved_mode(self) -> str:
+        if self.mamba_cache_mode is not None:
+            return self.mamba_cache_mode
+        return "align" if self.enable_prefix_caching else "none"
+
+
+class SchedulerSection(_Strict):
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_num_seqs: int = Field(8, ge=1)
+    max_model_len: int = Field(4096, ge=2)
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = Field(0, ge=0)
+    policy: Literal["fcfs", "priority"] = "fcfs"
+
+
+# ----------------------------------------------------------------------------- spec decode
+
+
+class BernoulliAcceptance(_Strict):
+    kind: Literal["bernoulli"]
+    rate: float = Field(..., ge=0.0, le=1.0, description="chance each draft matches, given the previous did")
+
+
+class PatternAcceptance(_Strict):
+    kind: Literal["pattern"]
+    accepted: list[Annotated[int, Field(ge=0)]] = Field(..., min_length=1,
+                                                         description="accepted drafts per decode step, cycled")
+
+
+class NoAcceptance(_Strict):
+    kind: Literal["none"]
+
+
+Acceptance = Annotated[Union[BernoulliAcceptance, PatternAcceptance, NoAcceptance], Field(discriminator="kind")]
+
+
+class SpecDecodeSection(_Strict):
+    num_speculative_tokens: int = Field(0, ge=0)
+    acceptance: Acceptance = Field(default_factory=lambda: NoAcceptance(kind="none"))
+
+    @model_validator(mode="after")
+    def _pattern_fits(self) -> "SpecDecodeSection":
+        if isinstance(self.acceptance, PatternAcceptance):
+            too_big = [a for a in self.acceptance.accepted if a > self.num_speculative_tokens]
+            if too_big:
+                raise ValueError(f"acceptance.accepted has {too_big[0]}, more than "
+                                 f"num_speculative_tokens ({self.num_speculative_tokens})")
+        return self
+
+
+# ----------------------------------------------------------------------------- workload
+
+
+class UniformDist(_Strict):
+    dist: Literal["uniform"]
+    min: int = Field(..., ge=1)
+    max: int = Field(..., ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "UniformDist":
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) is larger than max ({self.max})")
+        return self
+
+    @property
+    def upper(self) -> int:
+        return self.max
+
+
+class FixedDist(_Strict):
+    dist: Literal["fixed"]
+    value: int = Field(..., ge=1)
+
+    @property
+    def upper(self) -> int:
+        return self.value
+
+
+class ChoiceDist(_Strict):
+    dist: Literal["choice"]
+    values: list[Annotated[int, Field(ge=1)]] = Field(..., min_length=1)
+
+    @property
+    def upper(self) -> int:
+        return max(self.values)
+
+
+LengthDist = Annotated[Union[UniformDist, FixedDist, ChoiceDist], Field(discriminator="dist")]
+
+
+class PoissonArrival(_Strict):
+    kind: Literal["poisson"]
+    rate_per_step: float = Field(..., gt=0)
+
+
+class FixedArrival(_Strict):
+    kind: Literal["fixed"]
+    per_step: int = Field(..., ge=1, description="requests arriving at each step")
+
+
+class StepsArrival(_Strict):
+    kind: Literal["steps"]
+    steps: list[Annotated[int, Field(ge=0)]] = Field(..., min_length=1, description="arrival step per request")
+
+
+class TimestampArrival(_Strict):
+    kind: Literal["timestamps"]
+    step_seconds: float = Field(0.05, gt=0, description="seconds of trace time one step stands for")
+
+
+Arrival = Annotated[Union[PoissonArrival, FixedArrival, StepsArrival, TimestampArrival],
+                    Field(discriminator="kind")]
+
+
+class SharedPrefix(_Strict):
+    """Requests drawn with ``fraction`` start with a common prefix; a prompt shorter than
+    the prefix shares all of it but its last token."""
+
+    len: int = Field(..., ge=1)
+    fraction: float = Field(..., ge=0.0, le=1.0)
+    count: int = Field(1, ge=1, description="distinct prefixes, assigned round-robin")
+
+
+class SyntheticWorkload(_Strict):
+    kind: Literal["synthetic"]
+    num_requests: int = Field(..., ge=1)
+    arrival: Arrival = Field(default_factory=lambda: FixedArrival(kind="fixed", per_step=1))
+    prompt_len: LengthDist
+    output_len: LengthDist
+    shared_prefix: Optional[SharedPrefix] = None
+    vocab_size: int = Field(32000, ge=16)
+    priorities: int = Field(1, ge=1, description="priority levels drawn uniformly (policy: priority)")
+
+    @model_validator(mode="after")
+    def _steps_match(self) -> "SyntheticWorkload":
+        if isinstance(self.arrival, TimestampArrival):
+            raise ValueError("arrival kind 'timestamps' needs a trace workload")
+        if isinstance(self.arrival, StepsArrival) and len(self.arrival.steps) != self.num_requests:
+            raise ValueError(f"arrival.steps has {len(self.arrival.steps)} entries for "
+                             f"{self.num_requests} requests")
+        return self
+
+
+class TraceWorkload(_Strict):
+    kind: Literal["trace"]
+    format: Literal["mooncake", "azure", "vidur", "hybridsim", "vllm-recorded"]
+    path: str
+    limit: Optional[int] = Field(None, ge=1, description="first N requests")
+    length_scale: float = Field(1.0, gt=0, description="multiplies prompt and output lengths")
+    time_scale: float = Field(1.0, gt=0, description="multiplies inter-arrival times")
+    hash_block_size: int = Field(512, ge=1, description="mooncake: tokens per hash id before scaling")
+    arrival: Arrival = Field(default_factory=lambda: TimestampArrival(kind="timestamps"))
+    vocab_size: int = Field(32000, ge=16)
+
+
+Workload = Annotated[Union[SyntheticWorkload, TraceWorkload], Field(discriminator="kind")]
+
+
+# ----------------------------------------------------------------------------- faults / execution
+
+
+class ResetPrefixCacheFault(_Strict):
+    at_step: int = Field(..., ge=0)
+    kind: Literal["reset_prefix_cache"]
+
+
+class PreemptFault(_Strict):
+    at_step: int = Field(..., ge=0)
+    kind: Literal["preempt"]
+    requests: list[str] = Field(..., min_length=1)
+
+
+Fault = Annotated[Union[ResetPrefixCacheFault, PreemptFault], Field(discriminator="kind")]
+
+
+class ExecutionSection(_Strict):
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    kernels: Literal["triton", "reference"] = "reference"
+    check: Literal["full", "sampled", "off"] = "full"
+    max_steps: int = Field(5000, ge=1)
+
+
+# ----------------------------------------------------------------------------- scenario
+
+
+class Scenario(_Strict):
+    name: str = Field(..., min_length=1)
+    seed: int = 0
+    model: ModelSection
+    cache: CacheSection
+    scheduler: SchedulerSection = Field(default_factory=SchedulerSection)
+    spec_decode: SpecDecodeSection = Field(default_factory=SpecDecodeSection)
+    workload: Workload
+    faults: list[Fault] = Field(default_factory=list)
+    execution: ExecutionSection = Field(default_factory=ExecutionSection)
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> "Scenario":
+        for path, msg in cross_field_problems(self):
+            raise _CrossFieldError(path, msg)
+        return self
+
+    def geometry(self) -> ModelGeometry:
+        return self.model.geometry()
+
+
+class _CrossFieldError(ValueError):
+    def __init__(self, path: tuple, msg: str):
+        super().__init__(msg)
+        self.path = path
+
+
+def min_blocks_per_request(s: "Scenario", tokens: int) -> int:
+    """Blocks one request of ``tokens`` tokens needs at its peak, all groups together."""
+    from .sched.groups import plan_groups  # local: sched depends on config, not the reverse at import
+
+    groups = plan_groups(s.geometry(), s.cache.block_size, s.scheduler.max_model_len,
+                         s.cache.resolved_mode(), s.spec_decode.num_speculative_tokens)
+    return sum(g.peak_blocks(tokens) for g in groups)
+
+
+def blocks_problem(s: "Scenario", tokens: int) -> str | None:
+    """Why the pool cannot hold one request of ``tokens`` tokens (None if it can)."""
+    need = min_blocks_per_request(s, tokens)
+    if need <= s.cache.num_blocks - 1:
+        return None
+    return (f"the longest request ({tokens} tokens) needs {need} blocks over all KV groups "
+            f"({s.spec_decode.num_speculative_tokens} spec blocks included) but the pool has "
+            f"{s.cache.num_blocks - 1} usable (block 0 is the null block)")
+
+
+def cross_field_problems(s: Scenario) -> list[tuple[tuple, str]]:
+    """Rules spanning several keys; each problem is (key path, message)."""
+    out: list[tuple[tuple, str]] = []
+    geo = s.geometry()
+    mode = s.cache.resolved_mode()
+    bs = s.cache.block_size
+    S = s.spec_decode.num_speculative_tokens
+    sched = s.scheduler
+    if geo.mamba is not None:
+        if s.cache.mamba_cache_mode in ("align", "all") and not s.cache.enable_prefix_caching:
+            out.append((("cache", "mamba_cache_mode"),
+                        f"mamba_cache_mode {mode!r} caches states for prefix hits; it needs "
+                        "enable_prefix_caching: true (or use none)"))
+        if mode == "align" and not sched.enable_chunked_prefill:
+            out.append((("scheduler", "enable_chunked_prefill"),
+                        "mamba_cache_mode align needs chunked prefill (chunks end on block boundaries)"))
+        if mode == "align" and sched.max_num_batched_tokens < bs:
+            out.append((("scheduler", "max_num_batched_tokens"),
+                        f"align mode rounds prefill chunks down to whole blocks: a budget of "
+                        f"{sched.max_num_batched_tokens} tokens is less than one block ({bs})"))
+        if mode == "all" and bs % geo.mamba.chunk_size != 0:
+            out.append((("cache", "block_size"),
+                        f"mamba_cache_mode all writes a state every block: block_size ({bs}) must be a "
+                        f"multiple of model.mamba.chunk_size ({geo.mamba.chunk_size})"))
+    if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < sched.max_model_len:
+        out.append((("scheduler", "max_num_batched_tokens"),
+                    f"without chunked prefill a whole prompt must fit the budget: "
+                    f"max_num_batched_tokens ({sched.max_num_batched_tokens}) < max_model_len "
+                    f"({sched.max_model_len})"))
+    if S > 0 and S + 1 > sched.max_num_batched_tokens:
+        out.append((("spec_decode", "num_speculative_tokens"),
+                    f"{S} drafts plus the bonus token exceed max_num_batched_tokens "
+                    f"({sched.max_num_batched_tokens})"))
+    if S > 0 and S >= sched.max_model_len:
+        out.append((("spec_decode", "num_speculative_tokens"), "more drafts than max_model_len allows"))
+    wl = s.workload
+    if isinstance(wl, SyntheticWorkload):
+        if wl.shared_prefix is not None and wl.shared_prefix.len >= sched.max_model_len:
+            out.append((("workload", "shared_prefix", "len"),
+                        f"a {wl.shared_prefix.len}-token prefix does not fit max_model_len ({sched.max_model_len})"))
+        if wl.prompt_len.upper >= sched.max_model_len:
+            out.append((("workload", "prompt_len"),
+                        f"prompts up to {wl.prompt_len.upper} tokens do not fit max_model_len "
+                        f"({sched.max_model_len}); the engine needs room for one output token"))
+    if isinstance(wl, SyntheticWorkload):
+        longest = min(sched.max_model_len, wl.prompt_len.upper + wl.output_len.upper + S)
+        problem = blocks_problem(s, longest)
+        if problem:
+            out.append((("cache", "num_blocks"), problem))
+    if sched.policy == "priority" and isinstance(wl, TraceWorkload):
+        pass  # trace requests get priority 0; allowed
+    for i, f in enumerate(s.faults):
+        if f.at_step >= s.execution.max_steps:
+            out.append((("faults", i, "at_step"),
+                        f"step {f.at_step} is past execution.max_steps ({s.execution.max_steps})"))
+    return out
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+class _LineMap:
+    """Line numbers (1-based) of every key path in a YAML document."""
+
+    def __init__(self, text: str, source: str):
+        self.source = source
+        self.lines: dict[tuple, int] = {}
+        try:
+            node = yaml.compose(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{source}:{mark.line + 1}" if mark is not None else source
+            problem = getattr(e, "problem", None) or str(e)
+            raise InputError(f"not valid YAML: {problem}", where) from None
+        if node is not None:
+            self._walk(node, ())
+
+    def _walk(self, node: yaml.Node, path: tuple) -> None:
+        self.lines[path] = node.start_mark.line + 1
+        if isinstance(node, yaml.MappingNode):
+            seen: set = set()
+            for k, v in node.value:
+                key = k.value
+                if key in seen:
+                    raise InputError(f"key {'.'.join(map(str, path + (key,)))!r} appears twice",
+                                     f"{self.source}:{k.start_mark.line + 1}")
+                seen.add(key)
+                self.lines[path + (key,)] = k.start_mark.line + 1
+                self._walk(v, path + (key,))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                self._walk(v, path + (i,))
+
+    def where(self, path: tuple) -> str:
+        p = tuple(path)
+        while p and p not in self.lines:
+            p = p[:-1]
+        line = self.lines.get(p)
+        return f"{self.source}:{line}" if line else self.source
+
+
+def _data_path(raw: Any, loc: tuple) -> tuple:
+    """Drop pydantic's union tags from an error location, keeping real keys."""
+    out: list = []
+    cur = raw
+    for part in loc:
+        if isinstance(cur, dict) and part in cur:
+            out.append(part)
+            cur = cur[part]
+        elif isinstance(cur, list) and isinstance(part, int) and part < len(cur):
+            out.append(part)
+            cur = cur[part]
+        elif isinstance(cur, dict) and isinstance(part, str) and part not in cur and not out[-1:] == [part]:
+            # either a union tag (skip) or a missing/unknown key (keep, the message says which)
+            if part in _UNION_TAGS:
+                continue
+            out.append(part)
+            cur = None
+        else:
+            continue
+    return tuple(out)
+
+
+_UNION_TAGS = {"synthetic", "trace", "bernoulli", "pattern", "none", "uniform", "fixed", "choice",
+               "poisson", "steps", "timestamps", "reset_prefix_cache", "preempt"}
+
+
+def _format_pydantic(e: ValidationError, raw: Any, lines: _LineMap) -> InputError:
+    err = e.errors()[0]
+    path = _data_path(raw, tuple(err["loc"]))
+    msg = err["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    ctx_err = (err.get("ctx") or {}).get("error")
+    if isinstance(ctx_err, _CrossFieldError):
+        path = ctx_err.path
+        msg = str(ctx_err)
+    if err["type"] == "extra_forbidden":
+        msg = "unknown key (not part of the scenario schema; check spelling)"
+    elif err["type"] == "missing":
+        msg = "required key is missing"
+    elif err["type"] == "union_tag_invalid":
+        msg = msg.replace("Input tag", "value")
+    key = ".".join(str(p) for p in path) or "(top level)"
+    more = f" (and {len(e.errors()) - 1} more problem(s))" if len(e.errors()) > 1 else ""
+    return InputError(f"{key}: {msg}{more}", lines.where(path))
+
+
+def parse_scenario(text: str, source: str = "<scenario>", base_dir: Path | None = None) -> "LoadedScenario":
+    lines = _LineMap(text, source)
+    raw = yaml.safe_load(text)
+    if not isinstance(raw, dict):
+        raise InputError("a scenario is a YAML mapping (name, model, cache, workload, ...)", source)
+    try:
+        scenario = Scenario.model_validate(raw)
+    except ValidationError as e:
+        raise _format_pydantic(e, raw, lines) from None
+    except _CrossFieldError as e:  # pragma: no cover - pydantic wraps these
+        raise InputError(f"{'.'.join(map(str, e.path))}: {e}", lines.where(e.path)) from None
+    return LoadedScenario(scenario=scenario, base_dir=base_dir or Path("."), source=source, lines=lines)
+
+
+def load_scenario(path: str | Path) -> "LoadedScenario":
+    p = Path(path)
+    if not p.exists():
+        raise InputError("no such file", str(p))
+    if p.is_dir():
+        raise InputError("is a folder, not a scenario file", str(p))
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"cannot read: {e}", str(p)) from None
+    return parse_scenario(text, str(p), p.parent)
+
+
+class LoadedScenario:
+    """A validated scenario plus where it came from (for relative paths and messages)."""
+
+    def __init__(self, scenario: Scenario, base_dir: Path, source: str, lines: _LineMap):
+        self.scenario = scenario
+        self.base_dir = base_dir
+        self.source = source
+        self.lines = lines
+
+    def where(self, *path: Any) -> str:
+        return self.lines.where(tuple(path))
+
+    def resolve_path(self, p: str) -> Path:
+        q = Path(p)
+        return q if q.is_absolute() else (self.base_dir / q)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+__all__ = ["Scenario", "LoadedScenario", "load_scenario", "parse_scenario", "ceil_div", "math"]

@@ -1,0 +1,28 @@
+"""Error types that the CLI turns into one clear message and an exit code.
+
+Library code raises these; only the CLI decides how they are printed. Every bad
+input (scenario, trace, flag) is an ``InputError`` (exit 2); a missing device or
+package is an ``EnvironmentProblem`` (exit 3).
+"""
+
+from __future__ import annotations
+
+
+class InputError(Exception):
+    """Bad user input. ``where`` names the file and line or key path."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, where: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.where = where
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.message}" if self.where else self.message
+
+
+class EnvironmentProblem(Exception):
+    """The machine cannot do what was asked (e.g. ``--device cuda`` without a GPU)."""
+
+    exit_code = 3

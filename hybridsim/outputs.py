@@ -1,0 +1,143 @@
+"""The simulated model's outputs: the true continuation, drafts and their acceptance.
+
+Every request has a deterministic *true* continuation (a seeded function of the
+request and the output position). Drafts are true tokens with a wrong token
+placed where the acceptance model says the draft diverges, so the number
+accepted is really the length of the matching prefix, and rejected drafts are
+really wrong tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+from .config import BernoulliAcceptance, NoAcceptance, PatternAcceptance
+from .sched.request import Request
+from .workload.tokens import combine, mix, stream_token
+
+
+class Continuation(Protocol):
+    def token(self, req: Request, out_index: int) -> int: ...
+
+
+class SeededContinuation:
+    """Output token ``i`` of a request = hash(output_seed, i) mod vocab."""
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def token(self, req: Request, out_index: int) -> int:
+        return stream_token(req.output_seed, out_index, self.vocab)
+
+
+class RecordedContinuation:
+    """Outputs read from a recording (falls back to the seeded stream past its end)."""
+
+    def __init__(self, streams: dict[str, list[int]], vocab: int):
+        self.streams = streams
+        self.fallback = SeededContinuation(vocab)
+
+    def token(self, req: Request, out_index: int) -> int:
+        s = self.streams.get(req.req_id)
+        if s is not None and out_index < len(s):
+            return s[out_index]
+        return self.fallback.token(req, out_index)
+
+
+class Acceptance(Protocol):
+    def accepted(self, req: Request, num_drafts: int) -> int:
+        """How many leading drafts of this proposal round will be correct."""
+
+
+class BernoulliModel:
+    def __init__(self, rate: float, seed: int):
+        self.threshold = int(rate * (1 << 53))
+        self.seed = seed
+
+    def accepted(self, req: Request, num_drafts: int) -> int:
+        k = 0
+        base = combine(self.seed, 0xACC, req.index, req.draft_round)
+        while k < num_drafts and (mix(base + k) >> 11) < self.threshold:
+            k += 1
+        return k
+
+
+class PatternModel:
+    def __init__(self, pattern: list[int]):
+        self.pattern = pattern
+
+    def accepted(self, req: Request, num_drafts: int) -> int:
+        return min(self.pattern[req.draft_round % len(self.pattern)], num_drafts)
+
+
+class RejectAll:
+    def accepted(self, req: Request, num_drafts: int) -> int:
+        return 0
+
+
+def acceptance_model(spec, seed: int) -> Acceptance:
+    if isinstance(spec, BernoulliAcceptance):
+        return BernoulliModel(spec.rate, seed)
+    if isinstance(spec, PatternAcceptance):
+        return PatternModel(spec.accepted)
+    if isinstance(spec, NoAcceptance):
+        return RejectAll()
+    raise TypeError(spec)  # pragma: no cover
+
+
+class DraftSource(Protocol):
+    def propose(self, req: Request) -> list[int]: ...
+
+
+class ModelDrafts:
+    """An EAGLE/MTP-like drafter: ``num_spec`` drafts every decode step."""
+
+    def __init__(self, num_spec: int, continuation: Continuation, acceptance: Acceptance, vocab: int,
+                 max_model_len: int):
+        self.num_spec = num_spec
+        self.cont = continuation
+        self.acc = acceptance
+        self.vocab = vocab
+        self.max_model_len = max_model_len
+
+    def propose(self, req: Request) -> list[int]:
+        d = min(self.num_spec, self.max_model_len - 1 - req.num_tokens)
+        if d <= 0:
+            return []
+        k = self.acc.accepted(req, d)
+        req.draft_round += 1
+        o = req.num_output_tokens
+        token = self.cont.token
+        drafts = [token(req, o + j) for j in range(d)]
+        if k < d:
+            true = drafts[k]
+            drafts[k] = true % (self.vocab - 1) + 1  # a different, valid token: the divergence
+        return drafts
+
+
+class RecordedDrafts:
+    """Drafts replayed from a recording, keyed by (request, tokens so far)."""
+
+    def __init__(self, drafts: dict[tuple[str, int], list[int]]):
+        self.drafts = drafts
+
+    def propose(self, req: Request) -> list[int]:
+        return list(self.drafts.get((req.req_id, req.num_tokens), ()))
+
+
+def sample(req: Request, drafts: tuple[int, ...], cont: Continuation) -> list[int]:
+    """Tokens the model commits after verifying ``drafts``: the matching prefix plus one."""
+    o = req.num_output_tokens
+    out = [cont.token(req, o)]
+    for j, d in enumerate(drafts):
+        if d != out[-1]:
+            break
+        out.append(cont.token(req, o + j + 1))
+    return out
+
+
+def make_drafter(num_spec: int, cont: Continuation, acc: Optional[Acceptance], vocab: int,
+                 max_model_len: int) -> Optional[DraftSource]:
+    if num_spec <= 0:
+        return None
+    return ModelDrafts(num_spec, cont, acc or RejectAll(), vocab, max_model_len)

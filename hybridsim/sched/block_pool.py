@@ -1,0 +1,123 @@
+"""The shared block pool: null block, ref counts, prefix-hash index, free queue.
+
+Free-queue discipline (read off the recorded vLLM 0.33 traces, see
+docs/fidelity.md): new blocks come from the front; a freed block that carries
+no hash goes back to the *front* (reused first), a freed block that carries a
+hash goes to the *tail*, so cached blocks are evicted least-recently-freed
+first. Taking a hit on a free cached block removes it from the queue.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Hashable, Iterable
+
+NULL_BLOCK = 0
+
+
+class BlockPool:
+    __slots__ = ("num_blocks", "ref_cnt", "block_key", "cached", "dups", "free_queue", "evictions",
+                 "cached_this_step")
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.ref_cnt = [0] * num_blocks
+        self.ref_cnt[NULL_BLOCK] = 1  # never freed
+        # key = (group_id, block_hash) for a block holding a cached prefix
+        self.block_key: list[Hashable | None] = [None] * num_blocks
+        self.cached: dict[Hashable, int] = {}  # key -> the holder a hit gets (earliest cached)
+        self.dups: dict[Hashable, list[int]] = {}  # key -> further holders, in caching order
+        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        self.evictions = 0
+        self.cached_this_step: set[Hashable] = set()
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    def lookup(self, key: Hashable) -> int | None:
+        return self.cached.get(key)
+
+    # ------------------------------------------------------------------ allocation
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` blocks from the front of the free queue (caller checked num_free)."""
+        out = []
+        popitem = self.free_queue.popitem
+        for _ in range(n):
+            b, _ = popitem(last=False)
+            key = self.block_key[b]
+            if key is not None:  # evict the cached prefix it held
+                self.block_key[b] = None
+                self._unindex(key, b)
+                self.evictions += 1
+            self.ref_cnt[b] = 1
+            out.append(b)
+        return out
+
+    def _unindex(self, key: Hashable, b: int) -> None:
+        """Forget ``b`` as a holder of ``key``; another holder, if any, keeps the prefix cached."""
+        others = self.dups.get(key)
+        if self.cached.get(key) == b:
+            if others:
+                self.cached[key] = others.pop(0)
+                if not others:
+                    del self.dups[key]
+            else:
+                del self.cached[key]
+        elif others is not None:
+            others.remove(b)
+            if not others:
+                del self.dups[key]
+
+    def touch(self, blocks: Iterable[int]) -> None:
+        """A request takes a reference on (cached) blocks it hit."""
+        ref = self.ref_cnt
+        fq = self.free_queue
+        for b in blocks:
+            if b == NULL_BLOCK:
+                continue
+            if ref[b] == 0:
+                del fq[b]
+            ref[b] += 1
+
+    def free(self, blocks: Iterable[int]) -> None:
+        """Drop one reference from each block, in the order given."""
+        ref = self.ref_cnt
+        fq = self.free_queue
+        keys = self.block_key
+        for b in blocks:
+            if b == NULL_BLOCK:
+                continue
+            r = ref[b] - 1
+            ref[b] = r
+            if r == 0:
+                fq[b] = None
+                if keys[b] is None:
+                    fq.move_to_end(b, last=False)
+            elif r < 0:  # pragma: no cover - caught by sched.invariants
+                raise AssertionError(f"block {b} freed more often than taken")
+
+    # ------------------------------------------------------------------ prefix cache
+    def cache(self, block: int, key: Hashable) -> None:
+        """Publish ``block`` as holding the prefix ``key``; several blocks may hold one prefix."""
+        if block == NULL_BLOCK or self.block_key[block] is not None:
+            return
+        self.block_key[block] = key
+        if key not in self.cached:
+            self.cached[key] = block
+        else:
+            self.dups.setdefault(key, []).append(block)
+        self.cached_this_step.add(key)
+
+    def new_step(self) -> None:
+        self.cached_this_step.clear()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; only possible when no block is in use."""
+        if len(self.free_queue) != self.num_blocks - 1:
+            return False
+        self.cached.clear()
+        self.dups.clear()
+        self.block_key = [None] * self.num_blocks  # queue order is kept, as upstream
+        return True

@@ -1,0 +1,68 @@
+"""KV cache groups: which layers share a block table, and their block sizes.
+
+Mirrors the engine's grouping (research/vllm-hybrid.md §1.4): layers are
+bucketed by kind; every group holds ``group_size`` layers and has its own block
+table; all groups draw block ids from one shared pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from ..model import ModelGeometry
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    group_id: int
+    kind: Literal["attention", "mla", "mamba"]
+    block_size: int
+    layers: tuple[int, ...]  # indices into the model's layers of this kind
+    mode: str = "none"  # mamba cache mode (mamba groups only)
+    num_spec: int = 0  # extra per-request state blocks for drafts (mamba only)
+
+    @property
+    def is_mamba(self) -> bool:
+        return self.kind == "mamba"
+
+    def peak_blocks(self, tokens: int) -> int:
+        """Most blocks one request of ``tokens`` tokens holds in this group at once."""
+        if not self.is_mamba:
+            return cdiv(tokens, self.block_size)
+        if self.mode == "none":
+            return 1 + self.num_spec
+        if self.mode == "all":
+            return cdiv(tokens, self.block_size) + self.num_spec
+        # align: previous state + prefill checkpoint + running + drafts
+        return min(cdiv(tokens, self.block_size), 3) + self.num_spec
+
+
+def plan_groups(geo: ModelGeometry, block_size: int, max_model_len: int, mode: str,
+                num_spec: int) -> list[GroupSpec]:
+    buckets: list[tuple[str, int]] = []
+    if geo.mamba is not None:
+        buckets.append(("mamba", geo.mamba.layers))
+    if geo.attention is not None:
+        buckets.append(("attention", geo.attention.layers))
+    if geo.mla is not None:
+        buckets.append(("mla", geo.mla.layers))
+    counts = [n for _, n in buckets]
+    group_size = min(counts)
+    if max(counts) < 1.5 * min(counts):
+        group_size = max(counts)
+    groups: list[GroupSpec] = []
+    for kind, n in buckets:
+        num_groups = cdiv(n, group_size)
+        for g in range(num_groups):
+            layers = tuple(range(g, n, num_groups))  # strided, as upstream
+            if kind == "mamba":
+                bs = max_model_len if mode == "none" else block_size
+                groups.append(GroupSpec(len(groups), kind, bs, layers, mode, num_spec))
+            else:
+                groups.append(GroupSpec(len(groups), kind, block_size, layers))
+    return groups

@@ -1,0 +1,160 @@
+"""The KV cache manager: composes one manager per group over one block pool.
+
+Hybrid prefix hits are the fixed point of the per-group hits (attention scans
+left to right, Mamba right to left and can only shorten the hit), as in the
+engine's hybrid coordinator (research/vllm-hybrid.md §2.2). ``allocate`` follows
+the engine's order: release skipped blocks, count what is needed against the
+free queue, attach hit blocks, take fresh blocks, publish hashes.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .block_pool import BlockPool
+from .groups import GroupSpec
+from .managers import AttentionManager, KVManager, make_manager
+from .request import Request
+
+
+class PrefixHit:
+    __slots__ = ("tokens", "blocks", "attention_tokens")
+
+    def __init__(self, tokens: int, blocks: list[list[int]], attention_tokens: int):
+        self.tokens = tokens  # hit every group agrees on
+        self.blocks = blocks  # per group, the row the hit contributes
+        self.attention_tokens = attention_tokens  # attention-only cached prefix (junction)
+
+
+class KVCacheManager:
+    def __init__(self, groups: list[GroupSpec], num_blocks: int, enable_caching: bool):
+        self.groups = groups
+        self.pool = BlockPool(num_blocks)
+        self.managers: list[KVManager] = [make_manager(g, self.pool) for g in groups]
+        self.attn = [m for m in self.managers if not m.spec.is_mamba]
+        self.mamba = [m for m in self.managers if m.spec.is_mamba]
+        self.enable_caching = enable_caching
+        self.block_size = min(g.block_size for g in groups)
+        self._empty = [[] for _ in groups]
+
+    # ------------------------------------------------------------------ hits
+    def attention_cached_blocks(self, req: Request, start_block: int = 0) -> int:
+        """Blocks of the request's prefix that every attention group holds cached."""
+        bound = (req.num_tokens - 1) // self.block_size
+        if not self.attn:
+            return 0
+        n = bound
+        for m in self.attn:
+            if start_block:
+                # a running request: its own computed blocks are cached; scan beyond them
+                n = min(n, _scan_from(m, req, start_block, n))
+            else:
+                n = min(n, m.hit_blocks(req, n))
+        return n
+
+    def lookup(self, req: Request) -> PrefixHit:
+        if not self.enable_caching:
+            return PrefixHit(0, self._empty, 0)
+        attn_blocks = self.attention_cached_blocks(req) if self.attn else (req.num_tokens - 1) // self.block_size
+        hit = attn_blocks
+        changed = True
+        while changed and hit > 0:
+            changed = False
+            for m in self.mamba:
+                h = m.hit_blocks(req, hit)
+                if h < hit:
+                    hit, changed = h, True
+            if changed and len(self.mamba) > 1:
+                continue
+            break
+        if hit and self.mamba:
+            # same-step guard: a state published by this step's schedule is not written yet
+            recent = self.pool.cached_this_step
+            for m in self.mamba:
+                if (m.gid, req.block_hashes[hit - 1]) in recent:
+                    return PrefixHit(-1, self._empty, attn_blocks * self.block_size)
+        blocks = [m.blocks_for_hit(req, hit) if hit else [] for m in self.managers]
+        return PrefixHit(hit * self.block_size, blocks, attn_blocks * self.block_size)
+
+    # ------------------------------------------------------------------ allocation
+    def allocate(self, req: Request, num_computed: int, num_new: int, hit: Optional[PrefixHit],
+                 checkpoint: Optional[int], publish_end: bool,
+                 admit_tokens: Optional[int] = None) -> Optional[list]:
+        """Make room for ``num_new`` tokens after ``num_computed``; None if the pool is short.
+
+        ``admit_tokens`` (admission of a waiting request): the pool must also have
+        room for the request's whole prefill of that many tokens, though only the
+        first chunk is allocated now.
+
+        Returns, per group, the new tail of the request's block row (for a
+        first allocation: the whole row).
+        """
+        total = num_computed + num_new
+        managers = self.managers
+        if num_computed:
+            for m in self.mamba:
+                m.remove_skipped(req, num_computed)
+        hit_rows = hit.blocks if hit is not None else self._empty
+        plans = [m.plan(req, num_computed, total, hit_rows[i], checkpoint) for i, m in enumerate(managers)]
+        need = 0
+        for p in plans:
+            need += p.fresh
+        if admit_tokens is not None and admit_tokens > total:
+            bs = self.block_size
+            full_ckpt = admit_tokens // bs - 1 if admit_tokens % bs and admit_tokens > bs else None
+            full = sum(m.plan(req, num_computed, admit_tokens, hit_rows[i], full_ckpt).fresh
+                       for i, m in enumerate(managers))
+            need = max(need, full)
+        if hit is not None and hit.tokens:
+            ref = self.pool.ref_cnt
+            for row in hit.blocks:
+                for b in row:
+                    if b and ref[b] == 0:
+                        need += 1
+        if need > self.pool.num_free:
+            return None
+        if hit is not None and hit.tokens:
+            for m, row in zip(managers, hit.blocks):
+                self.pool.touch(row)
+                if isinstance(m, AttentionManager):
+                    m.mark_hit_cached(req, len(row))
+                elif hasattr(m, "num_cached"):
+                    m.num_cached[req.index] = len(row)
+        out = []
+        allocate = self.pool.allocate
+        for p in plans:
+            fresh = allocate(p.fresh) if p.fresh else []
+            out.append(p.apply(fresh))
+        if hit is not None:
+            # a first allocation reports the whole row (hit blocks included)
+            out = [list(m.rows.get(req.index, [])) for m in managers]
+        if self.enable_caching:
+            for m in managers:
+                m.cache(req, num_computed, total, checkpoint, publish_end)
+        return out
+
+    def free(self, req: Request) -> None:
+        for m in self.managers:
+            m.free(req)
+
+    def rows(self, req: Request) -> list[list[int]]:
+        return [m.row(req) for m in self.managers]
+
+    def reset_prefix_cache(self) -> bool:
+        ok = self.pool.reset_prefix_cache()
+        if ok:
+            for m in self.managers:
+                if hasattr(m, "num_cached"):
+                    m.num_cached.clear()
+        return ok
+
+
+def _scan_from(m: AttentionManager, req: Request, start: int, bound: int) -> int:
+    lookup = m.pool.cached.get
+    gid = m.gid
+    hashes = req.block_hashes
+    n = start
+    lim = min(bound, len(hashes))
+    while n < lim and lookup((gid, hashes[n])) is not None:
+        n += 1
+    return n

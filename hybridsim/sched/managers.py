@@ -1,0 +1,308 @@
+"""One manager per KV-cache group: block rows, prefix hits, hashing, freeing.
+
+``AttentionManager`` keeps one block per ``block_size`` tokens. The Mamba
+managers keep a position-indexed row too, but only a few columns hold real
+blocks; which ones, and which are published to the prefix cache, is the
+cache-mode strategy (none / align / all), one class each.
+
+Rows are lists of block ids indexed by column; ``NULL_BLOCK`` (0) marks a
+column that holds nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .block_pool import NULL_BLOCK, BlockPool
+from .groups import GroupSpec, cdiv
+from .request import Request
+
+
+class Allocation:
+    """What one allocate call decided for one group: fresh blocks to take, and how."""
+
+    __slots__ = ("fresh", "apply")
+
+    def __init__(self, fresh: int, apply):
+        self.fresh = fresh
+        self.apply = apply  # callable(list[int] fresh_blocks) -> list[int] new row tail
+
+
+class KVManager:
+    """Interface shared by every group kind."""
+
+    def __init__(self, spec: GroupSpec, pool: BlockPool):
+        self.spec = spec
+        self.gid = spec.group_id
+        self.bs = spec.block_size
+        self.pool = pool
+        self.rows: dict[int, list[int]] = {}
+
+    # -- prefix hits -------------------------------------------------------
+    def hit_blocks(self, req: Request, bound_blocks: int) -> int:
+        """Longest hit (in blocks, at most ``bound_blocks``) this group can serve."""
+        raise NotImplementedError
+
+    def blocks_for_hit(self, req: Request, nblocks: int) -> list[int]:
+        raise NotImplementedError
+
+    # -- per step ----------------------------------------------------------
+    def remove_skipped(self, req: Request, num_computed: int) -> None:
+        """Free blocks the request no longer needs once ``num_computed`` tokens are done."""
+
+    def plan(self, req: Request, num_computed: int, total: int, hit: list[int],
+             checkpoint: Optional[int]) -> Allocation:
+        raise NotImplementedError
+
+    def cache(self, req: Request, num_computed: int, total: int, checkpoint: Optional[int],
+              publish_end: bool) -> None:
+        """Publish hashes for blocks holding prefixes (after allocation)."""
+
+    def free(self, req: Request) -> None:
+        row = self.rows.pop(req.index, None)
+        if row:
+            self.pool.free(reversed(row))
+
+    def row(self, req: Request) -> list[int]:
+        return self.rows.get(req.index, [])
+
+    def owned(self) -> dict[int, list[int]]:
+        return self.rows
+
+
+class AttentionManager(KVManager):
+    """Full attention (GQA or MLA latent cache): every block is kept and hashed when full."""
+
+    def __init__(self, spec: GroupSpec, pool: BlockPool):
+        super().__init__(spec, pool)
+        self.num_cached: dict[int, int] = {}
+
+    def hit_blocks(self, req: Request, bound_blocks: int) -> int:
+        lookup = self.pool.cached.get
+        gid = self.gid
+        hashes = req.block_hashes
+        n = 0
+        lim = min(bound_blocks, len(hashes))
+        while n < lim and lookup((gid, hashes[n])) is not None:
+            n += 1
+        return n
+
+    def blocks_for_hit(self, req: Request, nblocks: int) -> list[int]:
+        cached = self.pool.cached
+        return [cached[(self.gid, h)] for h in req.block_hashes[:nblocks]]
+
+    def plan(self, req, num_computed, total, hit, checkpoint):
+        row_len = len(self.rows.get(req.index, ())) or len(hit)
+        need = cdiv(total, self.bs) - row_len
+        if need <= 0:
+            return Allocation(0, _no_change)
+        idx = req.index
+
+        def apply(fresh: list[int]) -> list[int]:
+            row = self.rows.get(idx)
+            if row is None:
+                row = self.rows[idx] = list(hit)
+            row.extend(fresh)
+            return fresh
+        return Allocation(need, apply)
+
+    def cache(self, req, num_computed, total, checkpoint, publish_end):
+        idx = req.index
+        done = self.num_cached.get(idx, 0)
+        full = min(total, req.num_tokens) // self.bs
+        if full <= done:
+            return
+        row = self.rows[idx]
+        hashes = req.block_hashes
+        gid = self.gid
+        cache = self.pool.cache
+        for i in range(done, full):
+            cache(row[i], (gid, hashes[i]))
+        self.num_cached[idx] = full
+
+    def free(self, req):
+        self.num_cached.pop(req.index, None)
+        super().free(req)
+
+    def mark_hit_cached(self, req: Request, nblocks: int) -> None:
+        self.num_cached[req.index] = nblocks
+
+
+def _no_change(fresh: list[int]) -> list[int]:
+    return []
+
+
+class MambaManager(KVManager):
+    """Base for the three cache modes; rows are position-indexed, mostly null."""
+
+    def __init__(self, spec: GroupSpec, pool: BlockPool):
+        super().__init__(spec, pool)
+        self.low: dict[int, int] = {}  # per request: every column below this is null
+
+    def remove_skipped(self, req: Request, num_computed: int) -> None:
+        """Release columns left of the block holding the last computed token.
+
+        That block itself stays one more step: it is the previous running state,
+        the source of the next pre-copy (research/vllm-hybrid.md §2.4).
+        """
+        row = self.rows.get(req.index)
+        if not row or num_computed <= 0:
+            return
+        keep_from = min((num_computed - 1) // self.bs, len(row))
+        low = self.low.get(req.index, 0)
+        if keep_from <= low:
+            return
+        free = [row[c] for c in range(keep_from - 1, low - 1, -1) if row[c] != NULL_BLOCK]
+        for c in range(low, keep_from):
+            row[c] = NULL_BLOCK
+        self.low[req.index] = keep_from
+        if free:
+            self.pool.free(free)
+
+    def free(self, req: Request) -> None:
+        self.low.pop(req.index, None)
+        super().free(req)
+
+    def blocks_for_hit(self, req: Request, nblocks: int) -> list[int]:
+        if nblocks == 0:
+            return []
+        block = self.pool.cached[(self.gid, req.block_hashes[nblocks - 1])]
+        return [NULL_BLOCK] * (nblocks - 1) + [block]
+
+    def hit_blocks(self, req: Request, bound_blocks: int) -> int:
+        """Right to left: the latest boundary whose state is cached."""
+        lookup = self.pool.cached.get
+        gid = self.gid
+        hashes = req.block_hashes
+        for i in range(min(bound_blocks, len(hashes)) - 1, -1, -1):
+            if lookup((gid, hashes[i])) is not None:
+                return i + 1
+        return 0
+
+
+class MambaNoneManager(MambaManager):
+    """``none``: one running block plus one per draft for the life of the request; no caching."""
+
+    def hit_blocks(self, req, bound_blocks):
+        return 0
+
+    def plan(self, req, num_computed, total, hit, checkpoint):
+        if req.index in self.rows:
+            return Allocation(0, _no_change)
+        idx = req.index
+
+        def apply(fresh):
+            self.rows[idx] = list(fresh)
+            return fresh
+        return Allocation(1 + self.spec.num_spec, apply)
+
+
+class MambaAlignManager(MambaManager):
+    """``align``: the running state sits in the block of the last scheduled token.
+
+    Live columns: the previous step's running column (kept one more step as the
+    copy source), an optional prefill checkpoint column (state at the last full
+    block of the prompt), the running column and one column per draft. Old
+    draft blocks are recycled into the new columns when the running column
+    moves on, as upstream does.
+    """
+
+    def plan(self, req, num_computed, total, hit, checkpoint):
+        S = self.spec.num_spec
+        idx = req.index
+        row = self.rows.get(idx)
+        prev_len = len(row) if row is not None else len(hit)
+        running = cdiv(total, self.bs) - 1
+        new_len = running + 1 + S
+        if new_len <= prev_len:
+            return Allocation(0, _no_change)
+        targets = list(range(running, new_len))
+        if checkpoint is not None and checkpoint < running:
+            targets.insert(0, checkpoint)
+        base = row if row is not None else hit
+        live_at_target = sum(1 for t in targets if t < prev_len and base[t] != NULL_BLOCK)
+        movable = [c for c in range(max(prev_len - S, 0), prev_len)
+                   if base[c] != NULL_BLOCK and c not in targets] if row is not None else []
+        empty = len(targets) - live_at_target
+        moved = min(len(movable), empty)
+        fresh_needed = empty - moved
+
+        def apply(fresh: list[int]) -> list[int]:
+            r = self.rows.get(idx)
+            if r is None:
+                r = self.rows[idx] = list(hit)
+            r.extend([NULL_BLOCK] * (new_len - len(r)))
+            recycled = []
+            for c in movable[:moved]:
+                recycled.append(r[c])
+                r[c] = NULL_BLOCK
+            supply = recycled + fresh
+            k = 0
+            for t in targets:
+                if r[t] == NULL_BLOCK:
+                    r[t] = supply[k]
+                    k += 1
+            return r[prev_len:]
+        return Allocation(fresh_needed, apply)
+
+    def cache(self, req, num_computed, total, checkpoint, publish_end):
+        row = self.rows.get(req.index)
+        if row is None:
+            return
+        hashes = req.block_hashes
+        if checkpoint is not None and row[checkpoint] != NULL_BLOCK:
+            self.pool.cache(row[checkpoint], (self.gid, hashes[checkpoint]))
+        if publish_end and total % self.bs == 0:
+            col = total // self.bs - 1
+            if col < len(hashes) and row[col] != NULL_BLOCK:
+                self.pool.cache(row[col], (self.gid, hashes[col]))
+
+
+class MambaAllManager(MambaManager):
+    """``all``: a state block at every block boundary (like attention) plus draft blocks;
+    blocks before the last computed token are released but stay cached."""
+
+    def __init__(self, spec: GroupSpec, pool: BlockPool):
+        super().__init__(spec, pool)
+        self.num_cached: dict[int, int] = {}
+
+    def plan(self, req, num_computed, total, hit, checkpoint):
+        idx = req.index
+        row = self.rows.get(idx)
+        prev_len = len(row) if row is not None else len(hit)
+        need = cdiv(total, self.bs) + self.spec.num_spec - prev_len
+        if need <= 0:
+            return Allocation(0, _no_change)
+
+        def apply(fresh):
+            r = self.rows.get(idx)
+            if r is None:
+                r = self.rows[idx] = list(hit)
+            r.extend(fresh)
+            return fresh
+        return Allocation(need, apply)
+
+    def cache(self, req, num_computed, total, checkpoint, publish_end):
+        idx = req.index
+        done = self.num_cached.get(idx, 0)
+        full = min(total, req.num_tokens) // self.bs
+        if full <= done:
+            return
+        row = self.rows[idx]
+        for i in range(done, full):
+            if row[i] != NULL_BLOCK:
+                self.pool.cache(row[i], (self.gid, req.block_hashes[i]))
+        self.num_cached[idx] = full
+
+    def free(self, req):
+        self.num_cached.pop(req.index, None)
+        super().free(req)
+
+
+MAMBA_STRATEGIES = {"none": MambaNoneManager, "align": MambaAlignManager, "all": MambaAllManager}
+
+
+def make_manager(spec: GroupSpec, pool: BlockPool) -> KVManager:
+    if spec.is_mamba:
+        return MAMBA_STRATEGIES[spec.mode](spec, pool)
+    return AttentionManager(spec, pool)

@@ -1,0 +1,80 @@
+"""A request as the scheduler sees it: token ids, progress, block hashes.
+
+The scheduler never sees tensors. Token ids are kept because prefix hashes are
+computed from them (chained per block, committed tokens only: drafts are never
+hashed).
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class Status(IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED = 3
+
+
+class Request:
+    __slots__ = ("req_id", "index", "arrival_step", "max_tokens", "priority", "token_ids",
+                 "num_prompt_tokens", "num_computed_tokens", "spec_token_ids", "block_hashes",
+                 "status", "num_preemptions", "resumed", "output_seed", "admitted_once",
+                 "hash_block_size", "draft_round", "junction")
+
+    def __init__(self, req_id: str, index: int, arrival_step: int, prompt: list[int], max_tokens: int,
+                 priority: int = 0, output_seed: int = 0, hash_block_size: int = 16):
+        self.req_id = req_id
+        self.index = index
+        self.arrival_step = arrival_step
+        self.max_tokens = max_tokens
+        self.priority = priority
+        self.token_ids: list[int] = list(prompt)
+        self.num_prompt_tokens = len(prompt)
+        self.num_computed_tokens = 0
+        self.spec_token_ids: list[int] = []
+        self.block_hashes: list[int] = []
+        self.status = Status.WAITING
+        self.num_preemptions = 0
+        self.resumed = False
+        self.output_seed = output_seed
+        self.admitted_once = False
+        self.hash_block_size = hash_block_size
+        self.draft_round = 0
+        self.junction = 0  # cached-prefix length seen at admission (align chunking stops there)
+        self.update_hashes()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.token_ids) + len(self.spec_token_ids)
+
+    def update_hashes(self) -> None:
+        """Extend the chained block hashes over every full block of committed tokens."""
+        bs = self.hash_block_size
+        hashes = self.block_hashes
+        toks = self.token_ids
+        full = len(toks) // bs
+        i = len(hashes)
+        parent = hashes[-1] if hashes else 0
+        while i < full:
+            parent = hash((parent, tuple(toks[i * bs:(i + 1) * bs])))
+            hashes.append(parent)
+            i += 1
+
+    def append_output(self, tokens: list[int]) -> None:
+        self.token_ids.extend(tokens)
+        if len(self.token_ids) // self.hash_block_size > len(self.block_hashes):
+            self.update_hashes()
+
+    def __repr__(self) -> str:  # pragma: no cover - debugging aid
+        return (f"Request({self.req_id}, c={self.num_computed_tokens}, tokens={self.num_tokens}, "
+                f"status={self.status.name})")

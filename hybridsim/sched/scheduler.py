@@ -1,0 +1,291 @@
+"""Continuous-batching scheduler with the semantics of the engine's V1 scheduler.
+
+One ``schedule()`` call makes one immutable ``StepPlan``: running requests
+first (decodes, drafts, unfinished prefill chunks), preempting from the back
+when the pool runs dry, then waiting requests (new and preempted) while seats,
+budget and blocks last. ``update()`` applies what the model produced: spec
+rollback, new tokens, finished requests. Policy lives here; block bookkeeping
+lives in ``KVCacheManager``; tensors live nowhere near.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from .kv_cache import KVCacheManager, PrefixHit
+from .plan import ScheduledRequest, StepOutcome, StepPlan
+from .request import Request, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    policy: str = "fcfs"
+    num_speculative_tokens: int = 0
+    align_split: bool = False  # hybrid model in align mode: chunk ends on block boundaries
+
+
+class _PriorityQueue:
+    """Waiting queue ordered by (priority, arrival, index); lower runs first."""
+
+    def __init__(self):
+        self._keys: list[tuple] = []
+        self._items: list[Request] = []
+
+    def _key(self, r: Request) -> tuple:
+        return (r.priority, r.arrival_step, r.index)
+
+    def append(self, r: Request) -> None:
+        k = self._key(r)
+        i = bisect.bisect(self._keys, k)
+        self._keys.insert(i, k)
+        self._items.insert(i, r)
+
+    appendleft = append
+
+    def popleft(self) -> Request:
+        self._keys.pop(0)
+        return self._items.pop(0)
+
+    def __getitem__(self, i: int) -> Request:
+        return self._items[i]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self):
+        return iter(self._items)
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager):
+        self.cfg = cfg
+        self.kv = kv
+        self.bs = kv.block_size
+        self.waiting = _PriorityQueue() if cfg.policy == "priority" else deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_since_last: list[str] = []
+        self._pending_preempted: list[str] = []
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ intake
+    def add_request(self, req: Request) -> None:
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        """Anything to schedule, or finished requests still to report (the engine steps for those)."""
+        return bool(self.running or self.waiting or self._finished_since_last)
+
+    # ------------------------------------------------------------------ faults
+    def force_preempt(self, req_ids: Iterable[str]) -> list[str]:
+        """Preempt named running requests before the next schedule (they show as preempted)."""
+        done = []
+        for rid in req_ids:
+            req = self.requests.get(rid)
+            if req is not None and req.status == Status.RUNNING:
+                self.running.remove(req)
+                self._preempt(req)
+                done.append(rid)
+        self._pending_preempted.extend(done)
+        return done
+
+    def reset_prefix_cache(self) -> list[str]:
+        """Preempt every running request outside ``schedule`` and drop all cached prefixes.
+
+        As upstream, these requests never appear in a step's preempted list; they
+        come back later marked resumed.
+        """
+        forced = []
+        while self.running:
+            req = self.running.pop()
+            self._preempt(req)
+            forced.append(req.req_id)
+        self.kv.reset_prefix_cache()
+        return forced[::-1]
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self, step: int, faults: tuple[str, ...] = (), forced: tuple[str, ...] = ()) -> StepPlan:
+        cfg = self.cfg
+        kv = self.kv
+        kv.pool.new_step()
+        budget = cfg.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        running = self.running
+        long_thr = cfg.long_prefill_token_threshold
+        max_len = cfg.max_model_len
+        align = cfg.align_split
+
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            c = req.num_computed_tokens
+            n = len(req.token_ids) + len(req.spec_token_ids) - c
+            if 0 < long_thr < n:
+                n = long_thr
+            if n > budget:
+                n = budget
+            if n > max_len - 1 - c:
+                n = max_len - 1 - c
+            checkpoint, publish = None, False
+            if align and c < max(req.num_prompt_tokens, len(req.token_ids) - 1):
+                n, checkpoint, publish = self._align_split(req, c, n, None)
+            if n <= 0:
+                i += 1
+                continue
+            while True:
+                new_blocks = kv.allocate(req, c, n, None, checkpoint, publish)
+                if new_blocks is not None:
+                    break
+                victim = self._pick_victim()
+                running.remove(victim)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if new_blocks is None:
+                break
+            num_drafts = n + c - len(req.token_ids)
+            drafts = tuple(req.spec_token_ids[:num_drafts]) if num_drafts > 0 else ()
+            changed = new_blocks if any(new_blocks) else None
+            scheduled.append(ScheduledRequest(
+                req.req_id, c, n, None if changed is None else tuple(map(tuple, changed)),
+                spec_token_ids=drafts))
+            req.num_computed_tokens = c + n
+            req.spec_token_ids = []
+            budget -= n
+            i += 1
+
+        if not preempted:
+            self._schedule_waiting(scheduled, budget)
+
+        preempted_ids = tuple(self._pending_preempted) + tuple(r.req_id for r in preempted)
+        self._pending_preempted = []
+        self.num_preemptions += len(preempted)
+        finished = tuple(self._finished_since_last)
+        self._finished_since_last = []
+        return StepPlan(step, tuple(scheduled), preempted_ids, finished, faults, forced)
+
+    def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> None:
+        cfg = self.cfg
+        kv = self.kv
+        waiting = self.waiting
+        while waiting and budget > 0:
+            if len(self.running) >= cfg.max_num_seqs:
+                break
+            req = waiting[0]
+            hit = kv.lookup(req)
+            if hit.tokens < 0:  # its cached state is written by this very step
+                break
+            c = hit.tokens
+            n = len(req.token_ids) - c
+            if not cfg.enable_chunked_prefill and n > budget:
+                break
+            if 0 < cfg.long_prefill_token_threshold < n:
+                n = cfg.long_prefill_token_threshold
+            n = min(n, budget)
+            checkpoint, publish = None, False
+            if cfg.align_split:
+                n, checkpoint, publish = self._align_split(req, c, n, hit)
+            if n <= 0:
+                break
+            new_blocks = kv.allocate(req, c, n, hit, checkpoint, publish,
+                                     admit_tokens=max(req.num_prompt_tokens, len(req.token_ids) - 1))
+            if new_blocks is None:
+                break
+            waiting.popleft()
+            req.junction = hit.attention_tokens
+            self.running.append(req)
+            req.status = Status.RUNNING
+            first = not req.admitted_once
+            req.admitted_once = True
+            scheduled.append(ScheduledRequest(
+                req.req_id, c, n, tuple(map(tuple, new_blocks)), is_new=True, resumed=req.resumed,
+                prefix_hit_tokens=c,
+                prompt_token_ids=tuple(req.token_ids[:req.num_prompt_tokens]) if first else None,
+                num_prompt_tokens=req.num_prompt_tokens))
+            req.num_computed_tokens = c + n
+            budget -= n
+
+    def _align_split(self, req: Request, start: int, n: int,
+                     hit: Optional[PrefixHit]) -> tuple[int, Optional[int], bool]:
+        """Align-mode chunking: a prefill chunk that does not finish the prefill ends on a
+        block boundary; it also stops at the end of the longest cached prefix (the
+        junction with another request's blocks) so that the state there is
+        materialised and published; a chunk that passes the last full block of the
+        sequence gets a checkpoint column holding the state there.
+
+        The junction is measured once, when the request is admitted (the
+        recorded engine keeps it even after the blocks behind it are evicted).
+
+        Returns (tokens, checkpoint column or None, publish the chunk-end state).
+        """
+        bs = self.bs
+        num_tokens = len(req.token_ids)
+        prefill_end = max(req.num_prompt_tokens, num_tokens - 1)
+        if start >= prefill_end:
+            return n, None, False
+        end = start + n
+        junction = hit.attention_tokens if hit is not None else req.junction
+        at_junction = False
+        if start < junction < end:
+            end = junction
+            at_junction = True
+        elif end < prefill_end:
+            end = end // bs * bs
+        if end <= start:
+            return 0, None, False
+        last_full = num_tokens - num_tokens % bs
+        checkpoint = last_full // bs - 1 if start < last_full < end else None
+        return end - start, checkpoint, at_junction or end == last_full
+
+    def _pick_victim(self) -> Request:
+        if self.cfg.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_step, r.index))
+        return self.running[-1]
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = Status.PREEMPTED
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.num_preemptions += 1
+        req.resumed = True
+        self.waiting.appendleft(req)
+
+    # ------------------------------------------------------------------ update
+    def update(self, plan: StepPlan, outcome: StepOutcome) -> list[str]:
+        """Apply the model's output; returns ids finished in this step."""
+        finished = []
+        max_len = self.cfg.max_model_len
+        reqs = self.requests
+        sampled_map = outcome.sampled
+        for s in plan.scheduled:
+            tokens = sampled_map.get(s.req_id)
+            if not tokens:
+                continue
+            req = reqs[s.req_id]
+            rejected = len(s.spec_token_ids) - (len(tokens) - 1)
+            if rejected > 0 and req.num_computed_tokens > 0:
+                req.num_computed_tokens -= rejected
+            room = min(req.max_tokens - req.num_output_tokens, max_len - len(req.token_ids))
+            if room < len(tokens):
+                tokens = tokens[:max(room, 0)]
+            req.append_output(list(tokens))
+            if req.num_output_tokens >= req.max_tokens or len(req.token_ids) >= max_len:
+                finished.append(req)
+        for req in finished:
+            self.running.remove(req)
+            req.status = Status.FINISHED
+            self.kv.free(req)
+            self._finished_since_last.append(req.req_id)
+        return [r.req_id for r in finished]

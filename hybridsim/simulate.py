@@ -1,0 +1,213 @@
+"""The planning loop: workload → scheduler → (StepPlan, StepOutcome) per step.
+
+This drives the scheduler the way the engine's core loop does (add arrivals,
+apply faults, schedule, run the model, update, propose drafts) with a simulated
+model whose outputs are the requests' true continuations. The executor (the
+kernels and the oracle) consumes the same plans, whether they come from here or
+from a trace file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+from .config import PreemptFault, ResetPrefixCacheFault, Scenario
+from .outputs import (Continuation, DraftSource, SeededContinuation, acceptance_model, make_drafter,
+                      sample)
+from .sched.groups import GroupSpec, plan_groups
+from .sched.kv_cache import KVCacheManager
+from .sched.plan import StepOutcome, StepPlan
+from .sched.request import Request, Status
+from .sched.scheduler import Scheduler, SchedulerConfig
+from .workload.base import Workload
+
+
+@dataclass
+class RunStats:
+    steps: int = 0
+    last_step: int = -1
+    requests: int = 0
+    finished: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    scheduled_tokens: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    preemptions: int = 0
+    forced_preemptions: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_queries: int = 0
+    drafts_scheduled: int = 0
+    drafts_accepted: int = 0
+    peak_blocks_in_use: int = 0
+    evictions: int = 0
+    stalled: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_queries if self.prefix_queries else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.drafts_accepted / self.drafts_scheduled if self.drafts_scheduled else 0.0
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items()}
+        d["hit_rate"] = round(self.hit_rate, 6)
+        d["acceptance_rate"] = round(self.acceptance_rate, 6)
+        return d
+
+
+def scheduler_config(s: Scenario) -> SchedulerConfig:
+    geo = s.geometry()
+    mode = s.cache.resolved_mode()
+    return SchedulerConfig(
+        max_num_batched_tokens=s.scheduler.max_num_batched_tokens,
+        max_num_seqs=s.scheduler.max_num_seqs,
+        max_model_len=s.scheduler.max_model_len,
+        enable_chunked_prefill=s.scheduler.enable_chunked_prefill,
+        long_prefill_token_threshold=s.scheduler.long_prefill_token_threshold,
+        policy=s.scheduler.policy,
+        num_speculative_tokens=s.spec_decode.num_speculative_tokens,
+        align_split=geo.mamba is not None and mode == "align" and s.cache.enable_prefix_caching,
+    )
+
+
+def kv_groups(s: Scenario) -> list[GroupSpec]:
+    return plan_groups(s.geometry(), s.cache.block_size, s.scheduler.max_model_len,
+                       s.cache.resolved_mode(), s.spec_decode.num_speculative_tokens)
+
+
+class Simulation:
+    """Iterate over ``(plan, outcome)``; ``stats`` fills in as it goes."""
+
+    def __init__(self, scenario: Scenario, workload: Workload, *,
+                 continuation: Optional[Continuation] = None,
+                 drafter: Optional[DraftSource] = None,
+                 groups: Optional[list[GroupSpec]] = None,
+                 sched_cfg: Optional[SchedulerConfig] = None,
+                 num_blocks: Optional[int] = None):
+        self.scenario = scenario
+        self.workload = workload
+        self.groups = groups or kv_groups(scenario)
+        cfg = sched_cfg or scheduler_config(scenario)
+        self.kv = KVCacheManager(self.groups, num_blocks or scenario.cache.num_blocks,
+                                 scenario.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(cfg, self.kv)
+        self.cont = continuation or SeededContinuation(workload.vocab_size)
+        if drafter is None and cfg.num_speculative_tokens > 0:
+            drafter = make_drafter(cfg.num_speculative_tokens, self.cont,
+                                   acceptance_model(scenario.spec_decode.acceptance, scenario.seed),
+                                   workload.vocab_size, cfg.max_model_len)
+        self.drafter = drafter
+        self.max_steps = scenario.execution.max_steps
+        hash_bs = min(g.block_size for g in self.groups)
+        self.requests = [Request(w.req_id, i, w.arrival_step, list(w.prompt), w.max_tokens, w.priority,
+                                 w.output_seed, hash_bs) for i, w in enumerate(workload.requests)]
+        self.faults: dict[int, list] = {}
+        for f in scenario.faults:
+            self.faults.setdefault(f.at_step, []).append(f)
+        self.stats = RunStats(requests=len(self.requests),
+                              prompt_tokens=sum(r.num_prompt_tokens for r in self.requests))
+        self.stats.notes.extend(workload.notes)
+
+    def __iter__(self) -> Iterator[tuple[StepPlan, StepOutcome]]:
+        sched = self.scheduler
+        pool = self.kv.pool
+        stats = self.stats
+        cont = self.cont
+        drafter = self.drafter
+        reqs = self.requests
+        usable = pool.num_blocks - 1
+        nxt = 0
+        step = 0
+        idle_since_progress = 0
+        while step < self.max_steps:
+            while nxt < len(reqs) and reqs[nxt].arrival_step <= step:
+                sched.add_request(reqs[nxt])
+                nxt += 1
+            fault_names: tuple[str, ...] = ()
+            forced: tuple[str, ...] = ()
+            if step in self.faults:
+                fault_names, forced = self._apply_faults(step)
+            if not sched.has_work():
+                if nxt >= len(reqs):
+                    break
+                step = max(step + 1, reqs[nxt].arrival_step)
+                continue
+            plan = sched.schedule(step, fault_names, forced)
+            sampled: dict[str, tuple[int, ...]] = {}
+            accepted: dict[str, int] = {}
+            byid = sched.requests
+            for s in plan.scheduled:
+                n = s.num_scheduled_tokens
+                if s.is_new:
+                    stats.prefix_queries += s.num_prompt_tokens if not s.resumed else 0
+                    stats.prefix_hit_tokens += s.prefix_hit_tokens if not s.resumed else 0
+                req = byid[s.req_id]
+                # after schedule, num_computed advanced by n: the chunk reached the end?
+                if req.num_computed_tokens >= req.num_tokens:
+                    toks = sample(req, s.spec_token_ids, cont)
+                    room = min(req.max_tokens - req.num_output_tokens,
+                               sched.cfg.max_model_len - req.num_tokens)
+                    if len(toks) > room:
+                        toks = toks[:room]
+                    sampled[s.req_id] = tuple(toks)
+                    if s.spec_token_ids:
+                        accepted[s.req_id] = len(toks) - 1
+                        stats.drafts_scheduled += len(s.spec_token_ids)
+                        stats.drafts_accepted += len(toks) - 1
+                    stats.decode_tokens += n if s.num_computed_tokens >= req.num_tokens - 1 else 0
+                stats.scheduled_tokens += n
+            in_use = usable - pool.num_free
+            if in_use > stats.peak_blocks_in_use:
+                stats.peak_blocks_in_use = in_use
+            finished = sched.update(plan, StepOutcome(sampled, accepted))
+            outcome = StepOutcome(sampled, accepted, tuple(finished))
+            stats.output_tokens += sum(len(t) for t in sampled.values())
+            stats.finished += len(finished)
+            stats.preemptions += len(plan.preempted)
+            if drafter is not None:
+                for rid in sampled:
+                    req = byid[rid]
+                    if req.status == Status.RUNNING:
+                        req.spec_token_ids = drafter.propose(req)
+            stats.steps += 1
+            stats.last_step = step
+            if plan.scheduled:
+                idle_since_progress = 0
+            else:
+                idle_since_progress += 1
+                if idle_since_progress > 1000 and nxt >= len(reqs):
+                    stats.stalled = True
+                    stats.notes.append(f"stalled: nothing schedulable for 1000 steps (at step {step})")
+                    yield plan, outcome
+                    break
+            yield plan, outcome
+            step += 1
+        stats.prefill_tokens = stats.scheduled_tokens - stats.decode_tokens
+        stats.evictions = pool.evictions
+        unfinished = sum(1 for r in reqs if r.status != Status.FINISHED)
+        if unfinished:
+            stats.notes.append(f"{unfinished} request(s) unfinished at max_steps ({self.max_steps})")
+
+    def _apply_faults(self, step: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        names, forced = [], []
+        for f in self.faults[step]:
+            if isinstance(f, ResetPrefixCacheFault):
+                got = self.scheduler.reset_prefix_cache()
+                forced.extend(got)
+                self.stats.forced_preemptions += len(got)
+                names.append("reset_prefix_cache")
+            elif isinstance(f, PreemptFault):
+                got = self.scheduler.force_preempt(f.requests)
+                self.stats.forced_preemptions += len(got)
+                names.append(f"preempt:{','.join(f.requests)}")
+        return tuple(names), tuple(forced)
+
+    def run(self) -> RunStats:
+        for _ in self:
+            pass
+        return self.stats

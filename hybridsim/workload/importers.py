@@ -1,0 +1,191 @@
+"""Real-trace importers: Mooncake JSONL, Azure 2023 CSV, Vidur CSV, hybridsim traces.
+
+Lengths and times scale as Vidur's trace replay does (``length_scale`` on both
+prompt and output, ``time_scale`` on inter-arrival times). Mooncake hash ids
+become token blocks: equal hash ids give equal tokens, so prefix sharing is
+reproduced at any block size and any length scale.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import random
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+from ..config import PoissonArrival, StepsArrival, TimestampArrival, TraceWorkload
+from ..errors import InputError
+from .base import Workload, WorkloadRequest
+from .synthetic import arrival_steps
+from .tokens import combine, token_block
+
+
+class _Row:
+    __slots__ = ("time_s", "prompt_len", "output_len", "hash_ids", "prompt", "line")
+
+    def __init__(self, time_s, prompt_len, output_len, line, hash_ids=None, prompt=None):
+        self.time_s = time_s
+        self.prompt_len = prompt_len
+        self.output_len = output_len
+        self.hash_ids = hash_ids
+        self.prompt = prompt
+        self.line = line
+
+
+def _read_mooncake(path: Path, limit: int | None) -> list[_Row]:
+    rows = []
+    with path.open() as f:
+        for ln, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+                rows.append(_Row(float(d["timestamp"]) / 1000.0, int(d["input_length"]),
+                                 int(d["output_length"]), ln, hash_ids=[int(h) for h in d["hash_ids"]]))
+            except (ValueError, KeyError, TypeError) as e:
+                raise InputError(f"not a Mooncake record ({type(e).__name__}: {e}); expected "
+                                 "timestamp, input_length, output_length, hash_ids", f"{path}:{ln}") from None
+            if limit and len(rows) >= limit:
+                break
+    return rows
+
+
+def _read_csv(path: Path, limit: int | None) -> tuple[list[str], list[tuple[int, list[str]]]]:
+    with path.open(newline="") as f:
+        reader = csv.reader(f)
+        try:
+            header = next(reader)
+        except StopIteration:
+            raise InputError("empty CSV file", str(path)) from None
+        out = []
+        for ln, rec in enumerate(reader, 2):
+            if not rec:
+                continue
+            out.append((ln, rec))
+            if limit and len(out) >= limit:
+                break
+    return [h.strip() for h in header], out
+
+
+def _read_azure(path: Path, limit: int | None) -> list[_Row]:
+    header, recs = _read_csv(path, limit)
+    want = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
+    if header[:3] != want:
+        raise InputError(f"Azure 2023 CSV header should be {','.join(want)}, found {','.join(header)}",
+                         f"{path}:1")
+    rows, t0 = [], None
+    for ln, rec in recs:
+        try:
+            ts = rec[0].strip()
+            # 7 fractional digits: keep microseconds
+            if "." in ts:
+                head, frac = ts.split(".")
+                ts = f"{head}.{frac[:6]}"
+            t = datetime.fromisoformat(ts).timestamp()
+            t0 = t if t0 is None else t0
+            rows.append(_Row(t - t0, int(rec[1]), int(rec[2]), ln))
+        except (ValueError, IndexError) as e:
+            raise InputError(f"bad Azure row ({e})", f"{path}:{ln}") from None
+    return rows
+
+
+def _read_vidur(path: Path, limit: int | None) -> list[_Row]:
+    header, recs = _read_csv(path, limit)
+    if "num_prefill_tokens" not in header or "num_decode_tokens" not in header:
+        raise InputError("Vidur CSV needs num_prefill_tokens and num_decode_tokens columns "
+                         f"(found {','.join(header)})", f"{path}:1")
+    ip, io = header.index("num_prefill_tokens"), header.index("num_decode_tokens")
+    it = header.index("arrived_at") if "arrived_at" in header else None
+    rows = []
+    for ln, rec in recs:
+        try:
+            rows.append(_Row(float(rec[it]) if it is not None else None, int(float(rec[ip])),
+                             int(float(rec[io])), ln))
+        except (ValueError, IndexError) as e:
+            raise InputError(f"bad Vidur row ({e})", f"{path}:{ln}") from None
+    return rows
+
+
+def _read_hybridsim(path: Path, limit: int | None) -> list[_Row]:
+    from ..trace import read_trace_requests  # local: trace depends on workload types
+
+    rows = []
+    for i, (wr, line) in enumerate(read_trace_requests(path)):
+        rows.append(_Row(None, len(wr.prompt), wr.max_tokens, line, prompt=wr.prompt))
+        rows[-1].time_s = float(wr.arrival_step)
+        if limit and len(rows) >= limit:
+            break
+    return rows
+
+
+def _read_vllm_recorded(path: Path, limit: int | None) -> list[_Row]:
+    from ..vllm_recorded import load_recording  # local: it builds scenarios from config
+
+    rec = load_recording(path)
+    rows = []
+    for r in rec.workload.requests[: limit or None]:
+        rows.append(_Row(float(r.arrival_step), len(r.prompt), r.max_tokens, 2, prompt=r.prompt))
+    return rows
+
+
+_READERS = {"mooncake": _read_mooncake, "azure": _read_azure, "vidur": _read_vidur,
+            "hybridsim": _read_hybridsim, "vllm-recorded": _read_vllm_recorded}
+_STEP_TIMES = ("hybridsim", "vllm-recorded")  # their times are already engine steps
+
+
+def build_from_trace(wl: TraceWorkload, path: Path, seed: int, max_model_len: int) -> Workload:
+    if not path.exists():
+        raise InputError(f"trace file not found: {path}", "workload.path")
+    rows = _READERS[wl.format](path, wl.limit)
+    if not rows:
+        raise InputError("the trace holds no requests", str(path))
+    vocab = wl.vocab_size
+    notes = []
+    # arrivals
+    if isinstance(wl.arrival, TimestampArrival):
+        if rows[0].time_s is None:
+            raise InputError(f"{wl.format} file {path.name} has no timestamps; give workload.arrival "
+                             "(poisson, fixed or steps)", "workload.arrival")
+        t0 = rows[0].time_s
+        if wl.format in _STEP_TIMES:
+            steps = [int(r.time_s) for r in rows]
+        else:
+            steps = [max(0, math.floor((r.time_s - t0) * wl.time_scale / wl.arrival.step_seconds)) for r in rows]
+    else:
+        if isinstance(wl.arrival, StepsArrival) and len(wl.arrival.steps) != len(rows):
+            raise InputError(f"arrival.steps has {len(wl.arrival.steps)} entries for {len(rows)} requests",
+                             "workload.arrival.steps")
+        steps = arrival_steps(wl.arrival, len(rows), random.Random(combine(seed, 0x5157)))
+    scale = wl.length_scale
+    per_hash = max(1, round(wl.hash_block_size * scale))
+    clipped = 0
+    reqs = []
+    order = sorted(range(len(rows)), key=lambda i: (steps[i], i))
+    for i in order:
+        r = rows[i]
+        plen = max(1, round(r.prompt_len * scale)) if r.prompt is None else len(r.prompt)
+        olen = max(1, round(r.output_len * scale)) if wl.format not in _STEP_TIMES else r.output_len
+        if r.prompt is not None:
+            prompt = np.asarray(r.prompt, dtype=np.int64)
+        elif r.hash_ids is not None:
+            need = math.ceil(plen / per_hash)
+            ids = r.hash_ids[:need]
+            parts = [token_block(combine(seed, 0x4D, h), per_hash, vocab) for h in ids]
+            prompt = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+            if len(prompt) < plen:  # fewer hash ids than the scaled length covers
+                tail = token_block(combine(seed, 0xA1, i), plen - len(prompt), vocab)
+                prompt = np.concatenate([prompt, tail])
+            prompt = prompt[:plen]
+        else:
+            prompt = token_block(combine(seed, 0xA1, i), plen, vocab)
+        if len(prompt) >= max_model_len:
+            prompt = prompt[: max_model_len - 1]
+            clipped += 1
+        reqs.append(WorkloadRequest(f"r{i}", steps[i], tuple(prompt.tolist()), olen, 0, combine(seed, 0xB2, i)))
+    if clipped:
+        notes.append(f"{clipped} prompt(s) clipped to max_model_len - 1 = {max_model_len - 1} tokens")
+    return Workload(reqs, vocab, f"{wl.format}:{path.name}", notes)
