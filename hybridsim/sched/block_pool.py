@@ -1,10 +1,11 @@
 """The shared block pool: null block, ref counts, prefix-hash index, free queue.
 
 Free-queue discipline (read off the recorded vLLM 0.33 traces, see
-docs/fidelity.md): new blocks come from the front; a freed block that carries
-no hash goes back to the *front* (reused first), a freed block that carries a
-hash goes to the *tail*, so cached blocks are evicted least-recently-freed
-first. Taking a hit on a free cached block removes it from the queue.
+docs/fidelity.md): new blocks come from the front; freed blocks that carry no
+hash go back to the *front* as one group (reused first), freed blocks that
+carry a hash go to the *tail*, so cached blocks are evicted least recently
+freed first. Taking a hit on a free cached block removes it from the queue.
+Several blocks may hold the same prefix; evicting one keeps the others.
 """
 
 from __future__ import annotations
@@ -82,21 +83,30 @@ class BlockPool:
             ref[b] += 1
 
     def free(self, blocks: Iterable[int]) -> None:
-        """Drop one reference from each block, in the order given."""
+        """Drop one reference from each block, in the order given.
+
+        Blocks that reach zero and carry no hash are put at the front as one
+        group, in the order given; hashed ones are appended to the tail.
+        """
         ref = self.ref_cnt
         fq = self.free_queue
         keys = self.block_key
+        front = []
         for b in blocks:
             if b == NULL_BLOCK:
                 continue
             r = ref[b] - 1
             ref[b] = r
             if r == 0:
-                fq[b] = None
                 if keys[b] is None:
-                    fq.move_to_end(b, last=False)
+                    front.append(b)
+                else:
+                    fq[b] = None
             elif r < 0:  # pragma: no cover - caught by sched.invariants
                 raise AssertionError(f"block {b} freed more often than taken")
+        for b in reversed(front):
+            fq[b] = None
+            fq.move_to_end(b, last=False)
 
     # ------------------------------------------------------------------ prefix cache
     def cache(self, block: int, key: Hashable) -> None:

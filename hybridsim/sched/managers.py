@@ -246,15 +246,18 @@ class MambaAlignManager(MambaManager):
         return Allocation(fresh_needed, apply)
 
     def cache(self, req, num_computed, total, checkpoint, publish_end):
+        """Publish the checkpoint and junction states, only inside the prompt: states
+        at boundaries in generated tokens are never published (as recorded upstream)."""
         row = self.rows.get(req.index)
         if row is None:
             return
         hashes = req.block_hashes
-        if checkpoint is not None and row[checkpoint] != NULL_BLOCK:
+        limit = req.num_prompt_tokens // self.bs  # boundaries up to the prompt's last full block
+        if checkpoint is not None and checkpoint < limit and row[checkpoint] != NULL_BLOCK:
             self.pool.cache(row[checkpoint], (self.gid, hashes[checkpoint]))
         if publish_end and total % self.bs == 0:
             col = total // self.bs - 1
-            if col < len(hashes) and row[col] != NULL_BLOCK:
+            if col < limit and row[col] != NULL_BLOCK:
                 self.pool.cache(row[col], (self.gid, hashes[col]))
 
 
