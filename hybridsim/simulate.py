@@ -10,6 +10,7 @@ from a trace file.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from time import perf_counter
 from typing import Iterator, Optional
 
 from .config import PreemptFault, ResetPrefixCacheFault, Scenario
@@ -88,7 +89,8 @@ class Simulation:
                  drafter: Optional[DraftSource] = None,
                  groups: Optional[list[GroupSpec]] = None,
                  sched_cfg: Optional[SchedulerConfig] = None,
-                 num_blocks: Optional[int] = None):
+                 num_blocks: Optional[int] = None,
+                 checker=None, check_every: int = 1):
         self.scenario = scenario
         self.workload = workload
         self.groups = groups or kv_groups(scenario)
@@ -103,6 +105,10 @@ class Simulation:
                                    workload.vocab_size, cfg.max_model_len)
         self.drafter = drafter
         self.max_steps = scenario.execution.max_steps
+        self.checker = checker  # sched.invariants (None: not checked)
+        self.check_every = max(1, check_every)
+        self.schedule_s = 0.0
+        self.update_s = 0.0
         hash_bs = min(g.block_size for g in self.groups)
         self.requests = [Request(w.req_id, i, w.arrival_step, list(w.prompt), w.max_tokens, w.priority,
                                  w.output_seed, hash_bs) for i, w in enumerate(workload.requests)]
@@ -137,7 +143,13 @@ class Simulation:
                     break
                 step = max(step + 1, reqs[nxt].arrival_step)
                 continue
+            t0 = perf_counter()
             plan = sched.schedule(step, fault_names, forced)
+            t1 = perf_counter()
+            self.schedule_s += t1 - t0
+            checking = self.checker is not None and stats.steps % self.check_every == 0
+            if checking:
+                self.checker.after_schedule(plan)
             sampled: dict[str, tuple[int, ...]] = {}
             accepted: dict[str, int] = {}
             byid = sched.requests
@@ -164,8 +176,12 @@ class Simulation:
             in_use = usable - pool.num_free
             if in_use > stats.peak_blocks_in_use:
                 stats.peak_blocks_in_use = in_use
+            t2 = perf_counter()
             finished = sched.update(plan, StepOutcome(sampled, accepted))
             outcome = StepOutcome(sampled, accepted, tuple(finished))
+            if self.checker is not None:  # cheap; keeps the monotonicity baseline current
+                self.checker.after_update(plan, outcome)
+            self.update_s += perf_counter() - t2
             stats.output_tokens += sum(len(t) for t in sampled.values())
             stats.finished += len(finished)
             stats.preemptions += len(plan.preempted)

@@ -1,0 +1,36 @@
+# The two commands a user types: `make run` and `make test`. Both create .venv if missing.
+# torch==2.13.0 is installed first when the venv has no torch (a CPU build on these machines;
+# a bare `torch` requirement would pull a multi-GB CUDA build). An existing torch is kept.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test bench fidelity clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml
+	@if ! $(BIN)/python -c "import torch" >/dev/null 2>&1; then \
+		echo "installing torch==2.13.0 into $(VENV)"; \
+		$(BIN)/python -m pip install --quiet torch==2.13.0; \
+	fi
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	@touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/hybridsim run scenarios/quickstart.yaml
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+fidelity: $(STAMP)
+	$(BIN)/hybridsim fidelity ../shared/vllm-recorded/*.jsonl
+
+bench: $(STAMP)
+	$(BIN)/python bench/bench_planner.py all
+
+clean:
+	rm -rf $(VENV) .pytest_cache

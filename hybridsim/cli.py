@@ -1,0 +1,215 @@
+"""The ``hybridsim`` command: a thin shell over the library (parse, call, render).
+
+Exit codes: 0 all checks passed, 1 a check failed, 2 bad input (scenario,
+trace, flags), 3 environment problem. Every error is one message, no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from .errors import EnvironmentProblem, InputError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Simulate and replay LLM-serving schedules for hybrid (Mamba + attention) and MLA models.")
+out = Console()
+err = Console(stderr=True)
+
+
+class CheckMode(str, Enum):
+    full = "full"
+    sampled = "sampled"
+    off = "off"
+
+
+def _guard(fn: Callable[[], int]) -> None:
+    """Run a command body; map our exceptions to one message and an exit code."""
+    try:
+        code = fn()
+    except InputError as e:
+        err.print(f"[bold red]error:[/] {e}", highlight=False)
+        raise typer.Exit(2)
+    except EnvironmentProblem as e:
+        err.print(f"[bold red]environment:[/] {e}", highlight=False)
+        raise typer.Exit(3)
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        raise typer.Exit(130)
+    raise typer.Exit(code)
+
+
+def _writable(path: Optional[Path], flag: str) -> None:
+    if path is None:
+        return
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.exists():
+        raise InputError(f"folder {parent} does not exist", flag)
+    if path.exists() and path.is_dir():
+        raise InputError(f"{path} is a folder", flag)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+
+
+@app.command()
+def run(
+    scenario: Path = typer.Argument(..., help="scenario YAML file"),
+    check: Optional[CheckMode] = typer.Option(None, help="full | sampled | off (default: the scenario's)"),
+    record: Optional[Path] = typer.Option(None, "--record", help="write the step trace (JSONL) here"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write summary, checks and timings as JSON"),
+    max_steps: Optional[int] = typer.Option(None, min=1, help="override execution.max_steps"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no tables, only errors"),
+) -> None:
+    """Plan a scenario step by step (scheduler + KV cache), check scheduler invariants, print the summary."""
+
+    def body() -> int:
+        from .config import load_scenario
+        from .report import checks_table, print_tables, summary_table, timings_table
+        from .runner import plan_scenario
+
+        _writable(record, "--record")
+        _writable(json_out, "--json")
+        loaded = load_scenario(scenario)
+        if max_steps is not None:
+            s = loaded.scenario
+            loaded.scenario = s.model_copy(update={"execution": s.execution.model_copy(update={"max_steps": max_steps})})
+        total = None
+        progress = None
+        if not quiet and out.is_terminal:
+            progress = Progress(TextColumn("planning"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
+                                TimeElapsedColumn(), console=out, transient=True)
+        if progress is not None:
+            with progress:
+                task = progress.add_task("plan", total=total)
+
+                def tick(stats) -> None:
+                    if stats.steps % 64 == 0:
+                        progress.update(task, completed=stats.finished, total=stats.requests)
+                res = plan_scenario(loaded, record=record, check=check.value if check else None, progress=tick)
+        else:
+            res = plan_scenario(loaded, record=record, check=check.value if check else None)
+        if json_out is not None:
+            _write_json(json_out, res.as_dict())
+        if not quiet:
+            tables = [summary_table(res)]
+            if res.checks.tallies:
+                tables.append(checks_table(res))
+            tables.append(timings_table(res))
+            print_tables(out, *tables)
+            for note in res.stats.notes:
+                out.print(f"[yellow]note:[/] {note}")
+        return 1 if res.failed or res.stats.stalled else 0
+
+    _guard(body)
+
+
+@app.command()
+def validate(files: List[Path] = typer.Argument(..., help="scenario YAML files and/or trace JSONL files")) -> None:
+    """Check scenarios (schema and cross-field rules) and traces (format and token accounting)."""
+
+    def body() -> int:
+        from .config import load_scenario
+        from .trace import read_trace
+        from .workload import build_workload
+        from .runner import check_workload_fits
+
+        for f in files:
+            if f.suffix in (".jsonl", ".json"):
+                tr = read_trace(f)
+                out.print(f"[green]ok[/] {f}: hybridsim trace, {len(tr.steps)} steps, "
+                          f"{len(tr.requests)} requests, token accounting consistent")
+            else:
+                loaded = load_scenario(f)
+                s = loaded.scenario
+                wl = build_workload(loaded)
+                check_workload_fits(loaded, wl)
+                geo = s.geometry()
+                out.print(f"[green]ok[/] {f}: scenario {s.name!r}, model {geo.name}, "
+                          f"{len(wl.requests)} requests ({wl.total_prompt_tokens:,} prompt tokens, {wl.source}), "
+                          f"cache mode {s.cache.resolved_mode()}, block {s.cache.block_size}, "
+                          f"{s.cache.num_blocks} blocks")
+                for note in wl.notes:
+                    out.print(f"   [yellow]note:[/] {note}")
+        return 0
+
+    _guard(body)
+
+
+@app.command()
+def presets(num_spec: int = typer.Option(0, "--spec-tokens", min=0,
+                                         help="draft tokens (widen the conv window, as upstream)")) -> None:
+    """List the model presets with their state and KV sizes and where each came from."""
+
+    def body() -> int:
+        from .presets import PRESETS, build_preset
+        from .report import presets_table
+
+        rows = [(build_preset(n), PRESETS[n]["source"]) for n in PRESETS]
+        out.print(presets_table(rows, num_spec))
+        out.print("[bold]sources[/]")
+        for name, spec in PRESETS.items():
+            out.print(f"  [bold]{name}[/]: {spec['source']}" + (f" [dim]({spec['note']})[/]" if "note" in spec else ""),
+                      highlight=False)
+        return 0
+
+    _guard(body)
+
+
+@app.command()
+def fidelity(
+    recordings: List[Path] = typer.Argument(..., help="vLLM recordings (../shared/vllm-recorded/*.jsonl)"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the reports as JSON"),
+) -> None:
+    """Re-simulate recordings of the real vLLM scheduler and compare step by step."""
+
+    def body() -> int:
+        from .fidelity import run_fidelity
+        from .report import fidelity_table
+
+        _writable(json_out, "--json")
+        reports = [run_fidelity(str(r)) for r in recordings]
+        for rep in reports:
+            out.print(fidelity_table(rep))
+        if json_out is not None:
+            data = [r.as_dict() for r in reports]
+            _write_json(json_out, data[0] if len(data) == 1 else {"recordings": data})
+        return 0
+
+    _guard(body)
+
+
+@app.command()
+def convert(
+    recording: Path = typer.Argument(..., help="a vLLM recording"),
+    out_path: Path = typer.Option(..., "--out", help="hybridsim trace to write"),
+) -> None:
+    """Convert a vLLM scheduler recording into a hybridsim step trace."""
+
+    def body() -> int:
+        from .convert import convert_recording
+
+        _writable(out_path, "--out")
+        n = convert_recording(recording, out_path)
+        out.print(f"wrote {out_path}: {n} steps")
+        return 0
+
+    _guard(body)
+
+
+def main() -> None:  # console-script entry point
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Convert a vLLM scheduler recording into a hybridsim step trace (same steps, our format)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .sched.plan import ScheduledRequest, StepOutcome, StepPlan
+from .simulate import kv_groups
+from .trace import header_dict, read_trace, write_trace
+from .vllm_recorded import load_recording
+
+
+def recording_records(rec) -> list[tuple[StepPlan, StepOutcome]]:
+    prompts = {r["id"]: tuple(r["prompt_token_ids"]) for r in rec.requests}
+    admitted: set[str] = set()
+    out = []
+    for s in rec.steps:
+        sched = []
+        spec = s.get("scheduled_spec_decode_tokens") or {}
+        # the engine schedules running requests before waiting ones
+        for r in s["scheduled_cached_reqs"]:
+            nb = r["new_block_ids"]
+            sched.append(ScheduledRequest(
+                r["id"], r["num_computed_tokens"], s["num_scheduled_tokens"][r["id"]],
+                tuple(tuple(g) for g in nb) if nb is not None and any(nb) else None,
+                spec_token_ids=tuple(spec.get(r["id"], ()))))
+        for r in s["scheduled_new_reqs"]:
+            first = r["id"] not in admitted
+            admitted.add(r["id"])
+            sched.append(ScheduledRequest(
+                r["id"], r["num_computed_tokens"], s["num_scheduled_tokens"][r["id"]],
+                tuple(tuple(g) for g in r["block_ids"]), is_new=True, resumed=bool(r["resumed"]),
+                prefix_hit_tokens=r["num_computed_tokens"],
+                prompt_token_ids=prompts[r["id"]] if first else None,
+                num_prompt_tokens=len(prompts[r["id"]]), spec_token_ids=tuple(spec.get(r["id"], ()))))
+        plan = StepPlan(s["step"], tuple(sched), tuple(s["preempted_req_ids"]), tuple(s["finished_req_ids"]))
+        sampled = {k: tuple(v) for k, v in (s.get("sampled_token_ids") or {}).items() if v}
+        accepted = {k: len(sampled.get(k, ())) - 1 for k in spec if sampled.get(k)}
+        out.append((plan, StepOutcome(sampled, accepted)))
+    return out
+
+
+def convert_recording(src: str | Path, dst: str | Path) -> int:
+    rec = load_recording(src)
+    header = header_dict(rec.scenario.model_dump(mode="json"), kv_groups(rec.scenario), rec.workload.requests,
+                         f"vllm {rec.config.get('vllm_version')} recording {Path(src).name}")
+    records = recording_records(rec)
+    write_trace(dst, header, records)
+    read_trace(dst)  # the converted trace must pass our own accounting check
+    return len(records)

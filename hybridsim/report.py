@@ -1,0 +1,99 @@
+"""Rich tables for runs, checks, timings, presets and fidelity reports."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from .fidelity import FidelityReport
+from .model import ModelGeometry
+from .runner import RunResult
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return str(n)  # pragma: no cover
+
+
+def summary_table(res: RunResult) -> Table:
+    st = res.stats
+    t = Table(title=f"run summary — {res.scenario_name}", show_header=False, title_justify="left")
+    t.add_column("what", style="bold")
+    t.add_column("value", justify="right")
+    rows = [
+        ("steps", f"{st.steps:,}"),
+        ("requests (finished)", f"{st.requests:,} ({st.finished:,})"),
+        ("prompt tokens", f"{st.prompt_tokens:,}"),
+        ("output tokens", f"{st.output_tokens:,}"),
+        ("scheduled tokens (prefill / decode)", f"{st.scheduled_tokens:,} ({st.prefill_tokens:,} / {st.decode_tokens:,})"),
+        ("preemptions (scheduler / forced)", f"{st.preemptions:,} / {st.forced_preemptions:,}"),
+        ("prefix hit tokens (rate)", f"{st.prefix_hit_tokens:,} ({100 * st.hit_rate:.1f}% of prompt tokens)"),
+        ("drafts scheduled / accepted", f"{st.drafts_scheduled:,} / {st.drafts_accepted:,}"
+                                        + (f" ({100 * st.acceptance_rate:.1f}%)" if st.drafts_scheduled else "")),
+        ("peak blocks in use", f"{st.peak_blocks_in_use:,}"),
+        ("cached blocks evicted", f"{st.evictions:,}"),
+        ("planning wall time", f"{res.wall_s:.3f} s ({st.steps / res.wall_s:,.0f} steps/s)" if res.wall_s else "-"),
+    ]
+    if res.trace_path is not None:
+        rows.append(("trace written", str(res.trace_path)))
+    for k, v in rows:
+        t.add_row(k, v)
+    return t
+
+
+def checks_table(res: RunResult) -> Table:
+    t = Table(title="checks", title_justify="left")
+    for col, j in (("check", "left"), ("count", "right"), ("failures", "right"), ("first failure", "left")):
+        t.add_column(col, justify=j)
+    for tally in res.checks.tallies.values():
+        ff = tally.first_failure
+        first = "-" if ff is None else f"step {ff.step}" + (f", {ff.request}" if ff.request else "") + f": {ff.message}"
+        style = "red" if tally.failures else "green"
+        t.add_row(tally.name, f"{tally.count:,}", f"[{style}]{tally.failures:,}[/{style}]", first)
+    return t
+
+
+def timings_table(res: RunResult) -> Table:
+    t = Table(title="host timings", title_justify="left")
+    for col in ("phase", "total", "per step"):
+        t.add_column(col, justify="left" if col == "phase" else "right")
+    steps = max(res.stats.steps, 1)
+    for name, total in (("schedule", res.schedule_s), ("update", res.update_s), ("whole loop", res.wall_s)):
+        t.add_row(name, f"{total * 1e3:,.1f} ms", f"{total / steps * 1e6:,.1f} µs")
+    return t
+
+
+def presets_table(rows: list[tuple[ModelGeometry, str]], num_spec: int = 0) -> Table:
+    t = Table(title="model presets", title_justify="left",
+              caption="state = conv window + SSM state of every recurrent layer for one request; "
+                      "KV = attention/MLA cache per token over all layers")
+    for col in ("preset", "mamba/attn/mla layers", "state per request", "state per layer", "KV per token"):
+        t.add_column(col, justify="left" if col == "preset" else "right")
+    for geo, _ in rows:
+        layers = "/".join(str(getattr(geo, k).layers) if getattr(geo, k) else "0" for k in ("mamba", "attention", "mla"))
+        per_layer = _human_bytes(geo.mamba.state_bytes(num_spec)) if geo.mamba else "-"
+        t.add_row(geo.name, layers, _human_bytes(geo.mamba_bytes_per_request(num_spec)) if geo.mamba else "-",
+                  per_layer, _human_bytes(geo.attention_bytes_per_token()))
+    return t
+
+
+def fidelity_table(rep: FidelityReport) -> Table:
+    t = Table(title=f"fidelity — {rep.recording}", title_justify="left")
+    for col in ("step", "differs in", "recorded (vLLM)", "ours"):
+        t.add_column(col, overflow="fold")
+    for d in rep.diffs[:20]:
+        t.add_row(str(d.step), d.what, d.recorded, d.ours)
+    if not rep.diffs:
+        t.add_row("-", "no differences", "", "")
+    t.caption = (f"identical steps: {rep.identical_steps}/{max(rep.steps_recorded, rep.steps_ours)} "
+                 f"({rep.identical_steps_pct:.2f}%); free-block counts equal on {rep.free_blocks_equal} steps; "
+                 f"block ids equal on {rep.block_ids_equal} steps")
+    return t
+
+
+def print_tables(console: Console, *tables: Table) -> None:
+    for t in tables:
+        console.print(t)

@@ -1,0 +1,97 @@
+"""Library entry points behind the CLI: plan a scenario, record its trace, check invariants.
+
+A notebook can call these directly; the CLI only parses flags and renders.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from time import perf_counter
+from typing import Callable, Optional
+
+from .checks import Checks
+from .config import LoadedScenario, blocks_problem
+from .errors import InputError
+from .sched.invariants import NAME as INVARIANTS, InvariantChecker
+from .simulate import RunStats, Simulation
+from .trace import TraceWriter, header_dict
+from .workload import Workload, build_workload
+
+
+@dataclass
+class RunResult:
+    scenario_name: str
+    stats: RunStats
+    checks: Checks
+    wall_s: float
+    schedule_s: float
+    update_s: float
+    workload: Workload
+    trace_path: Optional[Path] = None
+    timings: list[dict] = field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        return self.checks.failed
+
+    def as_dict(self) -> dict:
+        steps = max(self.stats.steps, 1)
+        return {
+            "scenario": self.scenario_name,
+            "summary": self.stats.as_dict(),
+            "checks": self.checks.as_list(),
+            "timings": [
+                {"phase": "schedule", "total_s": round(self.schedule_s, 6),
+                 "per_step_us": round(1e6 * self.schedule_s / steps, 3)},
+                {"phase": "update", "total_s": round(self.update_s, 6),
+                 "per_step_us": round(1e6 * self.update_s / steps, 3)},
+                {"phase": "wall", "total_s": round(self.wall_s, 6),
+                 "steps_per_s": round(self.stats.steps / self.wall_s, 1) if self.wall_s else None},
+            ],
+        }
+
+
+def check_workload_fits(loaded: LoadedScenario, wl: Workload) -> None:
+    """A trace workload is only known once loaded: its longest request must fit the pool."""
+    s = loaded.scenario
+    if not wl.requests:
+        raise InputError("the workload has no requests", loaded.where("workload"))
+    longest = max(min(len(r.prompt) + r.max_tokens + s.spec_decode.num_speculative_tokens,
+                      s.scheduler.max_model_len) for r in wl.requests)
+    problem = blocks_problem(s, longest)
+    if problem:
+        raise InputError(f"cache.num_blocks: {problem}", loaded.where("cache", "num_blocks"))
+
+
+def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, check: Optional[str] = None,
+                  progress: Optional[Callable[[RunStats], None]] = None) -> RunResult:
+    s = loaded.scenario
+    check = check or s.execution.check
+    wl = build_workload(loaded)
+    check_workload_fits(loaded, wl)
+    checks = Checks()
+    sim = Simulation(s, wl)
+    if check != "off":
+        checker = InvariantChecker(sim.scheduler, checks.get(INVARIANTS))
+        sim.checker = checker
+        sim.check_every = 1 if check == "full" else 16
+    writer = None
+    if record is not None:
+        writer = TraceWriter(record, header_dict(s.model_dump(mode="json"), sim.groups, wl.requests,
+                                                 f"hybridsim run {loaded.source}"))
+    t0 = perf_counter()
+    try:
+        for plan, outcome in sim:
+            if writer is not None:
+                writer.write(plan, outcome)
+            if progress is not None:
+                progress(sim.stats)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    wall = perf_counter() - t0
+    if writer is not None:
+        writer.close()
+    return RunResult(s.name, sim.stats, checks, wall, sim.schedule_s, sim.update_s, wl, record)

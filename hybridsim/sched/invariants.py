@@ -1,0 +1,113 @@
+"""``sched.invariants``: what must hold after every schedule and every update.
+
+Budget and seat limits; every block owned by exactly as many rows as its
+reference count says, shared only when it holds a cached prefix; free-queue
+conservation; computed tokens that only grow (except preemption); align-mode
+chunk ends on block boundaries; Mamba rows with only the live columns the
+cache mode allows; draft and acceptance accounting; hit lengths aligned and
+below the request length (research/vllm-hybrid.md §8).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from ..checks import CheckTally, Failure
+from .block_pool import NULL_BLOCK
+from .plan import StepOutcome, StepPlan
+from .request import Status
+from .scheduler import Scheduler
+
+NAME = "sched.invariants"
+
+
+class InvariantChecker:
+    def __init__(self, sched: Scheduler, tally: CheckTally):
+        self.sched = sched
+        self.tally = tally
+        self.before: dict[str, int] = {}
+
+    def _fail(self, step: int, req: str | None, msg: str) -> None:
+        self.tally.failed(Failure(step, req, msg))
+
+    def after_schedule(self, plan: StepPlan) -> None:
+        s = self.sched
+        cfg = s.cfg
+        step = plan.step
+        ok = 0
+        total = sum(r.num_scheduled_tokens for r in plan.scheduled)
+        if total > cfg.max_num_batched_tokens:
+            self._fail(step, None, f"{total} tokens scheduled, budget {cfg.max_num_batched_tokens}")
+        else:
+            ok += 1
+        if len(s.running) > cfg.max_num_seqs:
+            self._fail(step, None, f"{len(s.running)} running, max_num_seqs {cfg.max_num_seqs}")
+        else:
+            ok += 1
+        bs = s.bs
+        S = cfg.num_speculative_tokens
+        for r in plan.scheduled:
+            req = s.requests[r.req_id]
+            if r.num_drafts > S:
+                self._fail(step, r.req_id, f"{r.num_drafts} drafts scheduled, num_speculative_tokens {S}")
+            if r.is_new:
+                if r.prefix_hit_tokens % bs or r.prefix_hit_tokens > max(req.num_tokens - 1, 0):
+                    self._fail(step, r.req_id, f"prefix hit {r.prefix_hit_tokens} not block-aligned or "
+                                               f"not below the request length {req.num_tokens}")
+            else:
+                prev = self.before.get(r.req_id)
+                if prev is not None and r.num_computed_tokens < prev:
+                    self._fail(step, r.req_id, f"computed tokens went back from {prev} to "
+                                               f"{r.num_computed_tokens} without preemption")
+            end = r.num_computed_tokens + r.num_scheduled_tokens
+            prefill_end = max(req.num_prompt_tokens, req.num_tokens - 1)
+            if cfg.align_split and r.num_computed_tokens < prefill_end and end < prefill_end and end % bs:
+                self._fail(step, r.req_id, f"align-mode prefill chunk ends at {end}, not a multiple of {bs}")
+            ok += 1
+        self._check_blocks(step)
+        self.tally.passed(ok)
+
+    def _check_blocks(self, step: int) -> None:
+        s = self.sched
+        pool = s.kv.pool
+        owners: Counter = Counter()
+        for m in s.kv.managers:
+            spec = m.spec
+            for idx, row in m.rows.items():
+                seen_here = set()
+                live = 0
+                for b in row:
+                    if b == NULL_BLOCK:
+                        continue
+                    live += 1
+                    if b in seen_here:
+                        self._fail(step, None, f"block {b} appears twice in one row of group {spec.group_id}")
+                    seen_here.add(b)
+                    owners[b] += 1
+                if spec.is_mamba and spec.mode == "align" and live > 3 + spec.num_spec:
+                    self._fail(step, None, f"align-mode Mamba row holds {live} blocks (at most {3 + spec.num_spec})")
+        for b, n in owners.items():
+            if pool.ref_cnt[b] != n:
+                self._fail(step, None, f"block {b} is in {n} rows but its ref count is {pool.ref_cnt[b]}")
+            elif n > 1 and pool.block_key[b] is None:
+                self._fail(step, None, f"block {b} is shared by {n} rows but holds no cached prefix")
+            if b in pool.free_queue:
+                self._fail(step, None, f"block {b} is in use and in the free queue")
+        in_use = len(owners)
+        if in_use + pool.num_free != pool.num_blocks - 1:
+            self._fail(step, None, f"{in_use} blocks in use + {pool.num_free} free != {pool.num_blocks - 1}")
+        self.tally.passed(len(owners) + 1)
+
+    def after_update(self, plan: StepPlan, outcome: StepOutcome) -> None:
+        s = self.sched
+        step = plan.step
+        for r in plan.scheduled:
+            acc = outcome.accepted.get(r.req_id)
+            if acc is not None and acc > r.num_drafts:
+                self._fail(step, r.req_id, f"{acc} drafts accepted of {r.num_drafts}")
+            toks = outcome.sampled.get(r.req_id, ())
+            if len(toks) > r.num_drafts + 1:
+                self._fail(step, r.req_id, f"{len(toks)} tokens committed from {r.num_drafts} drafts")
+        self.before = {req.req_id: req.num_computed_tokens for req in s.running
+                       if req.status == Status.RUNNING}
+        self.tally.passed(len(plan.scheduled))
