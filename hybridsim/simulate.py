@@ -162,15 +162,15 @@ class Simulation:
                 # after schedule, num_computed advanced by n: the chunk reached the end?
                 if req.num_computed_tokens >= req.num_tokens:
                     toks = sample(req, s.spec_token_ids, cont)
-                    room = min(req.max_tokens - req.num_output_tokens,
-                               sched.cfg.max_model_len - req.num_tokens)
-                    if len(toks) > room:
-                        toks = toks[:room]
-                    sampled[s.req_id] = tuple(toks)
-                    if s.spec_token_ids:
+                    if s.spec_token_ids:  # what the verifier accepted, before any length cap
                         accepted[s.req_id] = len(toks) - 1
                         stats.drafts_scheduled += len(s.spec_token_ids)
                         stats.drafts_accepted += len(toks) - 1
+                    room = min(req.max_tokens - req.num_output_tokens,
+                               sched.cfg.max_model_len - req.num_tokens)
+                    if len(toks) > room:
+                        toks = toks[:room]  # committed tokens stop at max_tokens / max_model_len
+                    sampled[s.req_id] = tuple(toks)
                     stats.decode_tokens += n if s.num_computed_tokens >= req.num_tokens - 1 else 0
                 stats.scheduled_tokens += n
             in_use = usable - pool.num_free

@@ -274,7 +274,12 @@ def check_accounting(trace: Trace) -> None:
             if len(out) > len(s.spec_token_ids) + 1:
                 raise InputError(f"request {rid} commits {len(out)} tokens from {len(s.spec_token_ids)} drafts",
                                  where)
-            rejected = len(s.spec_token_ids) - (len(out) - 1) if out else 0
+            acc = outcome.accepted.get(rid, len(out) - 1 if out else 0)
+            if acc > len(s.spec_token_ids) or acc < 0:
+                raise InputError(f"request {rid} accepted {acc} of {len(s.spec_token_ids)} drafts", where)
+            if out and len(out) > acc + 1:
+                raise InputError(f"request {rid} commits {len(out)} tokens but accepted {acc} drafts", where)
+            rejected = len(s.spec_token_ids) - acc if out else 0
             computed[rid] = c + n - max(rejected, 0)
             tokens[rid] += len(out)
         for rid in outcome.sampled:

@@ -274,7 +274,8 @@ class Scheduler:
             if not tokens:
                 continue
             req = reqs[s.req_id]
-            rejected = len(s.spec_token_ids) - (len(tokens) - 1)
+            acc = outcome.accepted.get(s.req_id)
+            rejected = len(s.spec_token_ids) - (len(tokens) - 1 if acc is None else acc)
             if rejected > 0 and req.num_computed_tokens > 0:
                 req.num_computed_tokens -= rejected
             room = min(req.max_tokens - req.num_output_tokens, max_len - len(req.token_ids))

@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+SCENARIOS = sorted((REPO / "scenarios").glob("*.yaml"))
+RECORDINGS = sorted((SHARED / "vllm-recorded").glob("*.jsonl"))
+
+
+def need_shared() -> Path:
+    if not SHARED.exists():
+        pytest.skip(f"{SHARED} is not present (CI clones it beside the repo)")
+    return SHARED
+
+
+TINY = """
+name: t
+seed: {seed}
+model: {{preset: {preset}}}
+cache: {{block_size: {bs}, num_blocks: {blocks}, enable_prefix_caching: {caching}, mamba_cache_mode: {mode}}}
+scheduler: {{max_num_batched_tokens: {budget}, max_num_seqs: {seqs}, max_model_len: {max_len}}}
+spec_decode: {{num_speculative_tokens: {spec}, acceptance: {acc}}}
+workload:
+  kind: synthetic
+  num_requests: {n}
+  arrival: {{kind: fixed, per_step: {per_step}}}
+  prompt_len: {{dist: uniform, min: {pmin}, max: {pmax}}}
+  output_len: {{dist: uniform, min: {omin}, max: {omax}}}
+  shared_prefix: {{len: {prefix}, fraction: {frac}}}
+"""
+
+
+def tiny_scenario(**kw) -> str:
+    d = dict(seed=0, preset="tiny-hybrid", bs=16, blocks=256, caching="true", mode="align", budget=128, seqs=8,
+             max_len=1024, spec=0, acc="{kind: none}", n=8, per_step=2, pmin=20, pmax=200, omin=4, omax=30,
+             prefix=48, frac=0.5)
+    d.update(kw)
+    return TINY.format(**d)

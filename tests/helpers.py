@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+from hybridsim.config import parse_scenario
+from hybridsim.simulate import Simulation
+from hybridsim.workload import build_workload
+from hybridsim.workload.base import Workload, WorkloadRequest
+
+
+def simulate(text: str, workload: Workload | None = None, checker: bool = True):
+    """Run a scenario; returns (simulation, [(plan, outcome), ...]); invariants checked every step."""
+    from hybridsim.checks import Checks
+    from hybridsim.sched.invariants import InvariantChecker
+
+    loaded = parse_scenario(text, "t.yaml")
+    wl = workload or build_workload(loaded)
+    sim = Simulation(loaded.scenario, wl)
+    checks = Checks()
+    if checker:
+        sim.checker = InvariantChecker(sim.scheduler, checks.get("sched.invariants"))
+    records = list(sim)
+    sim.checks = checks
+    return sim, records
+
+
+def manual_workload(prompts: list[list[int]], arrivals: list[int], max_tokens: list[int]) -> Workload:
+    reqs = [WorkloadRequest(f"r{i}", a, tuple(p), m, 0, 1000 + i)
+            for i, (p, a, m) in enumerate(zip(prompts, arrivals, max_tokens))]
+    return Workload(reqs, 32000, "manual")

@@ -1,0 +1,90 @@
+"""The command line as a user meets it: exit codes, one-line errors, no tracebacks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import REPO, SCENARIOS, need_shared
+
+
+def hs(*args, cwd=REPO):
+    return subprocess.run([sys.executable, "-m", "hybridsim.cli", *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True)
+
+
+def test_quickstart_runs_records_and_validates(tmp_path):
+    trace = tmp_path / "q.jsonl"
+    js = tmp_path / "q.json"
+    r = hs("run", "scenarios/quickstart.yaml", "--check", "off", "--record", trace, "--json", js)
+    assert r.returncode == 0, r.stderr
+    assert "run summary" in r.stdout and "preemptions" in r.stdout
+    d = json.loads(js.read_text())
+    assert d["summary"]["steps"] > 0 and d["summary"]["finished"] == d["summary"]["requests"]
+    v = hs("validate", trace)
+    assert v.returncode == 0 and "token accounting consistent" in v.stdout
+
+
+def test_every_scenario_validates_on_the_cli():
+    r = hs("validate", *[p.relative_to(REPO) for p in SCENARIOS])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("ok ") == len(SCENARIOS)
+
+
+def test_bad_scenario_exit_2_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((REPO / "scenarios/quickstart.yaml").read_text().replace("num_blocks: 96", "num_blocks: -1"))
+    r = hs("run", bad)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert f"{bad}:4" in r.stderr.replace("\n", "") and "cache.num_blocks" in r.stderr
+
+
+def test_missing_file_and_bad_flag_exit_2(tmp_path):
+    r = hs("run", tmp_path / "nope.yaml")
+    assert r.returncode == 2 and "no such file" in r.stderr and "Traceback" not in r.stderr
+    r = hs("run", "scenarios/quickstart.yaml", "--check", "sometimes")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def test_record_into_missing_folder_fails_before_running(tmp_path):
+    r = hs("run", "scenarios/quickstart.yaml", "--record", tmp_path / "no" / "t.jsonl")
+    assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+def test_corrupt_trace_exit_2_with_line(tmp_path):
+    t = tmp_path / "t.jsonl"
+    assert hs("run", "scenarios/spec_decode.yaml", "-q", "--record", t).returncode == 0
+    lines = t.read_text().splitlines()
+    lines[5] = lines[5].replace('"c":', '"c":1') if '"c":0' not in lines[5] else lines[5].replace('"c":0', '"c":7')
+    t.write_text("\n".join(lines) + "\n")
+    r = hs("validate", t)
+    assert r.returncode == 2 and f"{t}:6" in r.stderr.replace("\n", "")
+
+
+def test_presets_lists_real_models():
+    r = hs("presets")
+    assert r.returncode == 0
+    for name in ("nemotron-h-8b", "deepseek-v3", "qwen3-next-80b", "jamba-1.5-mini", "tiny-hybrid-mla"):
+        assert name in r.stdout
+
+
+def test_fidelity_json(tmp_path):
+    shared = need_shared()
+    js = tmp_path / "f.json"
+    r = hs("fidelity", shared / "vllm-recorded/mem_pressure.jsonl", "--json", js)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(js.read_text())["identical_steps_pct"] == 100.0
+
+
+def test_convert_then_validate(tmp_path):
+    shared = need_shared()
+    out = tmp_path / "c.jsonl"
+    r = hs("convert", shared / "vllm-recorded/spec_ngram.jsonl", "--out", out)
+    assert r.returncode == 0, r.stderr
+    assert hs("validate", out).returncode == 0
+    r = hs("validate", shared / "vllm-recorded/spec_ngram.jsonl")
+    assert r.returncode == 2 and "convert" in r.stderr

@@ -1,0 +1,111 @@
+"""Scenario parsing: valid files load; every kind of mistake names the key path and the line."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridsim.config import load_scenario, parse_scenario
+from hybridsim.errors import InputError
+
+from .conftest import SCENARIOS, tiny_scenario
+
+
+@pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.name)
+def test_every_shipped_scenario_validates(path):
+    loaded = load_scenario(path)
+    assert loaded.scenario.name
+
+
+def test_spec_example_validates():
+    from .conftest import REPO
+    s = load_scenario(REPO / "scenarios" / "quickstart.yaml").scenario
+    assert s.spec_decode.num_speculative_tokens == 3
+    assert s.cache.resolved_mode() == "align"
+
+
+def _err(text: str) -> InputError:
+    with pytest.raises(InputError) as ei:
+        parse_scenario(text, "s.yaml")
+    return ei.value
+
+
+def test_unknown_key_names_path_and_line():
+    text = tiny_scenario().replace("max_num_seqs: 8", "max_num_seqs: 8, max_num_seq: 3")
+    e = _err(text)
+    assert "scheduler.max_num_seq" in e.message and "unknown key" in e.message
+    assert e.where == "s.yaml:6"
+
+
+def test_wrong_type_names_path_and_line():
+    e = _err(tiny_scenario(blocks="lots"))
+    assert e.message.startswith("cache.num_blocks")
+    assert e.where == "s.yaml:5"
+
+
+def test_negative_length_rejected():
+    e = _err(tiny_scenario(pmin=-3))
+    assert "workload.prompt_len.min" in e.message
+    assert e.where == "s.yaml:12"
+
+
+def test_missing_required_key():
+    text = "\n".join(l for l in tiny_scenario().splitlines() if not l.startswith("cache:"))
+    e = _err(text)
+    assert e.message.startswith("cache") and "missing" in e.message
+
+
+def test_bad_yaml_reports_line():
+    e = _err("name: x\nmodel: {preset: tiny-hybrid\ncache: 3\n")
+    assert "not valid YAML" in e.message and e.where.startswith("s.yaml:")
+
+
+def test_duplicate_key_rejected():
+    e = _err("name: x\nname: y\n")
+    assert "appears twice" in e.message and e.where == "s.yaml:2"
+
+
+def test_unknown_preset():
+    e = _err(tiny_scenario(preset="gpt-5"))
+    assert "unknown preset" in e.message and "tiny-hybrid" in e.message
+
+
+def test_all_mode_block_must_be_multiple_of_chunk():
+    e = _err(tiny_scenario(mode="all", bs=24))
+    assert e.message.startswith("cache.block_size") and "chunk_size" in e.message
+    assert e.where == "s.yaml:5"
+
+
+def test_align_needs_prefix_caching():
+    e = _err(tiny_scenario(caching="false"))
+    assert "cache.mamba_cache_mode" in e.message
+
+
+def test_pattern_acceptance_bounded_by_drafts():
+    e = _err(tiny_scenario(spec=2, acc="{kind: pattern, accepted: [1, 3]}"))
+    assert "spec_decode" in e.message and "more than num_speculative_tokens" in e.message
+
+
+def test_too_few_blocks_for_longest_request():
+    e = _err(tiny_scenario(blocks=10))
+    assert e.message.startswith("cache.num_blocks") and "needs" in e.message
+
+
+def test_budget_below_one_block_in_align_mode():
+    e = _err(tiny_scenario(budget=8))
+    assert "max_num_batched_tokens" in e.message
+
+
+def test_prompt_longer_than_model():
+    e = _err(tiny_scenario(pmax=5000))
+    assert "workload.prompt_len" in e.message
+
+
+def test_unknown_union_tag():
+    e = _err(tiny_scenario(acc="{kind: sometimes}"))
+    assert "spec_decode.acceptance" in e.message
+
+
+def test_preset_with_overrides():
+    text = tiny_scenario().replace("model: {preset: tiny-hybrid}", "model: {preset: tiny-hybrid, mamba: {layers: 3}}")
+    geo = parse_scenario(text).scenario.geometry()
+    assert geo.mamba.layers == 3 and geo.mamba.heads == 4 and geo.name == "tiny-hybrid+overrides"

@@ -1,0 +1,47 @@
+"""Property tests: random scenarios never break a scheduler invariant, and always finish."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from .conftest import tiny_scenario
+from .helpers import simulate
+
+
+@st.composite
+def scenarios(draw):
+    mode = draw(st.sampled_from(["align", "all", "none"]))
+    caching = mode != "none"
+    bs = draw(st.sampled_from([16, 32]))
+    spec = draw(st.integers(0, 3))
+    acc = draw(st.sampled_from(["{kind: none}", "{kind: bernoulli, rate: 0.7}", "{kind: pattern, accepted: [0, 1]}"]))
+    if "pattern" in acc and spec == 0:
+        acc = "{kind: none}"
+    pmin = draw(st.integers(1, 120))
+    pmax = pmin + draw(st.integers(0, 200))
+    omax = draw(st.integers(1, 60))
+    longest = pmax + omax + spec
+    groups_blocks = 2 * (-(-longest // bs)) + 2 * (3 + spec + (-(-longest // bs) if mode == "all" else 0))
+    blocks = groups_blocks + 1 + draw(st.integers(0, 120))
+    return tiny_scenario(
+        seed=draw(st.integers(0, 10_000)), preset=draw(st.sampled_from(["tiny-hybrid", "tiny-hybrid-mla", "tiny-mla"])),
+        bs=bs, blocks=blocks, caching="true" if caching else "false", mode=mode,
+        budget=draw(st.sampled_from([32, 64, 128, 512])), seqs=draw(st.integers(1, 8)), max_len=1024,
+        spec=spec, acc=acc, n=draw(st.integers(1, 12)), per_step=draw(st.integers(1, 4)),
+        pmin=pmin, pmax=pmax, omin=1, omax=omax, prefix=draw(st.integers(1, 100)),
+        frac=draw(st.sampled_from([0.0, 0.5, 1.0])),
+    ) + draw(st.sampled_from(["", "faults:\n  - {at_step: 5, kind: reset_prefix_cache}\n",
+                              "faults:\n  - {at_step: 3, kind: preempt, requests: [r0, r1]}\n"]))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_random_scenarios_keep_invariants(text):
+    sim, recs = simulate(text)
+    tally = sim.checks.tallies["sched.invariants"]
+    assert tally.failures == 0, tally.first_failure
+    assert tally.count > 0
+    assert sim.stats.finished == sim.stats.requests, sim.stats.notes
+    # nothing leaks: every block is back in the pool at the end
+    assert sim.kv.pool.num_free == sim.kv.pool.num_blocks - 1
