@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import InputError
 from .model import AttentionGeometry, MambaGeometry, MLAGeometry, ModelGeometry
@@ -251,6 +251,12 @@ class ExecutionSection(_Strict):
     kernels: Literal["triton", "reference"] = "reference"
     check: Literal["full", "sampled", "off"] = "full"
     max_steps: int = Field(5000, ge=1)
+
+    @field_validator("check", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: Any) -> Any:
+        # YAML 1.1 reads a bare `off` as false
+        return "off" if v is False else v
 
 
 # ----------------------------------------------------------------------------- scenario

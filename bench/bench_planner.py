@@ -1,0 +1,140 @@
+"""Planning speed (--check off, no kernels) on the issue's peer workloads, one command each.
+
+    python bench/bench_planner.py decode256      # 256 decoding requests, 500 steady steps
+    python bench/bench_planner.py decode64       # 64 decoding requests
+    python bench/bench_planner.py spec256        # 256 decoding requests, 3 spec tokens
+    python bench/bench_planner.py mooncake2000   # first 2,000 Mooncake conversation requests, lengths x 0.05
+    python bench/bench_planner.py mooncake_full  # all 12,031 requests, lengths x 0.05
+    python bench/bench_planner.py all
+
+The hybrid config is the one the vLLM recordings use (block 16, align mode,
+prefix caching, one Mamba group + one attention group). Steady-state
+workloads time only the steps after every request is decoding. Each result is
+the median of --repeat runs; the peer figures are vLLM 0.33's own scheduler on
+this machine class (issue 2 / SPEC §8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from hybridsim.config import parse_scenario  # noqa: E402
+from hybridsim.simulate import Simulation  # noqa: E402
+from hybridsim.workload import build_workload  # noqa: E402
+
+MODEL = """model:
+  mamba: {layers: 1, heads: 8, head_dim: 32, d_state: 16, n_groups: 1, conv_kernel: 4, chunk_size: 16,
+          state_dtype: float32, conv_dtype: bfloat16}
+  attention: {layers: 1, heads: 8, kv_heads: 8, head_dim: 128, dtype: bfloat16}
+cache: {block_size: 16, num_blocks: 262144, enable_prefix_caching: true, mamba_cache_mode: align}"""
+
+PEER = {  # vLLM 0.33 scheduler, same 2-core machine class (issue 2)
+    "decode256": "60-96 steps/s",
+    "decode64": "250-400 steps/s",
+    "spec256": "about 60 steps/s",
+    "mooncake2000": "2.3-3.7 s (578 steps)",
+    "mooncake_full": "(bar: plan in under 30 s)",
+}
+
+
+def decode_scenario(n: int, spec: int) -> str:
+    acc = "{kind: bernoulli, rate: 0.7}" if spec else "{kind: none}"
+    return f"""name: decode{n}
+seed: 1
+{MODEL}
+scheduler: {{max_num_batched_tokens: 8192, max_num_seqs: {n}, max_model_len: 4096}}
+spec_decode: {{num_speculative_tokens: {spec}, acceptance: {acc}}}
+workload:
+  kind: synthetic
+  num_requests: {n}
+  arrival: {{kind: fixed, per_step: {n}}}
+  prompt_len: {{dist: uniform, min: 100, max: 300}}
+  output_len: {{dist: fixed, value: 3000}}
+execution: {{max_steps: 100000, check: off}}
+"""
+
+
+def mooncake_scenario(limit: int | None) -> str:
+    lim = f", limit: {limit}" if limit else ""
+    return f"""name: mooncake
+seed: 1
+{MODEL}
+scheduler: {{max_num_batched_tokens: 4096, max_num_seqs: 128, max_model_len: 32768}}
+workload: {{kind: trace, format: mooncake, path: {REPO.parent / 'shared/traces-real/mooncake/conversation_trace.jsonl'}{lim},
+           length_scale: 0.05, arrival: {{kind: fixed, per_step: 4}}}}
+execution: {{max_steps: 1000000, check: off}}
+"""
+
+
+def time_steady(text: str, steps: int) -> dict:
+    loaded = parse_scenario(text, "bench")
+    sim = Simulation(loaded.scenario, build_workload(loaded))
+    it = iter(sim)
+    n = loaded.scenario.workload.num_requests
+    # warm up until every request is decoding
+    while True:
+        plan, _ = next(it)
+        if len(plan.scheduled) == n and all(s.num_computed_tokens >= sim.scheduler.requests[s.req_id].num_prompt_tokens
+                                            for s in plan.scheduled):
+            break
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        next(it)
+    dt = time.perf_counter() - t0
+    return {"steps": steps, "seconds": dt, "steps_per_s": steps / dt}
+
+
+def time_whole(text: str) -> dict:
+    loaded = parse_scenario(text, "bench")
+    t0 = time.perf_counter()
+    wl = build_workload(loaded)
+    t1 = time.perf_counter()
+    sim = Simulation(loaded.scenario, wl)
+    stats = sim.run()
+    t2 = time.perf_counter()
+    return {"steps": stats.steps, "requests": stats.requests, "finished": stats.finished,
+            "workload_s": t1 - t0, "plan_s": t2 - t1, "seconds": t2 - t0,
+            "prefix_hit_tokens": stats.prefix_hit_tokens, "preemptions": stats.preemptions}
+
+
+WORKLOADS = {
+    "decode256": lambda: time_steady(decode_scenario(256, 0), 500),
+    "decode64": lambda: time_steady(decode_scenario(64, 0), 500),
+    "spec256": lambda: time_steady(decode_scenario(256, 3), 500),
+    "mooncake2000": lambda: time_whole(mooncake_scenario(2000)),
+    "mooncake_full": lambda: time_whole(mooncake_scenario(None)),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("workload", choices=[*WORKLOADS, "all"])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    names = list(WORKLOADS) if args.workload == "all" else [args.workload]
+    results = {}
+    for name in names:
+        reps = [WORKLOADS[name]() for _ in range(args.repeat if name != "mooncake_full" else 1)]
+        key = "steps_per_s" if "steps_per_s" in reps[0] else "seconds"
+        med = statistics.median(r[key] for r in reps)
+        best = reps[0]
+        results[name] = {**best, key: med, "runs": [round(r[key], 3) for r in reps], "peer": PEER[name]}
+        shown = f"{med:,.0f} steps/s" if key == "steps_per_s" else f"{med:.2f} s ({best['steps']} steps)"
+        print(f"{name:14s} {shown:>28s}   runs {results[name]['runs']}   peer vLLM: {PEER[name]}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"machine": platform.processor() or platform.machine(),
+                                         "python": platform.python_version(), "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
