@@ -13,11 +13,14 @@ from typing import Optional, Protocol
 
 from .config import BernoulliAcceptance, NoAcceptance, PatternAcceptance
 from .sched.request import Request
-from .workload.tokens import combine, mix, stream_token
+from .workload.tokens import combine, mix, stream_token, token_block
 
 
 class Continuation(Protocol):
     def token(self, req: Request, out_index: int) -> int: ...
+
+    def stream(self, req: Request, length: int) -> list[int]:
+        """Output tokens 0 .. length-1 (same values as ``token``)."""
 
 
 class SeededContinuation:
@@ -28,6 +31,9 @@ class SeededContinuation:
 
     def token(self, req: Request, out_index: int) -> int:
         return stream_token(req.output_seed, out_index, self.vocab)
+
+    def stream(self, req: Request, length: int) -> list[int]:
+        return token_block(req.output_seed, length, self.vocab).tolist()
 
 
 class RecordedContinuation:
@@ -43,6 +49,12 @@ class RecordedContinuation:
             return s[out_index]
         return self.fallback.token(req, out_index)
 
+    def stream(self, req: Request, length: int) -> list[int]:
+        s = list(self.streams.get(req.req_id, ()))[:length]
+        if len(s) < length:
+            s.extend(token_block(req.output_seed, length, self.fallback.vocab)[len(s):].tolist())
+        return s
+
 
 class Acceptance(Protocol):
     def accepted(self, req: Request, num_drafts: int) -> int:
@@ -50,14 +62,29 @@ class Acceptance(Protocol):
 
 
 class BernoulliModel:
+    """Each draft matches with probability ``rate`` given the previous one did.
+
+    One 64-bit hash per proposal round supplies 16-bit uniform draws for four
+    drafts (a further hash per four more), so a round costs one or two mixes.
+    """
+
     def __init__(self, rate: float, seed: int):
-        self.threshold = int(rate * (1 << 53))
+        self.threshold = int(rate * 65536)
         self.seed = seed
+        self._base: dict[int, int] = {}
 
     def accepted(self, req: Request, num_drafts: int) -> int:
+        base = self._base.get(req.index)
+        if base is None:
+            base = self._base[req.index] = combine(self.seed, 0xACC, req.index)
+        thr = self.threshold
         k = 0
-        base = combine(self.seed, 0xACC, req.index, req.draft_round)
-        while k < num_drafts and (mix(base + k) >> 11) < self.threshold:
+        word = 0
+        while k < num_drafts:
+            if k % 4 == 0:
+                word = mix(base + (req.draft_round << 8) + k)
+            if (word >> (16 * (k % 4))) & 0xFFFF >= thr:
+                break
             k += 1
         return k
 
@@ -107,8 +134,9 @@ class ModelDrafts:
         k = self.acc.accepted(req, d)
         req.draft_round += 1
         o = req.num_output_tokens
-        token = self.cont.token
-        drafts = [token(req, o + j) for j in range(d)]
+        stream = req.out_stream
+        drafts = stream[o:o + d] if stream is not None and o + d <= len(stream) else \
+            [self.cont.token(req, o + j) for j in range(d)]
         if k < d:
             true = drafts[k]
             drafts[k] = true % (self.vocab - 1) + 1  # a different, valid token: the divergence

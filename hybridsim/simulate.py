@@ -14,8 +14,7 @@ from time import perf_counter
 from typing import Iterator, Optional
 
 from .config import PreemptFault, ResetPrefixCacheFault, Scenario
-from .outputs import (Continuation, DraftSource, SeededContinuation, acceptance_model, make_drafter,
-                      sample)
+from .outputs import Continuation, DraftSource, SeededContinuation, acceptance_model, make_drafter
 from .sched.groups import GroupSpec, plan_groups
 from .sched.kv_cache import KVCacheManager
 from .sched.plan import StepOutcome, StepPlan
@@ -150,29 +149,7 @@ class Simulation:
             checking = self.checker is not None and stats.steps % self.check_every == 0
             if checking:
                 self.checker.after_schedule(plan)
-            sampled: dict[str, tuple[int, ...]] = {}
-            accepted: dict[str, int] = {}
-            byid = sched.requests
-            for s in plan.scheduled:
-                n = s.num_scheduled_tokens
-                if s.is_new:
-                    stats.prefix_queries += s.num_prompt_tokens if not s.resumed else 0
-                    stats.prefix_hit_tokens += s.prefix_hit_tokens if not s.resumed else 0
-                req = byid[s.req_id]
-                # after schedule, num_computed advanced by n: the chunk reached the end?
-                if req.num_computed_tokens >= req.num_tokens:
-                    toks = sample(req, s.spec_token_ids, cont)
-                    if s.spec_token_ids:  # what the verifier accepted, before any length cap
-                        accepted[s.req_id] = len(toks) - 1
-                        stats.drafts_scheduled += len(s.spec_token_ids)
-                        stats.drafts_accepted += len(toks) - 1
-                    room = min(req.max_tokens - req.num_output_tokens,
-                               sched.cfg.max_model_len - req.num_tokens)
-                    if len(toks) > room:
-                        toks = toks[:room]  # committed tokens stop at max_tokens / max_model_len
-                    sampled[s.req_id] = tuple(toks)
-                    stats.decode_tokens += n if s.num_computed_tokens >= req.num_tokens - 1 else 0
-                stats.scheduled_tokens += n
+            sampled, accepted = self._model_step(plan)
             in_use = usable - pool.num_free
             if in_use > stats.peak_blocks_in_use:
                 stats.peak_blocks_in_use = in_use
@@ -182,10 +159,10 @@ class Simulation:
             if self.checker is not None:  # cheap; keeps the monotonicity baseline current
                 self.checker.after_update(plan, outcome)
             self.update_s += perf_counter() - t2
-            stats.output_tokens += sum(len(t) for t in sampled.values())
             stats.finished += len(finished)
             stats.preemptions += len(plan.preempted)
             if drafter is not None:
+                byid = sched.requests
                 for rid in sampled:
                     req = byid[rid]
                     if req.status == Status.RUNNING:
@@ -208,6 +185,62 @@ class Simulation:
         unfinished = sum(1 for r in reqs if r.status != Status.FINISHED)
         if unfinished:
             stats.notes.append(f"{unfinished} request(s) unfinished at max_steps ({self.max_steps})")
+
+    def _model_step(self, plan: StepPlan) -> tuple[dict, dict]:
+        """The simulated forward pass: for every request whose chunk reached its end, the
+        tokens the model commits (drafts verified against the true continuation)."""
+        stats = self.stats
+        byid = self.scheduler.requests
+        max_len = self.scheduler.cfg.max_model_len
+        stream_of = self._stream
+        sampled: dict[str, tuple[int, ...]] = {}
+        accepted: dict[str, int] = {}
+        scheduled_tokens = decode_tokens = out_tokens = 0
+        for s in plan.scheduled:
+            rid, c, n = s[0], s[1], s[2]
+            scheduled_tokens += n
+            if s[4] and not s[5]:  # first admission: prefix-cache query
+                stats.prefix_queries += s[9]
+                stats.prefix_hit_tokens += s[6]
+            req = byid[rid]
+            toks_list = req.token_ids
+            ntok = len(toks_list)
+            if req.num_computed_tokens < ntok:
+                continue  # a prefill chunk that did not reach the end samples nothing
+            if c >= ntok - 1:
+                decode_tokens += n
+            o = ntok - req.num_prompt_tokens
+            stream = req.out_stream
+            if stream is None:
+                stream = stream_of(req)
+            drafts = s[7]
+            if drafts:
+                k = 0
+                nd = len(drafts)
+                while k < nd and drafts[k] == stream[o + k]:
+                    k += 1
+                toks = tuple(stream[o:o + k + 1])
+                accepted[rid] = k  # what the verifier accepted, before any length cap
+                stats.drafts_scheduled += nd
+                stats.drafts_accepted += k
+            else:
+                toks = (stream[o],)
+            room = req.max_tokens - o
+            if max_len - ntok < room:
+                room = max_len - ntok
+            if len(toks) > room:
+                toks = toks[:room]  # committed tokens stop at max_tokens / max_model_len
+            sampled[rid] = toks
+            out_tokens += len(toks)
+        stats.scheduled_tokens += scheduled_tokens
+        stats.decode_tokens += decode_tokens
+        stats.output_tokens += out_tokens
+        return sampled, accepted
+
+    def _stream(self, req: Request) -> list[int]:
+        """The request's true continuation, long enough to verify drafts past max_tokens."""
+        req.out_stream = self.cont.stream(req, req.max_tokens + self.scheduler.cfg.num_speculative_tokens + 2)
+        return req.out_stream
 
     def _apply_faults(self, step: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
         names, forced = [], []

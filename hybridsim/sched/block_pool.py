@@ -109,8 +109,11 @@ class BlockPool:
             fq.move_to_end(b, last=False)
 
     # ------------------------------------------------------------------ prefix cache
-    def cache(self, block: int, key: Hashable) -> None:
-        """Publish ``block`` as holding the prefix ``key``; several blocks may hold one prefix."""
+    def cache(self, block: int, key: Hashable, mark_step: bool = False) -> None:
+        """Publish ``block`` as holding the prefix ``key``; several blocks may hold one prefix.
+
+        Keys are ``block_hash << 6 | group_id``. ``mark_step`` records the key as published
+        by the current step (Mamba states: not readable until the step has run)."""
         if block == NULL_BLOCK or self.block_key[block] is not None:
             return
         self.block_key[block] = key
@@ -118,7 +121,8 @@ class BlockPool:
             self.cached[key] = block
         else:
             self.dups.setdefault(key, []).append(block)
-        self.cached_this_step.add(key)
+        if mark_step:
+            self.cached_this_step.add(key)
 
     def new_step(self) -> None:
         self.cached_this_step.clear()

@@ -65,4 +65,6 @@ def plan_groups(geo: ModelGeometry, block_size: int, max_model_len: int, mode: s
                 groups.append(GroupSpec(len(groups), kind, bs, layers, mode, num_spec))
             else:
                 groups.append(GroupSpec(len(groups), kind, block_size, layers))
+    if len(groups) > 64:  # prefix keys carry the group id in 6 bits
+        raise ValueError(f"{len(groups)} KV cache groups; at most 64 are supported")
     return groups

@@ -13,7 +13,7 @@ from typing import Optional
 
 from .block_pool import BlockPool
 from .groups import GroupSpec
-from .managers import AttentionManager, KVManager, make_manager
+from .managers import AttentionManager, KVManager, _no_change, make_manager
 from .request import Request
 
 
@@ -36,6 +36,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.block_size = min(g.block_size for g in groups)
         self._empty = [[] for _ in groups]
+        self._unchanged: list = []  # allocate_running: no group changed
 
     # ------------------------------------------------------------------ hits
     def attention_cached_blocks(self, req: Request, start_block: int = 0) -> int:
@@ -71,7 +72,7 @@ class KVCacheManager:
             # same-step guard: a state published by this step's schedule is not written yet
             recent = self.pool.cached_this_step
             for m in self.mamba:
-                if (m.gid, req.block_hashes[hit - 1]) in recent:
+                if (req.block_hashes[hit - 1] << 6 | m.gid) in recent:
                     return PrefixHit(-1, self._empty, attn_blocks * self.block_size)
         blocks = [m.blocks_for_hit(req, hit) if hit else [] for m in self.managers]
         return PrefixHit(hit * self.block_size, blocks, attn_blocks * self.block_size)
@@ -131,11 +132,101 @@ class KVCacheManager:
         if self.enable_caching:
             for m in managers:
                 m.cache(req, num_computed, total, checkpoint, publish_end)
+        self._set_quiet(req)
         return out
+
+    def allocate_running(self, req: Request, num_computed: int, num_new: int, checkpoint: Optional[int],
+                         publish_end: bool) -> Optional[list]:
+        """``allocate`` for a request that already holds its rows (no hit to attach, no
+        admission check): the same decisions, without the admission machinery. Returns
+        per group the new row tail, or None for every group when nothing changed."""
+        total = num_computed + num_new
+        managers = self.managers
+        quiet = req.quiet_by
+        if quiet is not None and checkpoint is None and not publish_end:
+            return self._decode_event(req, num_computed, total, quiet)
+        if quiet is None or checkpoint is not None or publish_end:
+            active = managers
+        else:  # groups still inside their quiet bounds would do nothing: skip them
+            active = [m for m, (qt, qc) in zip(managers, quiet) if total > qt or num_computed > qc]
+        for m in active:
+            if m.spec.is_mamba:
+                m.remove_skipped(req, num_computed)
+        need = 0
+        for m in active:
+            need += m.need(req, total, checkpoint)
+        pool = self.pool
+        if need > pool.num_free:
+            return None
+        changed = False
+        tails = {}
+        for m in active:
+            tail = m.commit(req, pool.allocate(m.last_need) if m.last_need else [])
+            if tail:
+                changed = True
+                tails[m.gid] = tail
+        if self.enable_caching:
+            for m in active:
+                m.cache(req, num_computed, total, checkpoint, publish_end)
+        self._set_quiet(req, active)
+        if not changed:
+            return self._unchanged
+        return [tails.get(m.gid, ()) for m in managers]
+
+    def _decode_event(self, req: Request, c: int, total: int, quiet: list) -> Optional[list]:
+        """A decoding request crossed a quiet bound: only the groups whose bound it crossed act."""
+        managers = self.managers
+        active = []
+        need = 0
+        for j, (qt, qc) in enumerate(quiet):
+            if total > qt or c > qc:
+                m = managers[j]
+                need += m.decode_need(req, c, total)
+                active.append(m)
+        pool = self.pool
+        if need > pool.num_free:
+            return None
+        changed = None
+        for m in active:
+            tail, quiet[m.gid] = m.decode_commit(req, pool.allocate(m.last_need) if m.last_need else [], c, total)
+            if tail:
+                if changed is None:
+                    changed = {}
+                changed[m.gid] = tail
+        qt = qc = 1 << 62
+        for t, cc in quiet:
+            if t < qt:
+                qt = t
+            if cc < qc:
+                qc = cc
+        req.quiet_total = qt
+        req.quiet_computed = qc
+        if changed is None:
+            return self._unchanged
+        return [changed.get(m.gid, ()) for m in managers]
+
+    def _set_quiet(self, req: Request, active=None) -> None:
+        """Record, per group and overall, how far the request can decode untouched."""
+        quiet = req.quiet_by
+        if quiet is None or active is None or active is self.managers:
+            quiet = req.quiet_by = [m.quiet(req) for m in self.managers]
+        else:
+            for m in active:
+                quiet[m.gid] = m.quiet(req)
+        qt = qc = 1 << 62
+        for t, c in quiet:
+            if t < qt:
+                qt = t
+            if c < qc:
+                qc = c
+        req.quiet_total = qt
+        req.quiet_computed = qc
 
     def free(self, req: Request) -> None:
         for m in self.managers:
             m.free(req)
+        req.quiet_total = req.quiet_computed = -1
+        req.quiet_by = None
 
     def rows(self, req: Request) -> list[list[int]]:
         return [m.row(req) for m in self.managers]
@@ -155,6 +246,6 @@ def _scan_from(m: AttentionManager, req: Request, start: int, bound: int) -> int
     hashes = req.block_hashes
     n = start
     lim = min(bound, len(hashes))
-    while n < lim and lookup((gid, hashes[n])) is not None:
+    while n < lim and lookup(hashes[n] << 6 | gid) is not None:
         n += 1
     return n

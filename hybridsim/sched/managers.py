@@ -37,6 +37,7 @@ class KVManager:
         self.bs = spec.block_size
         self.pool = pool
         self.rows: dict[int, list[int]] = {}
+        self.last_need = 0  # fresh blocks the last ``need`` asked for
 
     # -- prefix hits -------------------------------------------------------
     def hit_blocks(self, req: Request, bound_blocks: int) -> int:
@@ -54,6 +55,30 @@ class KVManager:
              checkpoint: Optional[int]) -> Allocation:
         raise NotImplementedError
 
+    def need(self, req: Request, total: int, checkpoint: Optional[int]) -> int:
+        """Running request: fresh blocks this group needs to hold ``total`` tokens.
+        Remembers what it decided for the ``commit`` that follows."""
+        self._pending = self.plan(req, req.num_computed_tokens, total, (), checkpoint)
+        self.last_need = self._pending.fresh
+        return self.last_need
+
+    def commit(self, req: Request, fresh: list[int]):
+        """Apply the last ``need``; returns the new row tail (empty if unchanged)."""
+        p = self._pending
+        return p.apply(fresh) if p.fresh or p.apply is not _no_change else ()
+
+    def decode_need(self, req: Request, num_computed: int, total: int) -> int:
+        """A decoding request left this group's quiet bounds: release, then count fresh blocks."""
+        if self.spec.is_mamba:
+            self.remove_skipped(req, num_computed)
+        return self.need(req, total, None)
+
+    def decode_commit(self, req: Request, fresh: list[int], num_computed: int, total: int):
+        """Finish ``decode_need``: take the blocks, publish, and return (row tail, new quiet bounds)."""
+        tail = self.commit(req, fresh)
+        self.cache(req, num_computed, total, None, False)
+        return tail, self.quiet(req)
+
     def cache(self, req: Request, num_computed: int, total: int, checkpoint: Optional[int],
               publish_end: bool) -> None:
         """Publish hashes for blocks holding prefixes (after allocation)."""
@@ -65,6 +90,11 @@ class KVManager:
 
     def row(self, req: Request) -> list[int]:
         return self.rows.get(req.index, [])
+
+    def quiet(self, req: Request) -> tuple[int, int]:
+        """(max total tokens, max computed tokens) up to which this group would neither
+        allocate, publish nor release anything for the request (decode fast path)."""
+        return _INF, _INF
 
     def owned(self) -> dict[int, list[int]]:
         return self.rows
@@ -83,13 +113,14 @@ class AttentionManager(KVManager):
         hashes = req.block_hashes
         n = 0
         lim = min(bound_blocks, len(hashes))
-        while n < lim and lookup((gid, hashes[n])) is not None:
+        while n < lim and lookup(hashes[n] << 6 | gid) is not None:
             n += 1
         return n
 
     def blocks_for_hit(self, req: Request, nblocks: int) -> list[int]:
         cached = self.pool.cached
-        return [cached[(self.gid, h)] for h in req.block_hashes[:nblocks]]
+        gid = self.gid
+        return [cached[h << 6 | gid] for h in req.block_hashes[:nblocks]]
 
     def plan(self, req, num_computed, total, hit, checkpoint):
         row_len = len(self.rows.get(req.index, ())) or len(hit)
@@ -106,10 +137,22 @@ class AttentionManager(KVManager):
             return fresh
         return Allocation(need, apply)
 
+    def need(self, req, total, checkpoint):
+        k = -(-total // self.bs) - len(self.rows[req.index])
+        self.last_need = k if k > 0 else 0
+        return self.last_need
+
+    def commit(self, req, fresh):
+        if self.last_need:
+            self.rows[req.index].extend(fresh)
+            return fresh
+        return ()
+
     def cache(self, req, num_computed, total, checkpoint, publish_end):
         idx = req.index
         done = self.num_cached.get(idx, 0)
-        full = min(total, req.num_tokens) // self.bs
+        ntok = len(req.token_ids)
+        full = (total if total < ntok else ntok) // self.bs
         if full <= done:
             return
         row = self.rows[idx]
@@ -117,7 +160,7 @@ class AttentionManager(KVManager):
         gid = self.gid
         cache = self.pool.cache
         for i in range(done, full):
-            cache(row[i], (gid, hashes[i]))
+            cache(row[i], hashes[i] << 6 | gid)
         self.num_cached[idx] = full
 
     def free(self, req):
@@ -127,9 +170,43 @@ class AttentionManager(KVManager):
     def mark_hit_cached(self, req: Request, nblocks: int) -> None:
         self.num_cached[req.index] = nblocks
 
+    def decode_need(self, req, num_computed, total):
+        row = self.rows[req.index]
+        k = -(-total // self.bs) - len(row)
+        self.last_need = k = k if k > 0 else 0
+        return k
+
+    def decode_commit(self, req, fresh, num_computed, total):
+        idx = req.index
+        row = self.rows[idx]
+        if fresh:
+            row.extend(fresh)
+        bs = self.bs
+        done = self.num_cached.get(idx, 0)
+        ntok = len(req.token_ids)
+        full = (total if total < ntok else ntok) // bs
+        if full > done:
+            hashes = req.block_hashes
+            gid = self.gid
+            cache = self.pool.cache
+            for i in range(done, full):
+                cache(row[i], hashes[i] << 6 | gid)
+            self.num_cached[idx] = done = full
+        q = (done + 1) * bs - 1
+        cap = len(row) * bs
+        return (fresh if fresh else ()), ((cap if cap < q else q), _INF)
+
+    def quiet(self, req):
+        idx = req.index
+        bs = self.bs
+        return min(len(self.rows[idx]) * bs, (self.num_cached.get(idx, 0) + 1) * bs - 1), _INF
+
 
 def _no_change(fresh: list[int]) -> list[int]:
     return []
+
+
+_INF = 1 << 62
 
 
 class MambaManager(KVManager):
@@ -166,7 +243,7 @@ class MambaManager(KVManager):
     def blocks_for_hit(self, req: Request, nblocks: int) -> list[int]:
         if nblocks == 0:
             return []
-        block = self.pool.cached[(self.gid, req.block_hashes[nblocks - 1])]
+        block = self.pool.cached[req.block_hashes[nblocks - 1] << 6 | self.gid]
         return [NULL_BLOCK] * (nblocks - 1) + [block]
 
     def hit_blocks(self, req: Request, bound_blocks: int) -> int:
@@ -175,7 +252,7 @@ class MambaManager(KVManager):
         gid = self.gid
         hashes = req.block_hashes
         for i in range(min(bound_blocks, len(hashes)) - 1, -1, -1):
-            if lookup((gid, hashes[i])) is not None:
+            if lookup(hashes[i] << 6 | gid) is not None:
                 return i + 1
         return 0
 
@@ -207,58 +284,95 @@ class MambaAlignManager(MambaManager):
     moves on, as upstream does.
     """
 
-    def plan(self, req, num_computed, total, hit, checkpoint):
+    def _layout(self, base: list[int], first: bool, total: int, checkpoint: Optional[int]):
+        """Target columns for ``total`` tokens and how to fill them: (fresh needed, state) or None."""
         S = self.spec.num_spec
-        idx = req.index
-        row = self.rows.get(idx)
-        prev_len = len(row) if row is not None else len(hit)
-        running = cdiv(total, self.bs) - 1
+        prev_len = len(base)
+        running = (total - 1) // self.bs
         new_len = running + 1 + S
         if new_len <= prev_len:
-            return Allocation(0, _no_change)
+            return None
         targets = list(range(running, new_len))
         if checkpoint is not None and checkpoint < running:
             targets.insert(0, checkpoint)
-        base = row if row is not None else hit
-        live_at_target = sum(1 for t in targets if t < prev_len and base[t] != NULL_BLOCK)
-        movable = [c for c in range(max(prev_len - S, 0), prev_len)
-                   if base[c] != NULL_BLOCK and c not in targets] if row is not None else []
+        live_at_target = 0
+        for t in targets:
+            if t < prev_len and base[t] != NULL_BLOCK:
+                live_at_target += 1
+        movable = [] if first else [c for c in range(max(prev_len - S, 0), prev_len)
+                                    if base[c] != NULL_BLOCK and c not in targets]
         empty = len(targets) - live_at_target
         moved = min(len(movable), empty)
-        fresh_needed = empty - moved
+        return empty - moved, (targets, movable[:moved], new_len, prev_len)
+
+    def _fill(self, r: list[int], state, fresh: list[int]) -> list[int]:
+        targets, movable, new_len, prev_len = state
+        r.extend([NULL_BLOCK] * (new_len - len(r)))
+        supply = []
+        for c in movable:  # old draft blocks are recycled into the new columns
+            supply.append(r[c])
+            r[c] = NULL_BLOCK
+        supply.extend(fresh)
+        k = 0
+        for t in targets:
+            if r[t] == NULL_BLOCK:
+                r[t] = supply[k]
+                k += 1
+        return r[prev_len:]
+
+    def plan(self, req, num_computed, total, hit, checkpoint):
+        idx = req.index
+        row = self.rows.get(idx)
+        first = row is None
+        lay = self._layout(list(hit) if first else row, first, total, checkpoint)
+        if lay is None:
+            return Allocation(0, _no_change)
+        fresh_needed, state = lay
 
         def apply(fresh: list[int]) -> list[int]:
             r = self.rows.get(idx)
             if r is None:
                 r = self.rows[idx] = list(hit)
-            r.extend([NULL_BLOCK] * (new_len - len(r)))
-            recycled = []
-            for c in movable[:moved]:
-                recycled.append(r[c])
-                r[c] = NULL_BLOCK
-            supply = recycled + fresh
-            k = 0
-            for t in targets:
-                if r[t] == NULL_BLOCK:
-                    r[t] = supply[k]
-                    k += 1
-            return r[prev_len:]
+            return self._fill(r, state, fresh)
         return Allocation(fresh_needed, apply)
+
+    def need(self, req, total, checkpoint):
+        lay = self._layout(self.rows[req.index], False, total, checkpoint)
+        self._pending = lay
+        self.last_need = 0 if lay is None else lay[0]
+        return self.last_need
+
+    def commit(self, req, fresh):
+        lay = self._pending
+        return () if lay is None else self._fill(self.rows[req.index], lay[1], fresh)
 
     def cache(self, req, num_computed, total, checkpoint, publish_end):
         """Publish the checkpoint and junction states, only inside the prompt: states
         at boundaries in generated tokens are never published (as recorded upstream)."""
+        if checkpoint is None and not publish_end:
+            return
         row = self.rows.get(req.index)
         if row is None:
             return
         hashes = req.block_hashes
         limit = req.num_prompt_tokens // self.bs  # boundaries up to the prompt's last full block
         if checkpoint is not None and checkpoint < limit and row[checkpoint] != NULL_BLOCK:
-            self.pool.cache(row[checkpoint], (self.gid, hashes[checkpoint]))
+            self.pool.cache(row[checkpoint], hashes[checkpoint] << 6 | self.gid, True)
         if publish_end and total % self.bs == 0:
             col = total // self.bs - 1
             if col < limit and row[col] != NULL_BLOCK:
-                self.pool.cache(row[col], (self.gid, hashes[col]))
+                self.pool.cache(row[col], hashes[col] << 6 | self.gid, True)
+
+
+def _mamba_quiet(m: "MambaManager", req: Request) -> tuple[int, int]:
+    row = m.rows.get(req.index)
+    if row is None:
+        return -1, -1
+    bs = m.bs
+    return (len(row) - m.spec.num_spec) * bs, (m.low.get(req.index, 0) + 1) * bs
+
+
+MambaAlignManager.quiet = _mamba_quiet  # publishing happens only in prefill, never on the fast path
 
 
 class MambaAllManager(MambaManager):
@@ -294,12 +408,16 @@ class MambaAllManager(MambaManager):
         row = self.rows[idx]
         for i in range(done, full):
             if row[i] != NULL_BLOCK:
-                self.pool.cache(row[i], (self.gid, req.block_hashes[i]))
+                self.pool.cache(row[i], req.block_hashes[i] << 6 | self.gid, True)
         self.num_cached[idx] = full
 
     def free(self, req):
         self.num_cached.pop(req.index, None)
         super().free(req)
+
+    def quiet(self, req):
+        t, c = _mamba_quiet(self, req)
+        return min(t, (self.num_cached.get(req.index, 0) + 1) * self.bs - 1), c
 
 
 MAMBA_STRATEGIES = {"none": MambaNoneManager, "align": MambaAlignManager, "all": MambaAllManager}

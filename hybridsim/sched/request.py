@@ -21,7 +21,7 @@ class Request:
     __slots__ = ("req_id", "index", "arrival_step", "max_tokens", "priority", "token_ids",
                  "num_prompt_tokens", "num_computed_tokens", "spec_token_ids", "block_hashes",
                  "status", "num_preemptions", "resumed", "output_seed", "admitted_once",
-                 "hash_block_size", "draft_round", "junction")
+                 "hash_block_size", "draft_round", "junction", "quiet_total", "quiet_computed", "quiet_by", "out_stream")
 
     def __init__(self, req_id: str, index: int, arrival_step: int, prompt: list[int], max_tokens: int,
                  priority: int = 0, output_seed: int = 0, hash_block_size: int = 16):
@@ -43,6 +43,11 @@ class Request:
         self.hash_block_size = hash_block_size
         self.draft_round = 0
         self.junction = 0  # cached-prefix length seen at admission (align chunking stops there)
+        # decode fast path: no KV group acts while total <= quiet_total and computed <= quiet_computed
+        self.quiet_total = -1
+        self.quiet_computed = -1
+        self.quiet_by: list | None = None  # per KV group (max total, max computed)
+        self.out_stream: list[int] | None = None  # true continuation, filled by the simulated model
         self.update_hashes()
 
     @property

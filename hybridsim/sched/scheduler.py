@@ -19,6 +19,9 @@ from .kv_cache import KVCacheManager, PrefixHit
 from .plan import ScheduledRequest, StepOutcome, StepPlan
 from .request import Request, Status
 
+_Sched = ScheduledRequest  # built with tuple.__new__ on the hot path (all ten fields, in order)
+_new = tuple.__new__
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -125,11 +128,14 @@ class Scheduler:
         max_len = cfg.max_model_len
         align = cfg.align_split
 
+        append = scheduled.append
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             c = req.num_computed_tokens
-            n = len(req.token_ids) + len(req.spec_token_ids) - c
+            ntok = len(req.token_ids)
+            spec = req.spec_token_ids
+            n = ntok + len(spec) - c
             if 0 < long_thr < n:
                 n = long_thr
             if n > budget:
@@ -137,13 +143,31 @@ class Scheduler:
             if n > max_len - 1 - c:
                 n = max_len - 1 - c
             checkpoint, publish = None, False
-            if align and c < max(req.num_prompt_tokens, len(req.token_ids) - 1):
-                n, checkpoint, publish = self._align_split(req, c, n, None)
-            if n <= 0:
-                i += 1
-                continue
+            if c >= ntok - 1 and c >= req.num_prompt_tokens:  # decoding
+                if n <= 0:
+                    i += 1
+                    continue
+                if c + n <= req.quiet_total and c <= req.quiet_computed:
+                    # inside its current blocks: no group allocates, publishes or releases
+                    drafts = ()
+                    if spec:
+                        nd = n + c - ntok
+                        if nd > 0:
+                            drafts = tuple(spec[:nd])
+                        req.spec_token_ids = []
+                    append(_new(_Sched, (req.req_id, c, n, None, False, False, 0, drafts, None, 0)))
+                    req.num_computed_tokens = c + n
+                    budget -= n
+                    i += 1
+                    continue
+            else:
+                if align:
+                    n, checkpoint, publish = self._align_split(req, c, n, None)
+                if n <= 0:
+                    i += 1
+                    continue
             while True:
-                new_blocks = kv.allocate(req, c, n, None, checkpoint, publish)
+                new_blocks = kv.allocate_running(req, c, n, checkpoint, publish)
                 if new_blocks is not None:
                     break
                 victim = self._pick_victim()
@@ -154,12 +178,10 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break
-            num_drafts = n + c - len(req.token_ids)
-            drafts = tuple(req.spec_token_ids[:num_drafts]) if num_drafts > 0 else ()
-            changed = new_blocks if any(new_blocks) else None
-            scheduled.append(ScheduledRequest(
-                req.req_id, c, n, None if changed is None else tuple(map(tuple, changed)),
-                spec_token_ids=drafts))
+            num_drafts = n + c - ntok
+            drafts = tuple(spec[:num_drafts]) if num_drafts > 0 else ()
+            append(_new(_Sched, (req.req_id, c, n, tuple(map(tuple, new_blocks)) if new_blocks else None,
+                                 False, False, 0, drafts, None, 0)))
             req.num_computed_tokens = c + n
             req.spec_token_ids = []
             budget -= n
@@ -268,21 +290,27 @@ class Scheduler:
         finished = []
         max_len = self.cfg.max_model_len
         reqs = self.requests
-        sampled_map = outcome.sampled
+        sampled_get = outcome.sampled.get
+        accepted = outcome.accepted
         for s in plan.scheduled:
-            tokens = sampled_map.get(s.req_id)
+            tokens = sampled_get(s[0])
             if not tokens:
                 continue
-            req = reqs[s.req_id]
-            acc = outcome.accepted.get(s.req_id)
-            rejected = len(s.spec_token_ids) - (len(tokens) - 1 if acc is None else acc)
-            if rejected > 0 and req.num_computed_tokens > 0:
-                req.num_computed_tokens -= rejected
-            room = min(req.max_tokens - req.num_output_tokens, max_len - len(req.token_ids))
+            req = reqs[s[0]]
+            drafts = s[7]
+            if drafts:
+                acc = accepted.get(s[0], len(tokens) - 1)
+                rejected = len(drafts) - acc
+                if rejected > 0 and req.num_computed_tokens > 0:
+                    req.num_computed_tokens -= rejected
+            toks = req.token_ids
+            room = min(req.max_tokens - (len(toks) - req.num_prompt_tokens), max_len - len(toks))
             if room < len(tokens):
                 tokens = tokens[:max(room, 0)]
-            req.append_output(list(tokens))
-            if req.num_output_tokens >= req.max_tokens or len(req.token_ids) >= max_len:
+            toks.extend(tokens)
+            if len(toks) // req.hash_block_size > len(req.block_hashes):
+                req.update_hashes()
+            if len(toks) - req.num_prompt_tokens >= req.max_tokens or len(toks) >= max_len:
                 finished.append(req)
         for req in finished:
             self.running.remove(req)

@@ -21,13 +21,14 @@ from ..config import PoissonArrival, StepsArrival, TimestampArrival, TraceWorklo
 from ..errors import InputError
 from .base import Workload, WorkloadRequest
 from .synthetic import arrival_steps
-from .tokens import combine, token_block
+from .tokens import combine, token_block, token_rows
 
 
 class _Row:
-    __slots__ = ("time_s", "prompt_len", "output_len", "hash_ids", "prompt", "line")
+    __slots__ = ("time_s", "prompt_len", "output_len", "hash_ids", "prompt", "line", "req_id")
 
-    def __init__(self, time_s, prompt_len, output_len, line, hash_ids=None, prompt=None):
+    def __init__(self, time_s, prompt_len, output_len, line, hash_ids=None, prompt=None, req_id=None):
+        self.req_id = req_id
         self.time_s = time_s
         self.prompt_len = prompt_len
         self.output_len = output_len
@@ -115,7 +116,7 @@ def _read_hybridsim(path: Path, limit: int | None) -> list[_Row]:
 
     rows = []
     for i, (wr, line) in enumerate(read_trace_requests(path)):
-        rows.append(_Row(None, len(wr.prompt), wr.max_tokens, line, prompt=wr.prompt))
+        rows.append(_Row(None, len(wr.prompt), wr.max_tokens, line, prompt=wr.prompt, req_id=wr.req_id))
         rows[-1].time_s = float(wr.arrival_step)
         if limit and len(rows) >= limit:
             break
@@ -128,8 +129,17 @@ def _read_vllm_recorded(path: Path, limit: int | None) -> list[_Row]:
     rec = load_recording(path)
     rows = []
     for r in rec.workload.requests[: limit or None]:
-        rows.append(_Row(float(r.arrival_step), len(r.prompt), r.max_tokens, 2, prompt=r.prompt))
+        rows.append(_Row(float(r.arrival_step), len(r.prompt), r.max_tokens, 2, prompt=r.prompt, req_id=r.req_id))
     return rows
+
+
+def _hash_token_rows(rows: list[_Row], seed: int, per_hash: int, vocab: int):
+    """Token block of every distinct Mooncake hash id, computed in one vectorised pass."""
+    ids = sorted({h for r in rows if r.hash_ids is not None for h in r.hash_ids})
+    if not ids:
+        return None
+    seeds = np.array([combine(seed, 0x4D, h) for h in ids], dtype=np.uint64)
+    return token_rows(seeds, per_hash, vocab), {h: k for k, h in enumerate(ids)}
 
 
 _READERS = {"mooncake": _read_mooncake, "azure": _read_azure, "vidur": _read_vidur,
@@ -162,6 +172,7 @@ def build_from_trace(wl: TraceWorkload, path: Path, seed: int, max_model_len: in
         steps = arrival_steps(wl.arrival, len(rows), random.Random(combine(seed, 0x5157)))
     scale = wl.length_scale
     per_hash = max(1, round(wl.hash_block_size * scale))
+    hash_rows = _hash_token_rows(rows, seed, per_hash, vocab)
     clipped = 0
     reqs = []
     order = sorted(range(len(rows)), key=lambda i: (steps[i], i))
@@ -170,22 +181,19 @@ def build_from_trace(wl: TraceWorkload, path: Path, seed: int, max_model_len: in
         plen = max(1, round(r.prompt_len * scale)) if r.prompt is None else len(r.prompt)
         olen = max(1, round(r.output_len * scale)) if wl.format not in _STEP_TIMES else r.output_len
         if r.prompt is not None:
-            prompt = np.asarray(r.prompt, dtype=np.int64)
+            prompt = list(r.prompt)
         elif r.hash_ids is not None:
-            need = math.ceil(plen / per_hash)
-            ids = r.hash_ids[:need]
-            parts = [token_block(combine(seed, 0x4D, h), per_hash, vocab) for h in ids]
-            prompt = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+            tokens, where = hash_rows
+            ids = r.hash_ids[: -(-plen // per_hash)]
+            prompt = tokens[[where[h] for h in ids]].ravel()[:plen].tolist() if ids else []
             if len(prompt) < plen:  # fewer hash ids than the scaled length covers
-                tail = token_block(combine(seed, 0xA1, i), plen - len(prompt), vocab)
-                prompt = np.concatenate([prompt, tail])
-            prompt = prompt[:plen]
+                prompt.extend(token_block(combine(seed, 0xA1, i), plen - len(prompt), vocab).tolist())
         else:
-            prompt = token_block(combine(seed, 0xA1, i), plen, vocab)
+            prompt = token_block(combine(seed, 0xA1, i), plen, vocab).tolist()
         if len(prompt) >= max_model_len:
             prompt = prompt[: max_model_len - 1]
             clipped += 1
-        reqs.append(WorkloadRequest(f"r{i}", steps[i], tuple(prompt.tolist()), olen, 0, combine(seed, 0xB2, i)))
+        reqs.append(WorkloadRequest(r.req_id or f"r{i}", steps[i], tuple(prompt), olen, 0, combine(seed, 0xB2, i)))
     if clipped:
         notes.append(f"{clipped} prompt(s) clipped to max_model_len - 1 = {max_model_len - 1} tokens")
     return Workload(reqs, vocab, f"{wl.format}:{path.name}", notes)

@@ -39,6 +39,17 @@ def token_block(seed: int, n: int, vocab: int, start: int = 0) -> np.ndarray:
     return (z % np.uint64(vocab - 1) + np.uint64(1)).astype(np.int64)
 
 
+def token_rows(seeds: np.ndarray, n: int, vocab: int) -> np.ndarray:
+    """``token_block(seed, n, vocab)`` for many seeds at once: one row per seed."""
+    with np.errstate(over="ignore"):
+        z = (np.arange(n, dtype=np.uint64)[None, :] * np.uint64(_GOLDEN)
+             + (seeds.astype(np.uint64) & np.uint64(_M))[:, None])
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return (z % np.uint64(vocab - 1) + np.uint64(1)).astype(np.int64)
+
+
 def stream_token(seed: int, index: int, vocab: int) -> int:
     """Scalar twin of ``token_block`` (same value as ``token_block(seed, 1, vocab, index)[0]``)."""
     z = (index * _GOLDEN + seed) & _M
