@@ -36,7 +36,7 @@ def recording_records(rec) -> list[tuple[StepPlan, StepOutcome]]:
         plan = StepPlan(s["step"], tuple(sched), tuple(s["preempted_req_ids"]), tuple(s["finished_req_ids"]))
         sampled = {k: tuple(v) for k, v in (s.get("sampled_token_ids") or {}).items() if v}
         accepted = {k: len(sampled.get(k, ())) - 1 for k in spec if sampled.get(k)}
-        out.append((plan, StepOutcome(sampled, accepted)))
+        out.append((plan, StepOutcome(sampled, accepted, tuple(s.get("finished_this_step") or ()))))
     return out
 
 

@@ -65,13 +65,23 @@ def check_workload_fits(loaded: LoadedScenario, wl: Workload) -> None:
 
 
 def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, check: Optional[str] = None,
-                  progress: Optional[Callable[[RunStats], None]] = None) -> RunResult:
+                  progress: Optional[Callable[[RunStats], None]] = None, execute: Optional[bool] = None,
+                  bugs: Optional[set[str]] = None, kernels: Optional[str] = None,
+                  device: Optional[str] = None) -> RunResult:
+    """Plan a scenario; with checks on, also execute every step and compare with the oracle."""
     s = loaded.scenario
     check = check or s.execution.check
+    execute = (check != "off") if execute is None else execute
     wl = build_workload(loaded)
     check_workload_fits(loaded, wl)
     checks = Checks()
     sim = Simulation(s, wl)
+    notes: list[str] = []
+    executor = None
+    if execute:
+        from .execute import make_executor
+        executor = make_executor(s, sim.groups, checks, check, bugs or set(), kernels or s.execution.kernels,
+                                 device or s.execution.device, notes)
     if check != "off":
         checker = InvariantChecker(sim.scheduler, checks.get(INVARIANTS))
         sim.checker = checker
@@ -85,6 +95,8 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
         for plan, outcome in sim:
             if writer is not None:
                 writer.write(plan, outcome)
+            if executor is not None:
+                executor.step(plan, outcome)
             if progress is not None:
                 progress(sim.stats)
     except BaseException:
@@ -94,4 +106,8 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
     wall = perf_counter() - t0
     if writer is not None:
         writer.close()
-    return RunResult(s.name, sim.stats, checks, wall, sim.schedule_s, sim.update_s, wl, record)
+    sim.stats.notes.extend(notes)
+    res = RunResult(s.name, sim.stats, checks, wall, sim.schedule_s, sim.update_s, wl, record)
+    if executor is not None:
+        res.timings = [{"phase": k, "total_s": round(v, 6)} for k, v in executor.timings.items()]
+    return res

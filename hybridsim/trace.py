@@ -19,7 +19,7 @@ Every further line is one step::
 ``c`` is num_computed_tokens before the step, ``n`` the tokens scheduled
 (drafts included), ``blocks`` the new tail of each KV group's block row (the
 whole row for ``new`` requests), ``spec`` the draft tokens, ``out`` the tokens
-committed after the step, ``acc`` the drafts accepted. Keys at their default
+committed after the step, ``acc`` the drafts accepted, ``done`` the requests that finished with this step. Keys at their default
 (empty, 0, false) are left out. The writer is deterministic: same plans, same bytes.
 """
 
@@ -82,6 +82,8 @@ def step_dict(plan: StepPlan, outcome: StepOutcome) -> dict:
         out["out"] = {k: list(v) for k, v in outcome.sampled.items()}
     if outcome.accepted:
         out["acc"] = dict(outcome.accepted)
+    if outcome.finished:
+        out["done"] = list(outcome.finished)
     return out
 
 
@@ -158,7 +160,8 @@ def _parse_step(d: dict, where: str) -> tuple[StepPlan, StepOutcome]:
     out = d.get("out", {})
     if not isinstance(out, dict):
         raise InputError("'out' must map request ids to token lists", where)
-    outcome = StepOutcome({k: tuple(v) for k, v in out.items()}, dict(d.get("acc", {})))
+    outcome = StepOutcome({k: tuple(v) for k, v in out.items()}, dict(d.get("acc", {})),
+                          tuple(d.get("done", ())))
     return plan, outcome
 
 

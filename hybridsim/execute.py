@@ -1,0 +1,72 @@
+"""Choosing where and how steps execute: device, kernel provider, injected bugs, checks."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .checks import Checks
+from .config import Scenario
+from .engine.executor import Executor, GroupInfo
+from .errors import EnvironmentProblem, InputError
+from .kernels import PROVIDERS, get_kernels
+
+# name -> (what it breaks, the check expected to catch it)
+BUGS: dict[str, tuple[str, str]] = {
+    "stale_state_index": ("requests force-preempted by reset_prefix_cache keep their old state index "
+                          "(resumed ids not cleaned up)", "ssm.running_state"),
+    "no_conv_shift_on_accept": ("conv windows are copied without the accept-bias shift", "ssm.running_state"),
+    "temporal_without_bias": ("the temporal state is copied from the running column, ignoring the accept bias",
+                              "ssm.running_state"),
+    "align_precopy_skipped": ("align mode never copies the state into the new running block", "ssm.output"),
+    "chunk_crosses_boundary": ("Mamba2 prefill chunks ignore the chunk_size grid of absolute positions",
+                               "mamba.chunk_meta"),
+    "rejected_state_kept": ("after a partly rejected draft run, the state after the last draft is kept",
+                            "ssm.running_state"),
+    "ctx_chunk_unaligned": ("MLA prefill context chunks start off page boundaries", "mla.output"),
+    "lse_base2": ("partial attentions merged with exp2 against natural-log lse", "mla.output"),
+    "lse_unmasked": ("an empty context partial (lse -inf) is merged without sanitising", "mla.output"),
+}
+
+
+def resolve_device(requested: str) -> str:
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise EnvironmentProblem("--device cuda: no CUDA GPU is visible to torch on this machine")
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested
+
+
+def resolve_kernels(requested: str, notes: list[str]):
+    if requested not in PROVIDERS:
+        notes.append(f"kernels: {requested!r} provider is not in this build; using 'reference' (plain torch)")
+        requested = "reference"
+    return get_kernels(requested)
+
+
+def check_bugs(names: list[str]) -> set[str]:
+    unknown = [n for n in names if n not in BUGS]
+    if unknown:
+        raise InputError(f"unknown bug {unknown[0]!r}; `hybridsim run --list-bugs` lists them", "--inject-bug")
+    return set(names)
+
+
+def groups_from_specs(groups) -> list[GroupInfo]:
+    out = []
+    for g in groups:
+        if isinstance(g, dict):
+            out.append(GroupInfo(g["group_id"], g["kind"], g["block_size"], tuple(g["layers"])))
+        else:
+            out.append(GroupInfo(g.group_id, g.kind, g.block_size, tuple(g.layers)))
+    return out
+
+
+def make_executor(s: Scenario, groups, checks: Checks, check: str, bugs: set[str], kernels: str,
+                  device: str, notes: list[str]) -> Optional[Executor]:
+    dev = resolve_device(device)
+    k = resolve_kernels(kernels, notes)
+    if s.geometry().attention is not None:
+        notes.append("GQA attention layers are planned (their blocks are tracked) but not executed; "
+                     "Mamba and MLA layers are executed and checked")
+    return Executor(s, groups_from_specs(groups), k, checks, check, bugs, dev)

@@ -1,0 +1,130 @@
+"""Reference kernel provider: plain torch, the semantics every other provider must match.
+
+Kernels see tensors, block ids and lengths; they know nothing about requests.
+Block ids are widened to int64 before any address arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+class ReferenceKernels:
+    name = "reference"
+
+    # ------------------------------------------------------------------ Mamba state copies
+    def state_copy(self, conv: torch.Tensor, temporal: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+                   offset: torch.Tensor, rows: int) -> None:
+        """Conv windows: for each copy i, conv[dst, 0:L-o] = conv[src, o:L] with o = offset[i]
+        and L the conv rows (memmove semantics: same-block left shifts are safe). The
+        temporal half is ``temporal_copy`` (its source block already includes the bias).
+
+        conv: (num_blocks, L, dim). src/dst/offset: (n,), widened to int64.
+        """
+        src = src.to(torch.int64)
+        dst = dst.to(torch.int64)
+        L = conv.shape[1]
+        for i in range(src.numel()):
+            s, d, o = int(src[i]), int(dst[i]), int(offset[i])
+            window = conv[s, o:L].clone()  # clone: same-block left shifts overlap
+            conv[d, 0:L - o] = window
+
+    def temporal_copy(self, temporal: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        src = src.to(torch.int64)
+        dst = dst.to(torch.int64)
+        vals = temporal[src].clone()
+        temporal[dst] = vals
+
+    # ------------------------------------------------------------------ MLA cache ops
+    def concat_and_cache(self, entries: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor) -> None:
+        """cache viewed as (num_blocks * block_size, dim): write entries (n, dim) at slots (n,)."""
+        flat = cache.view(-1, cache.shape[-1])
+        flat[slots.to(torch.int64)] = entries.to(cache.dtype)
+
+    def gather_cache(self, cache: torch.Tensor, block_row: torch.Tensor, start: int, length: int) -> torch.Tensor:
+        """Latent entries of positions [start, start+length) of one request (start page-aligned)."""
+        bs = cache.shape[1]
+        if start % bs:
+            raise ValueError(f"gather_cache: start {start} is not a multiple of the page size {bs}")
+        pos = torch.arange(start, start + length, dtype=torch.int64)
+        blocks = block_row.to(torch.int64)[pos // bs]
+        return cache[blocks, pos % bs]
+
+    # ------------------------------------------------------------------ attention pieces
+    def merge_states(self, o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
+                     lse_b: torch.Tensor, base2_bug: bool = False, unguarded: bool = False):
+        """Merge two partial attentions over disjoint keys. o: (..., H, D), lse: (..., H), natural log.
+
+        An all-masked partial has lse = -inf and contributes nothing; both empty gives
+        o = 0 and lse = -inf (never NaN).
+        """
+        if unguarded:
+            m = torch.maximum(lse_a, lse_b)
+        else:
+            a_inf = torch.isinf(lse_a) & (lse_a < 0)
+            b_inf = torch.isinf(lse_b) & (lse_b < 0)
+            m = torch.maximum(lse_a, lse_b)
+            m = torch.where(a_inf & b_inf, torch.zeros_like(m), m)
+        ex = torch.exp2 if base2_bug else torch.exp
+        wa = ex(lse_a - m)
+        wb = ex(lse_b - m)
+        s = wa + wb
+        if not unguarded:
+            s_safe = torch.where(s == 0, torch.ones_like(s), s)
+        else:
+            s_safe = s
+        out = (o_a * (wa / s_safe)[..., None] + o_b * (wb / s_safe)[..., None])
+        lse = m + torch.log(s_safe) if not unguarded else m + torch.log(s)
+        if not unguarded:
+            empty = s == 0
+            lse = torch.where(empty, torch.full_like(lse, NEG_INF), lse)
+            out = torch.where(empty[..., None], torch.zeros_like(out), out)
+        return out, lse
+
+    def attention_partial(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                          mask: torch.Tensor | None):
+        """q (n, H, dq), k (m, H, dq) or (m, dq), v (m, H, dv) or (m, dv) -> (out (n, H, dv), lse (n, H))."""
+        if k.dim() == 2:
+            s = torch.einsum("nhd,md->nhm", q, k) * scale
+        else:
+            s = torch.einsum("nhd,mhd->nhm", q, k) * scale
+        if mask is not None:
+            s = s.masked_fill(~mask[:, None, :], NEG_INF)
+        lse = torch.logsumexp(s, dim=-1)
+        finite = torch.isfinite(lse)
+        p = torch.exp(s - torch.where(finite, lse, torch.zeros_like(lse))[..., None])
+        p = torch.where(finite[..., None], p, torch.zeros_like(p))
+        out = torch.einsum("nhm,mhd->nhd", p, v) if v.dim() == 3 else torch.einsum("nhm,md->nhd", p, v)
+        return out, lse
+
+    def mla_decode(self, q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_row: torch.Tensor,
+                   seq_len: int, kv_lora_rank: int, scale: float, num_splits: int = 1):
+        """Absorbed MLA over one request's paged latent cache, split over the keys and merged.
+
+        q_lat (q, H, kv_lora), q_pe (q, H, rope); the q queries are the last q positions of
+        the sequence of ``seq_len`` tokens (bottom-right causal mask). Returns o_lat (q, H, kv_lora), lse (q, H).
+        """
+        nq = q_lat.shape[0]
+        lat = self.gather_cache(cache, block_row, 0, seq_len).to(q_lat.dtype)
+        kv_c, k_pe = lat[:, :kv_lora_rank], lat[:, kv_lora_rank:]
+        qpos = torch.arange(seq_len - nq, seq_len)
+        kpos = torch.arange(seq_len)
+        out = torch.zeros(nq, q_lat.shape[1], kv_lora_rank, dtype=q_lat.dtype)
+        lse = torch.full((nq, q_lat.shape[1]), NEG_INF, dtype=q_lat.dtype)
+        per = max(1, math.ceil(seq_len / max(num_splits, 1)))
+        for start in range(0, seq_len, per):
+            sl = slice(start, min(seq_len, start + per))
+            mask = kpos[sl][None, :] <= qpos[:, None]
+            s = (torch.einsum("qhd,md->qhm", q_lat, kv_c[sl]) + torch.einsum("qhr,mr->qhm", q_pe, k_pe[sl])) * scale
+            s = s.masked_fill(~mask[:, None, :], NEG_INF)
+            l_part = torch.logsumexp(s, dim=-1)
+            finite = torch.isfinite(l_part)
+            p = torch.exp(s - torch.where(finite, l_part, torch.zeros_like(l_part))[..., None])
+            p = torch.where(finite[..., None], p, torch.zeros_like(p))
+            o_part = torch.einsum("qhm,md->qhd", p, kv_c[sl])
+            out, lse = self.merge_states(out, lse, o_part, l_part)
+        return out, lse

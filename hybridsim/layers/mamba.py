@@ -1,0 +1,121 @@
+"""The Mamba probe layer: a causal conv window plus a selective SSM recurrence.
+
+Per token t (all float32):
+
+    u_t   = embedding(token_t)                         (conv_dim)
+    z_t   = b + sum_k w[k] * u_{t-K+1+k}               (depthwise causal conv, k in order)
+    x, B, C = split(z_t)                               (H*P, G*N, G*N)
+    a_t, g_t = decay(token_t), step(token_t)           (per head, from tables)
+    h_t   = a_t * h_{t-1} + g_t * (x_t outer B_t)      (H, P, N)
+    y_t   = sum_n h_t[..., n] * C_t[n] + D * x_t       (n in order)
+
+Only ``+`` and ``*`` run per token, in one fixed order, and the decays come from
+tables computed once (``exp`` in float64, rounded), so computing a token from a
+cached state is bit-identical to computing it from scratch, whatever the batch
+shape. The state is (conv window of the last K-1 inputs, h).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..model import MambaGeometry
+from ..workload.tokens import combine
+
+TABLE = 4093  # embedding rows; a token uses rows (t % TABLE) and (t // TABLE % TABLE2)
+TABLE2 = 509
+
+
+@dataclass
+class MambaWeights:
+    emb1: torch.Tensor  # (TABLE, conv_dim)
+    emb2: torch.Tensor  # (TABLE2, conv_dim)
+    conv_w: torch.Tensor  # (K, conv_dim)
+    conv_b: torch.Tensor  # (conv_dim,)
+    decay: torch.Tensor  # (TABLE, H)  exp(dt * A), in (0, 1)
+    step: torch.Tensor  # (TABLE, H)  dt
+    D: torch.Tensor  # (H,)
+    bc: torch.Tensor | None = None  # Mamba1: (TABLE, 2N) input-dependent B and C (no room in the conv)
+
+
+def make_weights(geo: MambaGeometry, layer: int, seed: int) -> MambaWeights:
+    rng = np.random.default_rng(combine(seed, 0x3A3A, layer) % (1 << 63))
+    dim = geo.conv_dim()
+    H = geo.heads if geo.kind != "mamba1" else 1
+    f32 = lambda a: torch.from_numpy(np.asarray(a, dtype=np.float32))  # noqa: E731
+    dt = rng.uniform(0.01, 0.2, size=(TABLE, H))
+    A = -rng.uniform(0.5, 4.0, size=(H,))
+    return MambaWeights(
+        emb1=f32(rng.standard_normal((TABLE, dim)) * 0.5),
+        emb2=f32(rng.standard_normal((TABLE2, dim)) * 0.5),
+        conv_w=f32(rng.standard_normal((geo.conv_kernel, dim)) / geo.conv_kernel),
+        conv_b=f32(rng.standard_normal(dim) * 0.1),
+        decay=f32(np.exp(dt * A[None, :])),
+        step=f32(dt),
+        D=f32(rng.standard_normal(H)),
+        bc=f32(rng.standard_normal((TABLE, 2 * geo.d_state)) * 0.5) if geo.kind == "mamba1" else None,
+    )
+
+
+class MambaProbe:
+    """Runs tokens through one probe layer from an explicit state (no cache knowledge)."""
+
+    def __init__(self, geo: MambaGeometry, layer: int, seed: int):
+        self.geo = geo
+        self.w = make_weights(geo, layer, seed)
+        if geo.kind == "mamba1":
+            self.H, self.P = 1, geo.heads * geo.head_dim
+            self.G, self.N = 1, geo.d_state
+        else:
+            self.H, self.P = geo.heads, geo.head_dim
+            self.G, self.N = geo.n_groups, geo.d_state
+        self.K = geo.conv_kernel
+        self.dim = geo.conv_dim()
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.long()
+        return self.w.emb1[t % TABLE] + self.w.emb2[(t // TABLE) % TABLE2]
+
+    def zero_state(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.zeros(batch, self.K - 1, self.dim), torch.zeros(batch, self.H, self.P, self.N))
+
+    def split(self, z: torch.Tensor, tokens: torch.Tensor):
+        if self.w.bc is not None:  # Mamba1: the conv carries x only
+            bc = self.w.bc[tokens.long() % TABLE]
+            return (z.reshape(-1, 1, self.P), bc[:, None, :self.N], bc[:, None, self.N:])
+        hp = self.H * self.P
+        gn = self.G * self.N
+        x = z[:, :hp].reshape(-1, self.H, self.P)
+        Bm = z[:, hp:hp + gn].reshape(-1, self.G, self.N)
+        Cm = z[:, hp + gn:hp + 2 * gn].reshape(-1, self.G, self.N)
+        rep = self.H // self.G
+        if rep > 1:
+            Bm = Bm.repeat_interleave(rep, dim=1)
+            Cm = Cm.repeat_interleave(rep, dim=1)
+        return x, Bm, Cm
+
+    def token_step(self, window: torch.Tensor, h: torch.Tensor, tokens: torch.Tensor):
+        """One token for each of ``batch`` rows. window: (b, K-1, dim) oldest first; h: (b, H, P, N).
+
+        Returns (y (b, H*P), new window, new h). The only arithmetic is ``+`` and ``*``.
+        """
+        u = self.embed(tokens)  # (b, dim)
+        w = self.w.conv_w
+        z = self.w.conv_b.expand_as(u).clone()
+        for k in range(self.K - 1):
+            z = z + w[k] * window[:, k]
+        z = z + w[self.K - 1] * u
+        x, Bm, Cm = self.split(z, tokens)
+        idx = tokens.long() % TABLE
+        a = self.w.decay[idx][:, :, None, None]  # (b, H, 1, 1)
+        g = self.w.step[idx][:, :, None, None]
+        h = a * h + g * (x[:, :, :, None] * Bm[:, :, None, :])
+        y = h[..., 0] * Cm[:, :, None, 0]
+        for n in range(1, self.N):
+            y = y + h[..., n] * Cm[:, :, None, n]
+        y = y + self.w.D[None, :, None] * x
+        new_window = torch.cat([window[:, 1:], u[:, None, :]], dim=1)
+        return y.reshape(y.shape[0], -1), new_window, h
