@@ -64,20 +64,34 @@ def _write_json(path: Path, data: dict) -> None:
 
 @app.command()
 def run(
-    scenario: Path = typer.Argument(..., help="scenario YAML file"),
+    scenario: Optional[Path] = typer.Argument(None, help="scenario YAML file"),
     check: Optional[CheckMode] = typer.Option(None, help="full | sampled | off (default: the scenario's)"),
     record: Optional[Path] = typer.Option(None, "--record", help="write the step trace (JSONL) here"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write summary, checks and timings as JSON"),
     max_steps: Optional[int] = typer.Option(None, min=1, help="override execution.max_steps"),
+    kernels: Optional[str] = typer.Option(None, help="reference | triton (default: the scenario's)"),
+    device: Optional[str] = typer.Option(None, help="auto | cpu | cuda (default: the scenario's)"),
+    inject_bug: List[str] = typer.Option([], "--inject-bug", help="switch on a known-wrong variant (repeatable)"),
+    list_bugs: bool = typer.Option(False, "--list-bugs", help="list the injectable bugs and exit"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no tables, only errors"),
 ) -> None:
-    """Plan a scenario step by step (scheduler + KV cache), check scheduler invariants, print the summary."""
+    """Simulate a scenario step by step, execute every step and check it against the oracle."""
+    if list_bugs:
+        _print_bugs()
+        raise typer.Exit(0)
+    if scenario is None:
+        err.print("[bold red]error:[/] run needs a SCENARIO file (or --list-bugs)")
+        raise typer.Exit(2)
 
     def body() -> int:
         from .config import load_scenario
         from .report import checks_table, print_tables, summary_table, timings_table
+        from .execute import check_bugs
         from .runner import plan_scenario
 
+        bugs = check_bugs(inject_bug)
+        _check_choice(kernels, ("reference", "triton"), "--kernels")
+        _check_choice(device, ("auto", "cpu", "cuda"), "--device")
         _writable(record, "--record")
         _writable(json_out, "--json")
         loaded = load_scenario(scenario)
@@ -96,9 +110,11 @@ def run(
                 def tick(stats) -> None:
                     if stats.steps % 64 == 0:
                         progress.update(task, completed=stats.finished, total=stats.requests)
-                res = plan_scenario(loaded, record=record, check=check.value if check else None, progress=tick)
+                res = plan_scenario(loaded, record=record, check=check.value if check else None, progress=tick,
+                                    bugs=bugs, kernels=kernels, device=device)
         else:
-            res = plan_scenario(loaded, record=record, check=check.value if check else None)
+            res = plan_scenario(loaded, record=record, check=check.value if check else None, bugs=bugs,
+                                kernels=kernels, device=device)
         if json_out is not None:
             _write_json(json_out, res.as_dict())
         if not quiet:
@@ -112,6 +128,59 @@ def run(
         return 1 if res.failed or res.stats.stalled else 0
 
     _guard(body)
+
+
+@app.command()
+def replay(
+    traces: List[Path] = typer.Argument(..., help="hybridsim step traces (JSONL)"),
+    check: CheckMode = typer.Option(CheckMode.full, help="full | sampled | off"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write summary, checks and timings as JSON"),
+    kernels: str = typer.Option("reference", help="reference | triton"),
+    device: str = typer.Option("auto", help="auto | cpu | cuda"),
+    inject_bug: List[str] = typer.Option([], "--inject-bug", help="switch on a known-wrong variant (repeatable)"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no tables, only errors"),
+) -> None:
+    """Execute recorded step traces exactly as recorded, with every check."""
+
+    def body() -> int:
+        from .execute import check_bugs
+        from .replay import replay_trace
+        from .report import replay_table
+
+        bugs = check_bugs(inject_bug)
+        _check_choice(kernels, ("reference", "triton"), "--kernels")
+        _check_choice(device, ("auto", "cpu", "cuda"), "--device")
+        _writable(json_out, "--json")
+        results = [replay_trace(t, check=check.value, bugs=bugs, kernels=kernels, device=device) for t in traces]
+        if json_out is not None:
+            data = [r.as_dict() for r in results]
+            _write_json(json_out, data[0] if len(data) == 1 else {"traces": data})
+        if not quiet:
+            for r in results:
+                out.print(replay_table(r))
+                for note in sorted(set(r.notes)):
+                    out.print(f"[yellow]note:[/] {note}")
+        return 1 if any(r.failed for r in results) else 0
+
+    _guard(body)
+
+
+def _check_choice(value: Optional[str], allowed: tuple[str, ...], flag: str) -> None:
+    if value is not None and value not in allowed:
+        raise InputError(f"{value!r} is not one of {', '.join(allowed)}", flag)
+
+
+def _print_bugs() -> None:
+    from rich.table import Table
+
+    from .execute import BUGS
+
+    t = Table(title="injectable bugs (--inject-bug NAME)", title_justify="left")
+    for col in ("name", "what it breaks", "caught by"):
+        t.add_column(col, overflow="fold")
+    for name, (what, check) in BUGS.items():
+        t.add_row(name, what, check)
+    out.print(t)
 
 
 @app.command()

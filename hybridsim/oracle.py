@@ -46,6 +46,33 @@ class MambaOracle:
                 if tr.pos % self.bs == 0:
                     tr.snapshots[tr.pos] = (tr.window, tr.h)
 
+    def advance_many(self, work: list[tuple[str, list[int], int]]) -> None:
+        """``advance`` for several requests at once, batched token slot by token slot."""
+        rows = [(rid, toks, upto) for rid, toks, upto in work if self._tracks(rid)[0].pos < upto]
+        if not rows:
+            return
+        for layer, probe in enumerate(self.probes):
+            tracks = [self.tracks[rid][layer] for rid, _, _ in rows]
+            start = [tr.pos for tr in tracks]
+            todo = [upto - tr.pos for tr, (_, _, upto) in zip(tracks, rows)]
+            window = torch.cat([tr.window for tr in tracks])
+            h = torch.cat([tr.h for tr in tracks])
+            for t in range(max(todo)):
+                act = [i for i, n in enumerate(todo) if n > t]
+                idx = torch.tensor(act, dtype=torch.int64)
+                tok = torch.tensor([rows[i][1][start[i] + t] for i in act], dtype=torch.int64)
+                y, w2, h2 = probe.token_step(window[idx], h[idx], tok)
+                window[idx] = w2
+                h[idx] = h2
+                for j, i in enumerate(act):
+                    tr = tracks[i]
+                    tr.outputs.append(y[j])
+                    tr.pos += 1
+                    if tr.pos % self.bs == 0:
+                        tr.snapshots[tr.pos] = (window[i:i + 1].clone(), h[i:i + 1].clone())
+            for i, tr in enumerate(tracks):
+                tr.window, tr.h = window[i:i + 1].clone(), h[i:i + 1].clone()
+
     def output(self, rid: str, layer: int, pos: int) -> torch.Tensor:
         return self._tracks(rid)[layer].outputs[pos]
 

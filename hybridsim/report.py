@@ -46,13 +46,29 @@ def summary_table(res: RunResult) -> Table:
 
 def checks_table(res: RunResult) -> Table:
     t = Table(title="checks", title_justify="left")
-    for col, j in (("check", "left"), ("count", "right"), ("failures", "right"), ("first failure", "left")):
-        t.add_column(col, justify=j)
-    for tally in res.checks.tallies.values():
+    _checks_rows(t, res.checks)
+    return t
+
+
+def _checks_rows(t: Table, checks) -> None:
+    for col, j in (("check", "left"), ("count", "right"), ("failures", "right"), ("worst error", "right"),
+                   ("first failure", "left")):
+        t.add_column(col, justify=j, overflow="fold")
+    for tally in checks.tallies.values():
         ff = tally.first_failure
-        first = "-" if ff is None else f"step {ff.step}" + (f", {ff.request}" if ff.request else "") + f": {ff.message}"
+        first = "-" if ff is None else (f"step {ff.step}" + (f", {ff.request}" if ff.request else "")
+                                        + (f", {ff.layer}" if ff.layer else "")
+                                        + (f", pos {ff.position}" if ff.position is not None else "")
+                                        + f": {ff.message}")
         style = "red" if tally.failures else "green"
-        t.add_row(tally.name, f"{tally.count:,}", f"[{style}]{tally.failures:,}[/{style}]", first)
+        worst = f"{tally.max_rel_err:.1e}" if tally.max_rel_err else ("0 (exact)" if tally.count else "-")
+        t.add_row(tally.name, f"{tally.count:,}", f"[{style}]{tally.failures:,}[/{style}]", worst, first)
+
+
+def replay_table(res) -> Table:
+    t = Table(title=f"replay — {res.path} ({res.steps} steps, {res.requests} requests, {res.wall_s:.2f} s)",
+              title_justify="left")
+    _checks_rows(t, res.checks)
     return t
 
 
@@ -61,7 +77,10 @@ def timings_table(res: RunResult) -> Table:
     for col in ("phase", "total", "per step"):
         t.add_column(col, justify="left" if col == "phase" else "right")
     steps = max(res.stats.steps, 1)
-    for name, total in (("schedule", res.schedule_s), ("update", res.update_s), ("whole loop", res.wall_s)):
+    rows = [("schedule", res.schedule_s), ("update", res.update_s)]
+    rows += [(f"execute: {d['phase']}", d["total_s"]) for d in res.timings]
+    rows.append(("whole loop", res.wall_s))
+    for name, total in rows:
         t.add_row(name, f"{total * 1e3:,.1f} ms", f"{total / steps * 1e6:,.1f} µs")
     return t
 

@@ -88,3 +88,72 @@ def test_convert_then_validate(tmp_path):
     assert hs("validate", out).returncode == 0
     r = hs("validate", shared / "vllm-recorded/spec_ngram.jsonl")
     assert r.returncode == 2 and "convert" in r.stderr
+
+
+def test_run_executes_and_names_the_failing_check():
+    r = hs("run", "scenarios/spec_decode.yaml", "--inject-bug", "temporal_without_bias")
+    assert r.returncode == 1
+    assert "ssm.running_state" in r.stdout and "Traceback" not in r.stderr
+    ok = hs("run", "scenarios/spec_decode.yaml", "-q")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
+def test_list_bugs_and_unknown_bug():
+    r = hs("run", "--list-bugs")
+    assert r.returncode == 0 and "stale_state_index" in r.stdout and "lse_base2" in r.stdout
+    r = hs("run", "scenarios/spec_decode.yaml", "--inject-bug", "gremlins")
+    assert r.returncode == 2 and "gremlins" in r.stderr
+
+
+def test_cuda_without_gpu_is_environment_error():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    r = hs("run", "scenarios/spec_decode.yaml", "--device", "cuda")
+    assert r.returncode == 3 and "no CUDA GPU" in r.stderr
+
+
+def test_replay_of_recorded_vllm_traces_is_green(tmp_path):
+    from .conftest import RECORDINGS
+    need_shared()
+    traces = []
+    for rec in RECORDINGS:
+        out = tmp_path / f"{rec.stem}.jsonl"
+        assert hs("convert", rec, "--out", out).returncode == 0
+        traces.append(out)
+    js = tmp_path / "r.json"
+    r = hs("replay", *traces, "--json", js)
+    assert r.returncode == 0, r.stdout[-2000:]
+    data = json.loads(js.read_text())["traces"]
+    for t in data:
+        counts = {c["name"]: (c["count"], c["failures"]) for c in t["checks"]}
+        assert counts["ssm.running_state"][0] > 0 and counts["ssm.output"][0] > 0
+        assert all(f == 0 for _, f in counts.values())
+    bug = hs("replay", traces[-1], "--inject-bug", "temporal_without_bias", "-q")
+    assert bug.returncode == 1
+
+
+def test_replay_rejects_inconsistent_trace_before_running(tmp_path):
+    t = tmp_path / "t.jsonl"
+    assert hs("run", "scenarios/chunked_prefill.yaml", "-q", "--check", "off", "--record", t).returncode == 0
+    lines = t.read_text().splitlines()
+    for i, line in enumerate(lines[1:], 2):
+        d = json.loads(line)
+        cached = [s for s in d["sched"] if not s.get("new")]
+        if cached:
+            cached[0]["n"] += 10_000  # past the end of its tokens: wrong on this very line
+            lines[i - 1] = json.dumps(d)
+            break
+    t.write_text("\n".join(lines) + "\n")
+    r = hs("replay", t)
+    assert r.returncode == 2 and f"{t}:{i}" in r.stderr.replace("\n", "")
+
+
+def test_run_then_replay_same_checks(tmp_path):
+    t = tmp_path / "t.jsonl"
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    assert hs("run", "scenarios/forced_preemption.yaml", "-q", "--record", t, "--json", a).returncode == 0
+    assert hs("replay", t, "-q", "--json", b).returncode == 0
+    ra = {c["name"]: c["count"] for c in json.loads(a.read_text())["checks"] if c["name"] != "sched.invariants"}
+    rb = {c["name"]: c["count"] for c in json.loads(b.read_text())["checks"]}
+    assert ra == rb  # replaying the recorded steps makes exactly the same comparisons

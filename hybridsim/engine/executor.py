@@ -350,9 +350,10 @@ class Executor:
         out_tally = self.checks.get("ssm.output")
         run_tally = self.checks.get("ssm.running_state")
         blk_tally = self.checks.get("ssm.cached_blocks")
+        self.moracle.advance_many([(r.rid, r.tokens, s.num_computed_tokens + committed[i])
+                                   for i, (s, r) in enumerate(zip(plan.scheduled, reqs))])
         for i, (s, r, p) in enumerate(zip(plan.scheduled, reqs, plans)):
             c, k = s.num_computed_tokens, committed[i]
-            self.moracle.advance(r.rid, r.tokens, c + k)
             for layer in range(len(self.mprobes)):
                 got = outs[layer][i, :k]
                 exp = torch.stack([self.moracle.output(r.rid, layer, c + t) for t in range(k)])

@@ -83,39 +83,45 @@ class MambaProbe:
         return (torch.zeros(batch, self.K - 1, self.dim), torch.zeros(batch, self.H, self.P, self.N))
 
     def split(self, z: torch.Tensor, tokens: torch.Tensor):
+        """x (b, G, H/G, P), B and C (b, G, N): heads grouped so B/C broadcast without copies."""
         if self.w.bc is not None:  # Mamba1: the conv carries x only
             bc = self.w.bc[tokens.long() % TABLE]
-            return (z.reshape(-1, 1, self.P), bc[:, None, :self.N], bc[:, None, self.N:])
+            return z.reshape(-1, 1, 1, self.P), bc[:, None, :self.N], bc[:, None, self.N:]
         hp = self.H * self.P
         gn = self.G * self.N
-        x = z[:, :hp].reshape(-1, self.H, self.P)
+        x = z[:, :hp].reshape(-1, self.G, self.H // self.G, self.P)
         Bm = z[:, hp:hp + gn].reshape(-1, self.G, self.N)
         Cm = z[:, hp + gn:hp + 2 * gn].reshape(-1, self.G, self.N)
-        rep = self.H // self.G
-        if rep > 1:
-            Bm = Bm.repeat_interleave(rep, dim=1)
-            Cm = Cm.repeat_interleave(rep, dim=1)
         return x, Bm, Cm
 
     def token_step(self, window: torch.Tensor, h: torch.Tensor, tokens: torch.Tensor):
         """One token for each of ``batch`` rows. window: (b, K-1, dim) oldest first; h: (b, H, P, N).
 
-        Returns (y (b, H*P), new window, new h). The only arithmetic is ``+`` and ``*``.
+        Returns (y (b, H*P), new window, new h). Only ``+`` and ``*`` run, and every sum
+        has a fixed order that depends on the layer's sizes alone (a pairwise tree over
+        N), so results do not depend on how many rows are batched.
         """
+        b = tokens.shape[0]
+        G, R, P, N = self.G, self.H // self.G, self.P, self.N
         u = self.embed(tokens)  # (b, dim)
         w = self.w.conv_w
-        z = self.w.conv_b.expand_as(u).clone()
-        for k in range(self.K - 1):
+        z = self.w.conv_b + w[0] * window[:, 0] if self.K > 1 else self.w.conv_b + 0 * u
+        for k in range(1, self.K - 1):
             z = z + w[k] * window[:, k]
         z = z + w[self.K - 1] * u
-        x, Bm, Cm = self.split(z, tokens)
+        x, Bm, Cm = self.split(z, tokens)  # x (b, G, R, P)
         idx = tokens.long() % TABLE
-        a = self.w.decay[idx][:, :, None, None]  # (b, H, 1, 1)
-        g = self.w.step[idx][:, :, None, None]
-        h = a * h + g * (x[:, :, :, None] * Bm[:, :, None, :])
-        y = h[..., 0] * Cm[:, :, None, 0]
-        for n in range(1, self.N):
-            y = y + h[..., n] * Cm[:, :, None, n]
-        y = y + self.w.D[None, :, None] * x
+        a = self.w.decay[idx].reshape(b, G, R)[..., None, None]
+        g = self.w.step[idx].reshape(b, G, R)[..., None, None]
+        hg = h.reshape(b, G, R, P, N)
+        hg = a * hg + g * (x[..., None] * Bm[:, :, None, None, :])
+        prod = hg * Cm[:, :, None, None, :]
+        width = N
+        while width > 1:  # fixed pairwise tree over the state dim
+            half = width // 2
+            summed = prod[..., :half] + prod[..., half:2 * half]
+            prod = torch.cat([summed, prod[..., 2 * half:width]], dim=-1) if width % 2 else summed
+            width = half + width % 2
+        y = prod[..., 0] + self.w.D.reshape(G, R)[None, :, :, None] * x
         new_window = torch.cat([window[:, 1:], u[:, None, :]], dim=1)
-        return y.reshape(y.shape[0], -1), new_window, h
+        return y.reshape(b, -1), new_window, hg.reshape(b, self.H, P, N)

@@ -1,0 +1,58 @@
+"""Replay: execute a recorded step trace exactly as recorded, with the same checks as ``run``.
+
+The trace's token accounting is verified before any kernel runs; a trace that does
+not add up is rejected with the line number of the first inconsistency.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from time import perf_counter
+from typing import Optional
+
+from pydantic import ValidationError
+
+from .checks import Checks
+from .config import Scenario
+from .errors import InputError
+from .execute import make_executor
+from .trace import read_trace
+
+
+@dataclass
+class ReplayResult:
+    path: Path
+    steps: int
+    requests: int
+    checks: Checks
+    wall_s: float
+    notes: list[str] = field(default_factory=list)
+    timings: dict = field(default_factory=dict)
+
+    @property
+    def failed(self) -> bool:
+        return self.checks.failed
+
+    def as_dict(self) -> dict:
+        return {"trace": str(self.path), "summary": {"steps": self.steps, "requests": self.requests,
+                                                     "wall_s": round(self.wall_s, 6), "notes": self.notes},
+                "checks": self.checks.as_list(),
+                "timings": [{"phase": k, "total_s": round(v, 6)} for k, v in self.timings.items()]}
+
+
+def replay_trace(path: str | Path, *, check: str = "full", bugs: Optional[set[str]] = None,
+                 kernels: str = "reference", device: str = "auto") -> ReplayResult:
+    tr = read_trace(path)  # raises InputError (with line) on any accounting inconsistency
+    try:
+        scenario = Scenario.model_validate(tr.header["scenario"])
+    except ValidationError as e:
+        raise InputError(f"the header's scenario is invalid: {e.errors()[0]['msg']}", f"{path}:1") from None
+    checks = Checks()
+    notes: list[str] = []
+    ex = make_executor(scenario, tr.header["groups"], checks, check, bugs or set(), kernels, device, notes)
+    t0 = perf_counter()
+    for _, plan, outcome in tr.steps:
+        ex.step(plan, outcome)
+    return ReplayResult(Path(path), len(tr.steps), len(tr.requests), checks, perf_counter() - t0, notes,
+                        dict(ex.timings))

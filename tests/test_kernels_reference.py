@@ -1,0 +1,105 @@
+"""The reference kernels' own semantics: copies, merges with their guards, paged gathers, decode."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybridsim.engine.metadata import chunk_metadata, chunk_metadata_varlen
+from hybridsim.kernels.reference import ReferenceKernels
+
+K = ReferenceKernels()
+
+
+def test_conv_copy_is_memmove_safe_in_place():
+    conv = torch.randn(4, 6, 5)
+    before = conv.clone()
+    K.state_copy(conv, None, torch.tensor([2]), torch.tensor([2]), torch.tensor([2]), 6)
+    assert torch.equal(conv[2, :4], before[2, 2:6])  # left shift inside one block
+    assert torch.equal(conv[2, 4:], before[2, 4:])  # tail rows untouched
+    assert torch.equal(conv[[0, 1, 3]], before[[0, 1, 3]])
+
+
+def test_temporal_copy_reads_before_writing():
+    t = torch.randn(5, 3)
+    before = t.clone()
+    K.temporal_copy(t, torch.tensor([1, 2]), torch.tensor([2, 3]))  # chain: 1->2, 2->3 uses old 2
+    assert torch.equal(t[2], before[1]) and torch.equal(t[3], before[2])
+
+
+def _partial(q, k, v, scale):
+    return K.attention_partial(q, k, v, scale, None)
+
+
+def test_merge_equals_attention_over_the_union():
+    torch.manual_seed(1)
+    q = torch.randn(3, 2, 8)
+    k = torch.randn(10, 2, 8)
+    v = torch.randn(10, 2, 4)
+    full_o, full_l = _partial(q, k, v, 0.3)
+    o1, l1 = _partial(q, k[:6], v[:6], 0.3)
+    o2, l2 = _partial(q, k[6:], v[6:], 0.3)
+    o, lse = K.merge_states(o1, l1, o2, l2)
+    assert torch.allclose(o, full_o, atol=1e-6, rtol=1e-6) and torch.allclose(lse, full_l, atol=1e-6)
+
+
+def test_merge_guards_empty_partials():
+    o = torch.randn(2, 3, 4)
+    lse = torch.randn(2, 3)
+    empty_o = torch.full_like(o, float("nan"))
+    empty_l = torch.full_like(lse, float("-inf"))
+    mo, ml = K.merge_states(empty_o.nan_to_num(0.0), empty_l, o, lse)
+    assert torch.allclose(mo, o) and torch.allclose(ml, lse)
+    bo, bl = K.merge_states(torch.zeros_like(o), empty_l, torch.zeros_like(o), empty_l)
+    assert torch.equal(bo, torch.zeros_like(o)) and torch.isneginf(bl).all()
+
+
+def test_gather_rejects_unaligned_start_and_follows_block_table():
+    cache = torch.randn(6, 4, 3)
+    row = torch.tensor([5, 2, 4])
+    got = K.gather_cache(cache, row, 4, 6)
+    assert torch.equal(got[:4], cache[2]) and torch.equal(got[4:], cache[4, :2])
+    with pytest.raises(ValueError):
+        K.gather_cache(cache, row, 3, 2)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 7])
+def test_mla_decode_independent_of_splits(splits):
+    torch.manual_seed(2)
+    L, R, H, bs = 16, 4, 3, 4
+    cache = torch.randn(8, bs, L + R)
+    row = torch.tensor([7, 1, 3, 6, 2])
+    q_lat, q_pe = torch.randn(3, H, L), torch.randn(3, H, R)
+    ref_o, ref_l = K.mla_decode(q_lat, q_pe, cache, row, 18, L, 0.2, num_splits=1)
+    o, l = K.mla_decode(q_lat, q_pe, cache, row, 18, L, 0.2, num_splits=splits)
+    assert torch.allclose(o, ref_o, atol=1e-6) and torch.allclose(l, ref_l, atol=1e-6)
+    # dense check with the bottom-right causal mask
+    lat = K.gather_cache(cache, row, 0, 18)
+    for qi in range(3):
+        visible = 18 - 3 + qi + 1
+        s = (q_lat[qi] @ lat[:visible, :L].T + q_pe[qi] @ lat[:visible, L:].T) * 0.2
+        p = torch.softmax(s, dim=-1)
+        assert torch.allclose(o[qi], p @ lat[:visible, :L], atol=1e-5)
+        assert torch.allclose(l[qi], torch.logsumexp(s, dim=-1), atol=1e-5)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 200), st.integers(1, 90)), min_size=1, max_size=6),
+       st.sampled_from([4, 16, 32]))
+def test_chunk_metadata_constructions_agree(rows, chunk):
+    computed = [c for c, _ in rows]
+    qsl = [0]
+    for _, n in rows:
+        qsl.append(qsl[-1] + n)
+    a = chunk_metadata(computed, qsl, chunk)
+    b = chunk_metadata_varlen(computed, qsl, chunk)
+    assert a == b
+    cu, seq_idx, _ = a
+    for j in range(len(seq_idx)):  # no chunk crosses a chunk_size boundary of its sequence
+        r = seq_idx[j]
+        start = computed[r] + cu[j] - qsl[r]
+        end = start + cu[j + 1] - cu[j]
+        assert start // chunk == (end - 1) // chunk
