@@ -54,11 +54,12 @@ class CheckTally:
 class Checks:
     def __init__(self):
         self.tallies: dict[str, CheckTally] = {}
+        self.divergence: dict[str, int] = {}  # request -> first step any check failed for it
 
     def get(self, name: str) -> CheckTally:
         t = self.tallies.get(name)
         if t is None:
-            t = self.tallies[name] = CheckTally(name)
+            t = self.tallies[name] = _Tally(name, self)
         return t
 
     @property
@@ -67,3 +68,16 @@ class Checks:
 
     def as_list(self) -> list[dict]:
         return [t.as_dict() for t in self.tallies.values()]
+
+
+class _Tally(CheckTally):
+    """A tally that also records each request's first divergent step in its ``Checks``."""
+
+    def __init__(self, name: str, owner: Checks):
+        super().__init__(name)
+        self._owner = owner
+
+    def failed(self, f: Failure) -> None:
+        super().failed(f)
+        if f.request is not None and f.request not in self._owner.divergence:
+            self._owner.divergence[f.request] = f.step

@@ -66,6 +66,10 @@ def make_executor(s: Scenario, groups, checks: Checks, check: str, bugs: set[str
                   device: str, notes: list[str]) -> Optional[Executor]:
     dev = resolve_device(device)
     k = resolve_kernels(kernels, notes)
+    if dev == "cuda" and k.name == "reference":
+        notes.append("the reference provider executes on the CPU in this build (GPU execution comes with "
+                     "the Triton provider)")
+        dev = "cpu"
     if s.geometry().attention is not None:
         notes.append("GQA attention layers are planned (their blocks are tracked) but not executed; "
                      "Mamba and MLA layers are executed and checked")

@@ -38,6 +38,7 @@ class ReplayResult:
         return {"trace": str(self.path), "summary": {"steps": self.steps, "requests": self.requests,
                                                      "wall_s": round(self.wall_s, 6), "notes": self.notes},
                 "checks": self.checks.as_list(),
+                "first_divergence": dict(sorted(self.checks.divergence.items(), key=lambda kv: kv[1])),
                 "timings": [{"phase": k, "total_s": round(v, 6)} for k, v in self.timings.items()]}
 
 

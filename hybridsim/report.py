@@ -47,7 +47,16 @@ def summary_table(res: RunResult) -> Table:
 def checks_table(res: RunResult) -> Table:
     t = Table(title="checks", title_justify="left")
     _checks_rows(t, res.checks)
+    _divergence_caption(t, res.checks)
     return t
+
+
+def _divergence_caption(t: Table, checks) -> None:
+    if checks.divergence:
+        first = sorted(checks.divergence.items(), key=lambda kv: kv[1])[:6]
+        more = len(checks.divergence) - len(first)
+        t.caption = "first divergence: " + ", ".join(f"{r} at step {s}" for r, s in first) + \
+            (f" (+{more} more requests)" if more > 0 else "")
 
 
 def _checks_rows(t: Table, checks) -> None:
@@ -69,6 +78,7 @@ def replay_table(res) -> Table:
     t = Table(title=f"replay — {res.path} ({res.steps} steps, {res.requests} requests, {res.wall_s:.2f} s)",
               title_justify="left")
     _checks_rows(t, res.checks)
+    _divergence_caption(t, res.checks)
     return t
 
 

@@ -41,6 +41,7 @@ class RunResult:
             "scenario": self.scenario_name,
             "summary": self.stats.as_dict(),
             "checks": self.checks.as_list(),
+            "first_divergence": dict(sorted(self.checks.divergence.items(), key=lambda kv: kv[1])),
             "timings": [
                 {"phase": "schedule", "total_s": round(self.schedule_s, 6),
                  "per_step_us": round(1e6 * self.schedule_s / steps, 3)},
