@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test bench fidelity clean
+.PHONY: run test bench fidelity golden clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+	$(BIN)/hybridsim replay traces/ --check
 
 fidelity: $(STAMP)
 	$(BIN)/hybridsim fidelity ../shared/vllm-recorded/*.jsonl
@@ -34,3 +35,11 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# Re-record the golden traces from scenarios/ and the vLLM recordings, then rewrite their expected files.
+GOLDEN_SCENARIOS := quickstart chunked_prefill align_prefix_hits all_mode no_prefix_cache memory_pressure \
+                    forced_preemption spec_decode mla_long_context mixed_hybrid_mla
+golden: $(STAMP)
+	@for s in $(GOLDEN_SCENARIOS); do $(BIN)/hybridsim run scenarios/$$s.yaml -q --check off --record traces/$$s.jsonl || exit 1; done
+	@for r in ../shared/vllm-recorded/*.jsonl; do $(BIN)/hybridsim convert $$r --out traces/vllm_$$(basename $$r) || exit 1; done
+	$(BIN)/hybridsim replay traces/ --update-expected

@@ -68,6 +68,8 @@ def run(
     check: Optional[CheckMode] = typer.Option(None, help="full | sampled | off (default: the scenario's)"),
     record: Optional[Path] = typer.Option(None, "--record", help="write the step trace (JSONL) here"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write summary, checks and timings as JSON"),
+    csv_dir: Optional[Path] = typer.Option(None, "--csv", help="write steps.csv and checks.csv into this folder"),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="write the step timeline (PNG)"),
     max_steps: Optional[int] = typer.Option(None, min=1, help="override execution.max_steps"),
     kernels: Optional[str] = typer.Option(None, help="reference | triton (default: the scenario's)"),
     device: Optional[str] = typer.Option(None, help="auto | cpu | cuda (default: the scenario's)"),
@@ -94,6 +96,11 @@ def run(
         _check_choice(device, ("auto", "cpu", "cuda"), "--device")
         _writable(record, "--record")
         _writable(json_out, "--json")
+        _writable(plot, "--plot")
+        if csv_dir is not None and csv_dir.exists() and not csv_dir.is_dir():
+            raise InputError(f"{csv_dir} exists and is not a folder", "--csv")
+        if csv_dir is not None and not csv_dir.parent.exists():
+            raise InputError(f"folder {csv_dir.parent} does not exist", "--csv")
         loaded = load_scenario(scenario)
         if max_steps is not None:
             s = loaded.scenario
@@ -117,6 +124,12 @@ def run(
                                 kernels=kernels, device=device)
         if json_out is not None:
             _write_json(json_out, res.as_dict())
+        if csv_dir is not None:
+            from .export import write_csv
+            write_csv(csv_dir, res.steps, res.checks)
+        if plot is not None:
+            from .export import plot_timeline
+            plot_timeline(res.steps, plot, f"{res.scenario_name}: step timeline")
         if not quiet:
             tables = [summary_table(res)]
             if res.checks.tallies:
@@ -132,26 +145,47 @@ def run(
 
 @app.command()
 def replay(
-    traces: List[Path] = typer.Argument(..., help="hybridsim step traces (JSONL)"),
-    check: CheckMode = typer.Option(CheckMode.full, help="full | sampled | off"),
+    traces: List[Path] = typer.Argument(..., help="hybridsim step traces (JSONL), or folders of them"),
+    golden: bool = typer.Option(False, "--check",
+                                help="compare every trace with its NAME.expected.json; exit 1 on any difference"),
+    update_expected: bool = typer.Option(False, "--update-expected",
+                                         help="rewrite the NAME.expected.json files and say what changed"),
+    check_mode: CheckMode = typer.Option(CheckMode.full, "--check-mode", help="full | sampled | off"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write summary, checks and timings as JSON"),
     kernels: str = typer.Option("reference", help="reference | triton"),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
     inject_bug: List[str] = typer.Option([], "--inject-bug", help="switch on a known-wrong variant (repeatable)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no tables, only errors"),
 ) -> None:
-    """Execute recorded step traces exactly as recorded, with every check."""
+    """Execute recorded step traces exactly as recorded, with every check; with --check, gate on golden files."""
 
     def body() -> int:
         from .execute import check_bugs
         from .replay import replay_trace
-        from .report import replay_table
+        from .report import golden_table, replay_table
 
         bugs = check_bugs(inject_bug)
         _check_choice(kernels, ("reference", "triton"), "--kernels")
         _check_choice(device, ("auto", "cpu", "cuda"), "--device")
         _writable(json_out, "--json")
-        results = [replay_trace(t, check=check.value, bugs=bugs, kernels=kernels, device=device) for t in traces]
+        kw = dict(check=check_mode.value, bugs=bugs, kernels=kernels, device=device)
+        if golden or update_expected:
+            from .golden import check_folder
+            rows = []
+            for folder in traces:
+                rows.extend(check_folder(folder, update=update_expected, **kw))
+            out.print(golden_table(rows, update_expected))
+            if json_out is not None:
+                _write_json(json_out, {"traces": [r.__dict__ for r in rows]})
+            return 0 if update_expected else (1 if any(r.result != "pass" for r in rows) else 0)
+        files = []
+        for t in traces:
+            if t.is_dir():
+                from .golden import traces_in
+                files.extend(traces_in(t))
+            else:
+                files.append(t)
+        results = [replay_trace(t, **kw) for t in files]
         if json_out is not None:
             data = [r.as_dict() for r in results]
             _write_json(json_out, data[0] if len(data) == 1 else {"traces": data})
@@ -181,6 +215,30 @@ def _print_bugs() -> None:
     for name, (what, check) in BUGS.items():
         t.add_row(name, what, check)
     out.print(t)
+
+
+@app.command()
+def shrink(
+    trace: Path = typer.Argument(..., help="a trace that fails a check (e.g. recorded with --inject-bug)"),
+    out_path: Path = typer.Option(..., "--out", help="where to write the shrunk trace"),
+    check_name: Optional[str] = typer.Option(None, "--check", help="the check that must keep failing "
+                                             "(default: the first one that fails)"),
+    inject_bug: List[str] = typer.Option([], "--inject-bug", help="bugs to replay with (default: the trace's own)"),
+) -> None:
+    """Delta-debug a failing trace down to the smallest one that still fails the same check."""
+
+    def body() -> int:
+        from .execute import check_bugs
+        from .shrink import shrink_trace
+
+        bugs = check_bugs(inject_bug) if inject_bug else None
+        _writable(out_path, "--out")
+        r = shrink_trace(trace, out_path, check_name, bugs)
+        out.print(f"{r.check} still fails in {out_path}: steps {r.steps_before} -> {r.steps_after}, "
+                  f"requests {r.requests_before} -> {r.requests_after} ({r.tests} candidate traces tried)")
+        return 0
+
+    _guard(body)
 
 
 @app.command()

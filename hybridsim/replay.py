@@ -29,6 +29,7 @@ class ReplayResult:
     wall_s: float
     notes: list[str] = field(default_factory=list)
     timings: dict = field(default_factory=dict)
+    digests: dict = field(default_factory=dict)
 
     @property
     def failed(self) -> bool:
@@ -51,9 +52,13 @@ def replay_trace(path: str | Path, *, check: str = "full", bugs: Optional[set[st
         raise InputError(f"the header's scenario is invalid: {e.errors()[0]['msg']}", f"{path}:1") from None
     checks = Checks()
     notes: list[str] = []
+    recorded_bugs = tr.header.get("inject_bug")
+    if recorded_bugs and not bugs:
+        notes.append(f"this trace was recorded with --inject-bug {' '.join(recorded_bugs)}; replay with the same "
+                     "flags to reproduce its failure")
     ex = make_executor(scenario, tr.header["groups"], checks, check, bugs or set(), kernels, device, notes)
     t0 = perf_counter()
     for _, plan, outcome in tr.steps:
         ex.step(plan, outcome)
     return ReplayResult(Path(path), len(tr.steps), len(tr.requests), checks, perf_counter() - t0, notes,
-                        dict(ex.timings))
+                        dict(ex.timings), ex.state_digests())

@@ -74,6 +74,18 @@ def _checks_rows(t: Table, checks) -> None:
         t.add_row(tally.name, f"{tally.count:,}", f"[{style}]{tally.failures:,}[/{style}]", worst, first)
 
 
+def golden_table(rows, updated: bool) -> Table:
+    t = Table(title="golden traces" + (" (expected files rewritten)" if updated else ""), title_justify="left")
+    for col, j in (("trace", "left"), ("steps", "right"), ("comparisons", "right"), ("result", "left"),
+                   ("what differed", "left")):
+        t.add_column(col, justify=j, overflow="fold")
+    for r in rows:
+        style = {"pass": "green", "unchanged": "green", "updated": "yellow"}.get(r.result, "red")
+        diff = "; ".join(r.differences[:4]) + (f" (+{len(r.differences) - 4} more)" if len(r.differences) > 4 else "")
+        t.add_row(r.trace, f"{r.steps:,}", f"{r.comparisons:,}", f"[{style}]{r.result}[/{style}]", diff or "-")
+    return t
+
+
 def replay_table(res) -> Table:
     t = Table(title=f"replay — {res.path} ({res.steps} steps, {res.requests} requests, {res.wall_s:.2f} s)",
               title_justify="left")

@@ -20,6 +20,22 @@ from .workload import Workload, build_workload
 
 
 @dataclass
+class StepRecord:
+    step: int
+    prefill_tokens: int
+    decode_tokens: int
+    running: int
+    waiting: int
+    blocks_in_use: int
+    preempted: int
+    state_copies: int
+    step_ms: float
+
+
+STEP_COLUMNS = [f for f in StepRecord.__dataclass_fields__]
+
+
+@dataclass
 class RunResult:
     scenario_name: str
     stats: RunStats
@@ -30,6 +46,7 @@ class RunResult:
     workload: Workload
     trace_path: Optional[Path] = None
     timings: list[dict] = field(default_factory=list)
+    steps: list[StepRecord] = field(default_factory=list)
 
     @property
     def failed(self) -> bool:
@@ -90,14 +107,22 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
     writer = None
     if record is not None:
         writer = TraceWriter(record, header_dict(s.model_dump(mode="json"), sim.groups, wl.requests,
-                                                 f"hybridsim run {loaded.source}"))
-    t0 = perf_counter()
+                                                 f"hybridsim run {loaded.source}", tuple(bugs or ())))
+    records: list[StepRecord] = []
+    pool = sim.kv.pool
+    usable = pool.num_blocks - 1
+    t0 = last = perf_counter()
     try:
         for plan, outcome in sim:
             if writer is not None:
                 writer.write(plan, outcome)
             if executor is not None:
                 executor.step(plan, outcome)
+            now = perf_counter()
+            records.append(StepRecord(plan.step, sim.last_tokens[0], sim.last_tokens[1], len(sim.scheduler.running),
+                                      len(sim.scheduler.waiting), usable - pool.num_free, len(plan.preempted),
+                                      executor.last_copies if executor is not None else 0, 1e3 * (now - last)))
+            last = now
             if progress is not None:
                 progress(sim.stats)
     except BaseException:
@@ -108,7 +133,7 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
     if writer is not None:
         writer.close()
     sim.stats.notes.extend(notes)
-    res = RunResult(s.name, sim.stats, checks, wall, sim.schedule_s, sim.update_s, wl, record)
+    res = RunResult(s.name, sim.stats, checks, wall, sim.schedule_s, sim.update_s, wl, record, steps=records)
     if executor is not None:
         res.timings = [{"phase": k, "total_s": round(v, 6)} for k, v in executor.timings.items()]
     return res

@@ -108,6 +108,7 @@ class Simulation:
         self.check_every = max(1, check_every)
         self.schedule_s = 0.0
         self.update_s = 0.0
+        self.last_tokens = (0, 0)  # (prefill, decode) tokens of the last step
         hash_bs = min(g.block_size for g in self.groups)
         self.requests = [Request(w.req_id, i, w.arrival_step, list(w.prompt), w.max_tokens, w.priority,
                                  w.output_seed, hash_bs) for i, w in enumerate(workload.requests)]
@@ -235,6 +236,7 @@ class Simulation:
         stats.scheduled_tokens += scheduled_tokens
         stats.decode_tokens += decode_tokens
         stats.output_tokens += out_tokens
+        self.last_tokens = (scheduled_tokens - decode_tokens, decode_tokens)
         return sampled, accepted
 
     def _stream(self, req: Request) -> list[int]:

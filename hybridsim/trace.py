@@ -43,16 +43,18 @@ def _dumps(obj) -> str:
 
 
 def header_dict(scenario_json: dict, groups: list[GroupSpec], requests: list[WorkloadRequest],
-                source: str) -> dict:
+                source: str, inject_bug: tuple[str, ...] = ()) -> dict:
     return {
         "format": FORMAT,
         "version": VERSION,
         "source": source,
+        **({"inject_bug": sorted(inject_bug)} if inject_bug else {}),
         "scenario": scenario_json,
         "groups": [{"group_id": g.group_id, "kind": g.kind, "block_size": g.block_size,
                     "layers": list(g.layers), "mode": g.mode, "num_spec": g.num_spec} for g in groups],
         "requests": [{"id": r.req_id, "arrival_step": r.arrival_step, "prompt_len": len(r.prompt),
-                      "max_tokens": r.max_tokens, **({"priority": r.priority} if r.priority else {})}
+                      "max_tokens": r.max_tokens, "output_seed": r.output_seed,
+                      **({"priority": r.priority} if r.priority else {})}
                      for r in requests],
     }
 
@@ -302,7 +304,7 @@ def read_trace_requests(path: str | Path) -> Iterator[tuple[WorkloadRequest, int
         if r["id"] not in prompts:
             continue  # never admitted in the trace
         yield WorkloadRequest(r["id"], r["arrival_step"], prompts[r["id"]], r["max_tokens"],
-                              r.get("priority", 0)), 1
+                              r.get("priority", 0), r.get("output_seed", 0)), 1
 
 
 def write_trace(path: str | Path, header: dict, records: list[tuple[StepPlan, StepOutcome]]) -> None:

@@ -9,6 +9,7 @@ with values recomputed from the committed tokens alone.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Optional
@@ -73,6 +74,8 @@ class Executor:
         self.reqs: dict[str, ExecRequest] = {}
         self.blocks = BlockMap()
         self.timings: dict[str, float] = {"mamba": 0.0, "mla": 0.0, "oracle": 0.0, "copies": 0.0}
+        self.last_copies = 0  # state copies (request x layer) made by the last step
+        self.output_digest = hashlib.sha256()  # every checked output, in step order (golden traces)
         seed = scenario.seed
         self.mode = scenario.cache.resolved_mode()
         # Mamba
@@ -117,6 +120,7 @@ class Executor:
 
     # ------------------------------------------------------------------ step
     def step(self, plan: StepPlan, outcome: StepOutcome) -> None:
+        self.last_copies = 0
         resumed = [s.req_id for s in plan.scheduled if s.is_new and s.resumed]
         for rid in plan.finished:
             self.reqs.pop(rid, None)
@@ -223,6 +227,7 @@ class Executor:
     def _apply_copies(self, layer: int, copies: list[tuple[ExecRequest, Copy]], step: int) -> None:
         if not copies:
             return
+        self.last_copies += len(copies)
         cache = self.mcache[layer]
         conv = cache.conv.data
         temporal = cache.temporal.data
@@ -356,6 +361,7 @@ class Executor:
             c, k = s.num_computed_tokens, committed[i]
             for layer in range(len(self.mprobes)):
                 got = outs[layer][i, :k]
+                self.output_digest.update(got.numpy().tobytes())
                 exp = torch.stack([self.moracle.output(r.rid, layer, c + t) for t in range(k)])
                 if torch.equal(got, exp):
                     out_tally.passed(k)
@@ -484,6 +490,8 @@ class Executor:
                 positions = list(range(c, c + k))
                 exp = mla_expected(probe, r.tokens, positions)
                 got = outs[layer][i][:k]
+                # attention outputs are compared within a tolerance: digest them rounded
+                self.output_digest.update(torch.round(got.double() * 1e3).numpy().tobytes())
                 a, rel = _rel_err(got, exp)
                 tally.max_abs_err = max(tally.max_abs_err, a)
                 tally.max_rel_err = max(tally.max_rel_err, rel)
@@ -493,6 +501,21 @@ class Executor:
                     tally.failed(Failure(plan.step, s.req_id, f"attention output off by rel {rel:.2e} "
                                                               f"(tolerance {self.tol:g})", layer=f"mla{layer}",
                                          position=c, max_abs_err=a, max_rel_err=rel))
+
+
+    def state_digests(self) -> dict[str, str]:
+        """sha256 of every cache page, in physical block order, per layer."""
+        order = [self.blocks.rows[b] for b in sorted(self.blocks.rows) if b != 0]
+        out = {}
+        for layer, c in enumerate(self.mcache):
+            h = hashlib.sha256()
+            for t in (c.conv.data, c.temporal.data):
+                h.update(t[order].numpy().tobytes())
+            out[f"mamba{layer}.state"] = h.hexdigest()
+        for layer, c in enumerate(self.lcache):
+            out[f"mla{layer}.latent_cache"] = hashlib.sha256(c.data[order].float().numpy().tobytes()).hexdigest()
+        out["outputs"] = self.output_digest.hexdigest()
+        return out
 
 
 class _NullRead(Exception):

@@ -1,0 +1,86 @@
+"""Golden traces: replay every trace of a folder and compare with its ``NAME.expected.json``.
+
+The expected file holds what a behaviour change would move: steps and requests,
+per-check comparison counts and failures, and digests of the final caches and of
+every checked output. ``update`` rewrites the files deliberately and says what changed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import InputError
+from .replay import ReplayResult, replay_trace
+
+
+def expected_of(res: ReplayResult) -> dict:
+    return {
+        "trace": res.path.name,
+        "steps": res.steps,
+        "requests": res.requests,
+        "checks": {t.name: {"count": t.count, "failures": t.failures} for t in res.checks.tallies.values()},
+        "digests": res.digests,
+    }
+
+
+def _diff(want: dict, got: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key in sorted(set(want) | set(got)):
+        a, b = want.get(key), got.get(key)
+        name = f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.extend(_diff(a, b, name + "."))
+        elif a != b:
+            short = lambda v: (v[:12] + "…") if isinstance(v, str) and len(v) > 16 else v  # noqa: E731
+            out.append(f"{name}: {short(a)} -> {short(b)}")
+    return out
+
+
+@dataclass
+class GoldenRow:
+    trace: str
+    steps: int
+    comparisons: int
+    result: str  # pass | FAIL | updated | unchanged | no expected file
+    differences: list[str] = field(default_factory=list)
+
+
+def traces_in(folder: Path) -> list[Path]:
+    if not folder.is_dir():
+        raise InputError("not a folder", str(folder))
+    found = sorted(p for p in folder.glob("*.jsonl"))
+    if not found:
+        raise InputError("no *.jsonl traces in this folder", str(folder))
+    return found
+
+
+def check_folder(folder: Path, update: bool = False, **replay_kw) -> list[GoldenRow]:
+    rows = []
+    for trace in traces_in(folder):
+        res = replay_trace(trace, **replay_kw)
+        got = expected_of(res)
+        exp_path = trace.with_name(trace.name[: -len(".jsonl")] + ".expected.json")
+        comparisons = sum(t.count for t in res.checks.tallies.values())
+        if update:
+            old = json.loads(exp_path.read_text()) if exp_path.exists() else None
+            diffs = ["created"] if old is None else _diff(old, got)
+            tmp = exp_path.with_name(exp_path.name + ".partial")
+            tmp.write_text(json.dumps(got, indent=2, sort_keys=True) + "\n")
+            tmp.replace(exp_path)
+            rows.append(GoldenRow(trace.name, res.steps, comparisons, "updated" if diffs else "unchanged", diffs))
+            continue
+        if not exp_path.exists():
+            rows.append(GoldenRow(trace.name, res.steps, comparisons, "no expected file",
+                                  [f"run with --update-expected to create {exp_path.name}"]))
+            continue
+        try:
+            want = json.loads(exp_path.read_text())
+        except json.JSONDecodeError as e:
+            raise InputError(f"not valid JSON ({e.msg})", f"{exp_path}:{e.lineno}") from None
+        diffs = _diff(want, got)
+        failed = [f"{t.name}: {t.failures} failures" for t in res.checks.tallies.values() if t.failures]
+        rows.append(GoldenRow(trace.name, res.steps, comparisons, "FAIL" if diffs or failed else "pass",
+                              diffs + failed))
+    return rows
