@@ -70,6 +70,9 @@ class CacheSection(_Strict):
     enable_prefix_caching: bool = True
     mamba_cache_mode: Optional[Literal["none", "align", "all"]] = Field(
         None, description="none | align | all; default align with prefix caching, else none")
+    page_size_bytes: Optional[int] = Field(
+        None, ge=1, description="modelled bytes per Mamba state page (engines pad pages to one unified "
+                                "size, often MBs); default: the natural state size")
 
     def resolved_mode(self) -> str:
         if self.mamba_cache_mode is not None:

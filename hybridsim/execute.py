@@ -24,6 +24,8 @@ BUGS: dict[str, tuple[str, str]] = {
                                "mamba.chunk_meta"),
     "rejected_state_kept": ("after a partly rejected draft run, the state after the last draft is kept",
                             "ssm.running_state"),
+    "int32_block_offset": ("state-page addresses computed as block_id x page_bytes in 32-bit arithmetic: "
+                           "pages past 2 GiB wrap onto other pages", "ssm.running_state"),
     "ctx_chunk_unaligned": ("MLA prefill context chunks start off page boundaries", "mla.output"),
     "lse_base2": ("partial attentions merged with exp2 against natural-log lse", "mla.output"),
     "lse_unmasked": ("an empty context partial (lse -inf) is merged without sanitising", "mla.output"),

@@ -58,6 +58,7 @@ BUG_SCENARIOS = {
     "ctx_chunk_unaligned": "mla_long_context",
     "lse_base2": "mla_long_context",
     "lse_unmasked": "mla_long_context",
+    "int32_block_offset": "large_pages",
 }
 
 

@@ -100,6 +100,10 @@ class Executor:
             self.moracle = MambaOracle(self.mprobes, bs_m)
             self.bs_m = bs_m
             self.conv_rows = rows
+            natural = mg.state_bytes(self.S)
+            self.page_bytes = scenario.cache.page_size_bytes or natural
+            self.int32_pages = "int32_block_offset" in self.bugs
+            self.wrapped_accesses = 0
         # MLA
         self.lprobes: list[MLAProbe] = []
         self.lcache: list[PagedTensor] = []
@@ -204,7 +208,23 @@ class Executor:
         row = r.rows[group]
         if col < 0 or col >= len(row) or row[col] == 0:
             raise _NullRead(f"step {step}: {r.rid} needs column {col} of group {group}, which holds no block")
-        return self.blocks.row(row[col])
+        block = row[col]
+        if self.int32_pages:
+            block = self._int32_page(block)
+        return self.blocks.row(block)
+
+    def _int32_page(self, block: int) -> int:
+        """The page a kernel reaches when it computes ``block * page_bytes`` in 32-bit
+        arithmetic (the injected bug): past 2 GiB the address wraps to another page."""
+        page = self.page_bytes
+        addr = (block * page) & 0xFFFFFFFF
+        if addr >= 1 << 31:
+            addr -= 1 << 32
+        wrapped = addr // page
+        if wrapped == block:
+            return block
+        self.wrapped_accesses += 1
+        return wrapped if wrapped > 0 else 0  # a negative address lands outside the cache: the NaN page
 
     def _check_chunk_meta(self, plan: StepPlan, meta) -> None:
         pre = meta.order[meta.num_decodes:]
