@@ -41,10 +41,10 @@ def resolve_device(requested: str) -> str:
 
 
 def resolve_kernels(requested: str, notes: list[str]):
-    if requested not in PROVIDERS:
-        notes.append(f"kernels: {requested!r} provider is not in this build; using 'reference' (plain torch)")
-        requested = "reference"
-    return get_kernels(requested)
+    try:
+        return get_kernels(requested)
+    except ImportError as e:
+        raise EnvironmentProblem(f"--kernels {requested}: {e}") from None
 
 
 def check_bugs(names: list[str]) -> set[str]:
@@ -68,10 +68,15 @@ def make_executor(s: Scenario, groups, checks: Checks, check: str, bugs: set[str
                   device: str, notes: list[str]) -> Optional[Executor]:
     dev = resolve_device(device)
     k = resolve_kernels(kernels, notes)
-    if dev == "cuda" and k.name == "reference":
-        notes.append("the reference provider executes on the CPU in this build (GPU execution comes with "
-                     "the Triton provider)")
+    if dev == "cuda":
+        notes.append("the executor keeps its caches on the CPU in this build (GPU-resident execution is not "
+                     "done yet); Triton kernels run under the interpreter there")
         dev = "cpu"
+    if k.name != "reference":
+        from .kernels.checked import CheckedKernels
+        if not torch.cuda.is_available():
+            notes.append("Triton kernels run under TRITON_INTERPRET=1 (no GPU): correct, not fast")
+        k = CheckedKernels(k, checks)
     if s.geometry().attention is not None:
         notes.append("GQA attention layers are planned (their blocks are tracked) but not executed; "
                      "Mamba and MLA layers are executed and checked")

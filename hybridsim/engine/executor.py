@@ -448,11 +448,11 @@ class Executor:
                 pre = self._prefill_path(probe, q_nope, q_pe, cache, block_row, c, n)
                 out = dec if i in decode_rows else pre
                 a, rel = _rel_err(dec, pre)
+                paths.max_abs_err = max(paths.max_abs_err, a)
+                paths.max_rel_err = max(paths.max_rel_err, rel)
                 if rel <= self.tol:
                     paths.passed()
                 else:
-                    paths.max_abs_err = max(paths.max_abs_err, a)
-                    paths.max_rel_err = max(paths.max_rel_err, rel)
                     paths.failed(Failure(plan.step, s.req_id, f"prefill and decode paths differ (rel {rel:.2e})",
                                          layer=f"mla{layer}", max_abs_err=a, max_rel_err=rel))
                 layer_out.append(out)

@@ -1,0 +1,1 @@
+"""Probe layers: Mamba and MLA."""

@@ -1,0 +1,1 @@
+"""Scheduler and KV cache manager (blocks, never tensors)."""

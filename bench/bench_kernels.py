@@ -1,0 +1,166 @@
+"""Kernel benchmarks on the GPU: measured ceilings, then each kernel's time, bytes, FLOPs and
+% of the ceiling, with the torch equivalent beside it. One command, one JSON:
+
+    python bench/bench_kernels.py --out results.json
+
+Ceilings are measured in the same run: a large device-to-device copy (bytes read + written)
+and a large bf16 matmul. Timings are medians of triton.testing.do_bench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hybridsim.kernels.triton_kernels import TritonKernels, fused_state_copy  # noqa: E402
+
+T = TritonKernels()
+
+
+def bench(fn, rep=200):
+    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median") * 1e-3  # seconds
+
+
+def ceilings():
+    x = torch.empty(2 ** 30, dtype=torch.float32, device="cuda").normal_()  # 4 GiB
+    y = torch.empty_like(x)
+    t = bench(lambda: y.copy_(x))
+    copy_bw = 2 * x.numel() * 4 / t
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    t = bench(lambda: a @ b)
+    del x, y
+    return copy_bw, 2 * 8192 ** 3 / t
+
+
+def state_copy_rows(copy_bw):
+    """Nemotron-H-8B: 24 Mamba layers, conv (K-1+S)=6 x 10240 bf16, temporal 128x64x128 fp32; S=3."""
+    rows = []
+    layers, crow, cdim, tshape = 24, 6, 128 * 64 + 2 * 8 * 128, (128, 64, 128)
+    for n in (1, 8, 64, 256):
+        pages = 2 * n + 1
+        conv = torch.randn(layers, pages, crow, cdim, dtype=torch.bfloat16, device="cuda")
+        temporal = torch.randn(layers, pages, *tshape, dtype=torch.float32, device="cuda")
+        src = torch.arange(1, n + 1, device="cuda")
+        dst = torch.arange(n + 1, 2 * n + 1, device="cuda")
+        off = torch.randint(0, 4, (n,), device="cuda")
+        tsrc = src  # bias column: another block; same size either way
+        bytes_moved = n * layers * (2 * temporal[0, 0].numel() * 4) + int(2 * (crow - off.float().mean()) * cdim * 2 * n * layers)
+        t = bench(lambda: fused_state_copy(conv, temporal, src, dst, off, tsrc))
+        tt = bench(lambda: temporal.__setitem__((slice(None), dst), temporal[:, tsrc]))
+        rows.append({"kernel": "state_copy", "case": f"{n} requests x 24 layers", "time_us": t * 1e6,
+                     "bytes": bytes_moved, "GBps": bytes_moved / t / 1e9, "pct_ceiling": 100 * bytes_moved / t / copy_bw,
+                     "torch_time_us": tt * 1e6})
+        del conv, temporal
+        torch.cuda.empty_cache()
+    # a tiny-model step: 2 layers, 4 requests
+    conv = torch.randn(2, 9, 3, 96, device="cuda")
+    temporal = torch.randn(2, 9, 4, 16, 16, device="cuda")
+    src, dst = torch.arange(1, 5, device="cuda"), torch.arange(5, 9, device="cuda")
+    off = torch.zeros(4, dtype=torch.int64, device="cuda")
+    t = bench(lambda: fused_state_copy(conv, temporal, src, dst, off, src))
+    rows.append({"kernel": "state_copy", "case": "tiny model step (2 layers, 4 requests)", "time_us": t * 1e6,
+                 "bytes": 0, "GBps": 0, "pct_ceiling": 0, "torch_time_us": 0})
+    return rows
+
+
+def mla_rows(copy_bw, flops, configs):
+    rows = []
+    H, L, R, page = 128, 512, 64, 64
+    for B in (1, 32, 128):
+        for ctx in (1024, 4096, 16384):
+            blocks = ctx // page
+            cache = torch.randn(B * blocks + 1, page, L + R, dtype=torch.bfloat16, device="cuda")
+            table = (torch.randperm(B * blocks, device="cuda") + 1).view(B, blocks)
+            lens = torch.full((B,), ctx, device="cuda")
+            q_lat = torch.randn(B, 1, H, L, device="cuda")
+            q_pe = torch.randn(B, 1, H, R, device="cuda")
+            bytes_read = B * ctx * (L + R) * 2
+            fl = B * H * ctx * 2 * (L + R + L)
+            floor = max(bytes_read / copy_bw, fl / flops)
+            best = None
+            for bm, bn, nw in configs:
+                try:
+                    t = bench(lambda: T.mla_decode_batched(q_lat, q_pe, cache, table, lens, L, 0.1352338,
+                                                           block_m=bm, block_n=bn, num_warps=nw), rep=100)
+                except Exception as e:  # a config that does not compile (registers/shared memory)
+                    print(f"  config {bm},{bn},{nw} failed: {type(e).__name__}", flush=True)
+                    continue
+                if best is None or t < best[0]:
+                    best = (t, (bm, bn, nw))
+            kv = cache[table.flatten()].view(B, ctx, L + R).float()
+
+            def torch_ref():
+                s = torch.einsum("bhl,bnl->bhn", q_lat[:, 0], kv[..., :L]) + torch.einsum("bhr,bnr->bhn", q_pe[:, 0], kv[..., L:])
+                return torch.softmax(s * 0.1352338, -1) @ kv[..., :L]
+            tt = bench(torch_ref, rep=50) if B * ctx <= 32 * 16384 else None
+            rows.append({"kernel": "mla_decode", "case": f"B={B} ctx={ctx}", "time_us": best[0] * 1e6,
+                         "config": best[1], "bytes": bytes_read, "flops": fl, "floor_us": floor * 1e6,
+                         "pct_floor": 100 * floor / best[0], "GBps": bytes_read / best[0] / 1e9,
+                         "torch_time_us": tt * 1e6 if tt else None})
+            print(rows[-1], flush=True)
+            del cache, kv
+            torch.cuda.empty_cache()
+    return rows
+
+
+def memory_rows(copy_bw):
+    rows = []
+    n, D = 262144, 512
+    o_a = torch.randn(n, 1, D, device="cuda")
+    o_b = torch.randn(n, 1, D, device="cuda")
+    l_a, l_b = torch.randn(n, 1, device="cuda"), torch.randn(n, 1, device="cuda")
+    t = bench(lambda: T.merge_states(o_a, l_a, o_b, l_b))
+    byts = 3 * n * D * 4 + 3 * n * 4
+    rows.append({"kernel": "merge_states", "case": f"{n} rows x {D}", "time_us": t * 1e6, "bytes": byts,
+                 "GBps": byts / t / 1e9, "pct_ceiling": 100 * byts / t / copy_bw})
+    del o_a, o_b
+    N, dim, page = 1 << 20, 576, 64
+    cache = torch.empty(N // page + 8, page, dim, dtype=torch.bfloat16, device="cuda")
+    entries = torch.randn(N, dim, dtype=torch.bfloat16, device="cuda")
+    slots = torch.randperm(N, device="cuda")
+    t = bench(lambda: T.concat_and_cache(entries, slots, cache))
+    byts = 2 * N * dim * 2
+    rows.append({"kernel": "cache_ops.concat_and_cache", "case": f"{N} entries x {dim} bf16", "time_us": t * 1e6,
+                 "bytes": byts, "GBps": byts / t / 1e9, "pct_ceiling": 100 * byts / t / copy_bw})
+    row = torch.randperm(N // page, device="cuda")
+    t = bench(lambda: T.gather_cache(cache, row, 0, N))
+    rows.append({"kernel": "cache_ops.gather_cache", "case": f"{N} entries x {dim} bf16", "time_us": t * 1e6,
+                 "bytes": byts, "GBps": byts / t / 1e9, "pct_ceiling": 100 * byts / t / copy_bw})
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--mla-configs", default="16,32,4;32,32,4;64,32,8;64,64,8")
+    args = ap.parse_args()
+    configs = [tuple(int(x) for x in c.split(",")) for c in args.mla_configs.split(";")]
+    props = torch.cuda.get_device_properties(0)
+    copy_bw, flops = ceilings()
+    print(f"{props.name}: copy {copy_bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s", flush=True)
+    rows = state_copy_rows(copy_bw)
+    for r in rows:
+        print(r, flush=True)
+    rows += memory_rows(copy_bw)
+    rows += mla_rows(copy_bw, flops, configs)
+    args.out.write_text(json.dumps({"device": props.name, "sms": props.multi_processor_count,
+                                    "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+                                    "triton": triton.__version__, "copy_TBps": copy_bw / 1e12,
+                                    "bf16_TFLOPs": flops / 1e12, "rows": rows}, indent=2))
+    print(f"\n{'kernel':28s} {'case':34s} {'time':>10s} {'%':>7s}")
+    for r in rows:
+        pct = r.get("pct_floor", r.get("pct_ceiling", 0))
+        print(f"{r['kernel']:28s} {r['case']:34s} {r['time_us']:9.1f}us {pct:6.1f}%")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Execution: metadata, state bookkeeping, caches, and the executor."""

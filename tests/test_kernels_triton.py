@@ -1,0 +1,199 @@
+"""Triton kernels against their torch references: fresh random inputs, poisoned outputs,
+shuffled block tables, NaN in unused cache rows, lengths 0/1/odd, odd head counts.
+
+On a CPU these run under the Triton interpreter at small sizes (CI). ``-m gpu`` runs
+them at real sizes on the device, plus a cache larger than 2^31 bytes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hybridsim.kernels.reference import ReferenceKernels  # noqa: E402
+from hybridsim.kernels.triton_kernels import TritonKernels, fused_state_copy  # noqa: E402
+
+REF = ReferenceKernels()
+TRI = TritonKernels()
+GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"
+
+
+def cos_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """FlashMLA-style: 1 - 2<a,b> / (|a|^2 + |b|^2); 0 for identical tensors."""
+    a, b = a.double().flatten(), b.double().flatten()
+    denom = (a * a).sum() + (b * b).sum()
+    return float(1 - 2 * (a * b).sum() / denom) if denom > 0 else 0.0
+
+
+def same_specials(a, b):
+    return torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(torch.isinf(a), torch.isinf(b))
+
+
+# ----------------------------------------------------------------------------- state copies
+
+def _copy_case(pages, rows, dim, tshape, n, gen):
+    conv = torch.randn(pages, rows, dim, generator=gen).to(DEV)
+    temporal = torch.randn(pages, *tshape, generator=gen).to(DEV)
+    conv[0] = float("nan")  # the null page: never a source
+    perm = torch.randperm(pages - 1, generator=gen)[: 2 * n] + 1
+    src, dst = perm[:n], perm[n:2 * n]
+    off = torch.randint(0, rows, (n,), generator=gen)
+    return conv, temporal, src, dst, off
+
+
+@pytest.mark.parametrize("rows,dim,n", [(3, 96, 1), (6, 288, 5), (4, 33, 7)])
+def test_state_copy_bit_exact(rows, dim, n):
+    gen = torch.Generator().manual_seed(rows * 100 + n)
+    conv, temporal, src, dst, off = _copy_case(40, rows, dim, (4, 16, 16), n, gen)
+    want_c, want_t = conv.clone(), temporal.clone()
+    REF.state_copy(want_c, None, src, dst, off, rows)
+    REF.temporal_copy(want_t, src, dst)
+    TRI.state_copy(conv, temporal, src, dst, off, rows)
+    TRI.temporal_copy(temporal, src, dst)
+    assert torch.equal(conv.nan_to_num(7.0), want_c.nan_to_num(7.0)) and same_specials(conv, want_c)
+    assert torch.equal(temporal, want_t)
+
+
+def test_state_copy_in_place_shift_is_memmove():
+    gen = torch.Generator().manual_seed(5)
+    conv = torch.randn(4, 6, 1500, generator=gen).to(DEV)  # > one 1024-element tile per row
+    want = conv.clone()
+    idx = torch.tensor([2])
+    REF.state_copy(want, None, idx, idx, torch.tensor([3]), 6)
+    TRI.state_copy(conv, None, idx, idx, torch.tensor([3]), 6)
+    assert torch.equal(conv, want)
+
+
+def test_fused_state_copy_matches_per_layer_reference():
+    gen = torch.Generator().manual_seed(11)
+    layers, pages, rows, dim = 3, 24, 5, 40
+    conv = torch.randn(layers, pages, rows, dim, generator=gen).to(DEV)
+    temporal = torch.randn(layers, pages, 2, 8, 6, generator=gen).to(DEV)
+    perm = torch.randperm(pages - 1, generator=gen) + 1
+    src, dst = perm[:4], perm[4:8]
+    off = torch.tensor([0, 1, 2, 4])
+    tsrc = perm[8:12]
+    want_c, want_t = conv.clone(), temporal.clone()
+    for layer in range(layers):
+        REF.state_copy(want_c[layer], None, src, dst, off, rows)
+        REF.temporal_copy(want_t[layer], tsrc, dst)
+    fused_state_copy(conv, temporal, src, dst, off, tsrc, block=64)
+    assert torch.equal(conv, want_c) and torch.equal(temporal, want_t)
+
+
+# ----------------------------------------------------------------------------- cache ops
+
+@pytest.mark.parametrize("page,dim", [(16, 80), (32, 576), (64, 17)])
+def test_concat_and_gather_bit_exact(page, dim):
+    gen = torch.Generator().manual_seed(page + dim)
+    blocks = 12
+    cache = torch.full((blocks, page, dim), float("nan")).to(DEV)
+    row = (torch.randperm(blocks - 1, generator=gen) + 1)[:5]
+    n = 3 * page + 5
+    slots = torch.tensor([int(row[p // page]) * page + p % page for p in range(n)])
+    entries = torch.randn(n, dim, generator=gen).to(DEV)
+    want = cache.clone()
+    REF.concat_and_cache(entries, slots, want)
+    TRI.concat_and_cache(entries, slots, cache)
+    assert torch.equal(cache.nan_to_num(3.0), want.nan_to_num(3.0))
+    for start, length in ((0, n), (page, 1), (2 * page, 5), (0, 0)):
+        got = TRI.gather_cache(cache, row, start, length)
+        assert torch.equal(got, REF.gather_cache(want, row, start, length))
+    with pytest.raises(ValueError):
+        TRI.gather_cache(cache, row, 1, 2)
+
+
+# ----------------------------------------------------------------------------- merge
+
+def test_merge_states_with_guards():
+    gen = torch.Generator().manual_seed(3)
+    o_a, o_b = torch.randn(7, 5, 24, generator=gen).to(DEV), torch.randn(7, 5, 24, generator=gen).to(DEV)
+    l_a, l_b = torch.randn(7, 5, generator=gen).to(DEV), torch.randn(7, 5, generator=gen).to(DEV)
+    l_a[0] = float("-inf")  # one side empty
+    l_a[1] = l_b[1] = float("-inf")  # both empty
+    o_a[0] = 0.0
+    got = TRI.merge_states(o_a, l_a, o_b, l_b)
+    want = REF.merge_states(o_a, l_a, o_b, l_b)
+    assert same_specials(got[1], want[1]) and not torch.isnan(got[0]).any()
+    assert torch.allclose(got[0], want[0], atol=1e-6, rtol=1e-6)
+    assert torch.allclose(got[1].nan_to_num(0, 0, 0), want[1].nan_to_num(0, 0, 0), atol=1e-6)
+    assert torch.equal(got[0][1], torch.zeros_like(got[0][1])) and torch.isneginf(got[1][1]).all()
+
+
+# ----------------------------------------------------------------------------- MLA decode
+
+def _mla_case(B, nq, H, L, R, page, lens, dtype, gen):
+    max_blocks = max(-(-n // page) for n in lens)
+    pages = B * max_blocks + 3
+    cache = torch.full((pages, page, L + R), float("nan"), dtype=dtype)
+    table = torch.zeros(B, max_blocks, dtype=torch.int64)
+    perm = torch.randperm(pages - 1, generator=gen) + 1
+    k = 0
+    for b, n in enumerate(lens):
+        for j in range(-(-n // page)):
+            table[b, j] = perm[k]
+            cache[perm[k]] = torch.randn(page, L + R, generator=gen).to(dtype)
+            k += 1
+    q_lat = torch.randn(B, nq, H, L, generator=gen)
+    q_pe = torch.randn(B, nq, H, R, generator=gen)
+    return q_lat.to(DEV), q_pe.to(DEV), cache.to(DEV), table.to(DEV)
+
+
+@pytest.mark.parametrize("nq,H,page,lens", [(1, 8, 16, [37, 1, 64]), (3, 5, 32, [33, 7, 96]),
+                                            (4, 16, 64, [130, 4])])
+def test_mla_decode_matches_reference(nq, H, page, lens):
+    gen = torch.Generator().manual_seed(nq * 7 + H)
+    L, R = 64, 16
+    lens = [max(n, nq) for n in lens]
+    q_lat, q_pe, cache, table = _mla_case(len(lens), nq, H, L, R, page, lens, torch.float32, gen)
+    o, lse = TRI.mla_decode_batched(q_lat, q_pe, cache, table, torch.tensor(lens), L, 0.125, num_splits=2)
+    for b, n in enumerate(lens):
+        ro, rl = REF.mla_decode(q_lat[b].cpu(), q_pe[b].cpu(), cache.cpu(), table[b].cpu(), n, L, 0.125)
+        assert not torch.isnan(o[b]).any()
+        rel = (o[b].cpu() - ro).abs().max() / ro.abs().max()
+        assert rel < 1e-5 and cos_diff(o[b].cpu(), ro) < 1e-9
+        assert torch.allclose(lse[b].cpu(), rl, atol=1e-5)
+
+
+def test_mla_decode_split_count_does_not_matter():
+    gen = torch.Generator().manual_seed(9)
+    q_lat, q_pe, cache, table = _mla_case(2, 2, 4, 64, 16, 16, [90, 45], torch.float32, gen)
+    lens = torch.tensor([90, 45])
+    a = TRI.mla_decode_batched(q_lat, q_pe, cache, table, lens, 64, 0.2, num_splits=1)
+    b = TRI.mla_decode_batched(q_lat, q_pe, cache, table, lens, 64, 0.2, num_splits=3)
+    assert torch.allclose(a[0], b[0], atol=1e-5) and torch.allclose(a[1], b[1], atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- GPU, real sizes
+
+@pytest.mark.gpu
+def test_gpu_mla_decode_deepseek_shapes_bf16():
+    gen = torch.Generator().manual_seed(1)
+    lens = [4096, 1000, 1]
+    q_lat, q_pe, cache, table = _mla_case(3, 1, 128, 512, 64, 64, lens, torch.bfloat16, gen)
+    o, lse = TRI.mla_decode_batched(q_lat, q_pe, cache, table, torch.tensor(lens), 512, 0.1352338)
+    for b, n in enumerate(lens):
+        ro, rl = REF.mla_decode(q_lat[b].cpu(), q_pe[b].cpu(), cache.cpu().float(), table[b].cpu(), n, 512, 0.1352338)
+        rel = float((o[b].cpu() - ro).abs().max() / ro.abs().max())
+        assert rel < 2e-2 and cos_diff(o[b].cpu(), ro) < 1e-4, rel
+
+
+@pytest.mark.gpu
+def test_gpu_state_copy_past_2gib():
+    """A temporal cache larger than 2^31 bytes: block id x stride must not wrap in 32 bits."""
+    pages = 600
+    temporal = torch.zeros(2, pages, 128, 64, 64, device="cuda")  # 2 MiB pages: 2.5 GB in all
+    assert temporal.numel() * 4 > 2 ** 31
+    conv = torch.randn(2, pages, 4, 256, device="cuda")
+    src = torch.tensor([pages - 2], device="cuda")
+    dst = torch.tensor([pages - 1], device="cuda")
+    temporal[1, pages - 2].normal_()
+    fused_state_copy(conv, temporal, src, dst, torch.tensor([1], device="cuda"), src)
+    assert torch.equal(temporal[1, pages - 1], temporal[1, pages - 2])
+    assert torch.equal(conv[1, pages - 1, :3], conv[1, pages - 2, 1:])
