@@ -60,14 +60,22 @@ def test_state_copy_bit_exact(rows, dim, n):
     assert torch.equal(temporal, want_t)
 
 
-def test_state_copy_in_place_shift_is_memmove():
+@pytest.mark.parametrize("dim,shift", [(1500, 3), (40, 1), (96, 2)])
+def test_state_copy_in_place_shift_is_memmove(dim, shift):
+    """Shifts both larger and smaller than one tile: sources must be read before overwritten."""
     gen = torch.Generator().manual_seed(5)
-    conv = torch.randn(4, 6, 1500, generator=gen).to(DEV)  # > one 1024-element tile per row
+    conv = torch.randn(4, 6, dim, generator=gen).to(DEV)
+    temporal = torch.randn(4, 1, 2, 2, generator=gen).to(DEV)
     want = conv.clone()
     idx = torch.tensor([2])
-    REF.state_copy(want, None, idx, idx, torch.tensor([3]), 6)
-    TRI.state_copy(conv, None, idx, idx, torch.tensor([3]), 6)
+    REF.state_copy(want, None, idx, idx, torch.tensor([shift]), 6)
+    TRI.state_copy(conv, None, idx, idx, torch.tensor([shift]), 6)
     assert torch.equal(conv, want)
+    fused = conv.clone()[None]
+    want_f = fused.clone()
+    REF.state_copy(want_f[0], None, idx, idx, torch.tensor([shift]), 6)
+    fused_state_copy(fused, temporal[None], idx, idx, torch.tensor([shift]), idx)
+    assert torch.equal(fused, want_f)
 
 
 def test_fused_state_copy_matches_per_layer_reference():

@@ -34,6 +34,7 @@ def _conv_copy_kernel(conv, src, dst, off, page_stride, row_elems, rows, BLOCK: 
         idx = start + tl.arange(0, BLOCK).to(tl.int64)
         m = idx < n
         v = tl.load(sbase + idx, mask=m)
+        tl.debug_barrier()  # every lane has loaded before any lane stores: in-place shifts stay memmove
         tl.store(dbase + idx, v, mask=m)
 
 
@@ -67,20 +68,22 @@ def _fused_state_copy_kernel(conv, temporal, src, dst, off, tsrc, layers,
         ts = tl.load(tsrc + i).to(tl.int64)
         idx = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
         m = idx < t_page_elems
-        base = temporal + layer * t_layer_stride
-        v = tl.load(base + ts * t_page_stride + idx, mask=m)
-        tl.store(base + d * t_page_stride + idx, v, mask=m)
+        tbase = temporal + layer * t_layer_stride
+        v = tl.load(tbase + ts * t_page_stride + idx, mask=m)
+        tl.store(tbase + d * t_page_stride + idx, v, mask=m)
     else:
         s = tl.load(src + i).to(tl.int64)
         o = tl.load(off + i).to(tl.int64)
         n = (conv_rows - o) * conv_row_elems
-        base = conv + layer * conv_layer_stride
-        sbase = base + s * conv_page_stride + o * conv_row_elems
-        dbase = base + d * conv_page_stride
+        cbase = conv + layer * conv_layer_stride
+        sbase = cbase + s * conv_page_stride + o * conv_row_elems
+        dbase = cbase + d * conv_page_stride
         for start in range(0, n, CONV_BLOCK):
             j = start + tl.arange(0, CONV_BLOCK).to(tl.int64)
             mm = j < n
-            tl.store(dbase + j, tl.load(sbase + j, mask=mm), mask=mm)
+            cv = tl.load(sbase + j, mask=mm)
+            tl.debug_barrier()  # loads before stores: in-place shifts stay memmove
+            tl.store(dbase + j, cv, mask=mm)
 
 
 def fused_state_copy(conv: torch.Tensor, temporal: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
@@ -96,7 +99,7 @@ def fused_state_copy(conv: torch.Tensor, temporal: torch.Tensor, src: torch.Tens
     _fused_state_copy_kernel[(n * layers, tiles + 1)](
         conv, temporal, src.to(dev, torch.int64), dst.to(dev, torch.int64), offset.to(dev, torch.int64),
         tsrc.to(dev, torch.int64), layers, conv.stride(0), conv.stride(1), conv.stride(2), conv.shape[2],
-        temporal.stride(0), temporal.stride(1), t_elems, tiles, BLOCK=block, CONV_BLOCK=1024, num_warps=8)
+        temporal.stride(0), temporal.stride(1), t_elems, tiles, BLOCK=block, CONV_BLOCK=4096, num_warps=8)
 
 
 # ----------------------------------------------------------------------------- cache ops
@@ -114,26 +117,32 @@ def _scatter_rows_kernel(entries, slots, cache, dim, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _gather_rows_kernel(cache, block_row, out, start, page, dim, BLOCK: tl.constexpr):
-    i = tl.program_id(0)
+def _gather_rows_kernel(cache, block_row, out, start, length, page, dim, BLOCK: tl.constexpr,
+                        ROWS: tl.constexpr):
+    """ROWS positions per program, each row read through the block table."""
+    i = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    rm = i < length
     pos = start + i
-    blk = tl.load(block_row + pos // page).to(tl.int64)
-    src = cache + (blk * page + pos % page) * dim
+    blk = tl.load(block_row + pos // page, mask=rm, other=0).to(tl.int64)
+    src = (blk * page + pos % page) * dim
     for c0 in range(0, dim, BLOCK):
         c = c0 + tl.arange(0, BLOCK)
-        m = c < dim
-        tl.store(out + i.to(tl.int64) * dim + c, tl.load(src + c, mask=m), mask=m)
+        m = rm[:, None] & (c < dim)[None, :]
+        v = tl.load(cache + src[:, None] + c[None, :], mask=m)
+        tl.store(out + i[:, None] * dim + c[None, :], v, mask=m)
 
 
 # ----------------------------------------------------------------------------- merge
 
 
 @triton.jit
-def _merge_kernel(oa, la, ob, lb, out, lse_out, D, BLOCK_D: tl.constexpr, BASE2_BUG: tl.constexpr,
-                  UNGUARDED: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)
-    a = tl.load(la + r)
-    b = tl.load(lb + r)
+def _merge_kernel(oa, la, ob, lb, out, lse_out, n_rows, D, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
+                  BASE2_BUG: tl.constexpr, UNGUARDED: tl.constexpr):
+    """ROWS (token, head) rows per program: weights from the two natural-log lse values."""
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    rm = r < n_rows
+    a = tl.load(la + r, mask=rm, other=0.0)
+    b = tl.load(lb + r, mask=rm, other=0.0)
     m = tl.maximum(a, b)
     if not UNGUARDED:
         both = (a == float("-inf")) & (b == float("-inf"))
@@ -154,12 +163,13 @@ def _merge_kernel(oa, la, ob, lb, out, lse_out, D, BLOCK_D: tl.constexpr, BASE2_
         inv = tl.where(empty, 0.0, 1.0 / safe)
         lse = tl.where(empty, float("-inf"), m + tl.log(safe))
     c = tl.arange(0, BLOCK_D)
-    mask = c < D
-    xa = tl.load(oa + r * D + c, mask=mask, other=0.0)
-    xb = tl.load(ob + r * D + c, mask=mask, other=0.0)
-    res = xa * (wa * inv) + xb * (wb * inv)
-    tl.store(out + r * D + c, res, mask=mask)
-    tl.store(lse_out + r, lse)
+    mask = rm[:, None] & (c < D)[None, :]
+    off = r[:, None] * D + c[None, :]
+    xa = tl.load(oa + off, mask=mask, other=0.0)
+    xb = tl.load(ob + off, mask=mask, other=0.0)
+    res = xa * (wa * inv)[:, None] + xb * (wb * inv)[:, None]
+    tl.store(out + off, res, mask=mask)
+    tl.store(lse_out + r, lse, mask=rm)
 
 
 # ----------------------------------------------------------------------------- MLA decode
@@ -276,8 +286,10 @@ class TritonKernels(ReferenceKernels):
         dim = cache.shape[-1]
         out = torch.full((length, dim), float("nan"), dtype=cache.dtype, device=cache.device)  # poisoned
         if length:
-            _gather_rows_kernel[(length,)](cache, block_row.to(cache.device, torch.int64), out, start, page, dim,
-                                           BLOCK=min(_pow2(dim), 1024))
+            rows = 8
+            _gather_rows_kernel[(triton.cdiv(length, rows),)](cache, block_row.to(cache.device, torch.int64), out,
+                                                              start, length, page, dim, BLOCK=min(_pow2(dim), 1024),
+                                                              ROWS=rows)
         return out
 
     def merge_states(self, o_a, lse_a, o_b, lse_b, base2_bug=False, unguarded=False):
@@ -287,9 +299,11 @@ class TritonKernels(ReferenceKernels):
         out = torch.full(o_a.shape, float("nan"), dtype=torch.float32, device=o_a.device)
         lse = torch.full(lse_a.shape, float("nan"), dtype=torch.float32, device=lse_a.device)
         if rows:
-            _merge_kernel[(rows,)](o_a.contiguous().float(), lse_a.contiguous().float(), o_b.contiguous().float(),
-                                   lse_b.contiguous().float(), out, lse, D, BLOCK_D=_pow2(D),
-                                   BASE2_BUG=base2_bug, UNGUARDED=unguarded)
+            per = max(1, min(16, 4096 // _pow2(D)))
+            _merge_kernel[(triton.cdiv(rows, per),)](o_a.contiguous().float(), lse_a.contiguous().float(),
+                                                     o_b.contiguous().float(), lse_b.contiguous().float(), out, lse,
+                                                     rows, D, BLOCK_D=_pow2(D), ROWS=per, BASE2_BUG=base2_bug,
+                                                     UNGUARDED=unguarded, num_warps=8)
         return out, lse
 
     def mla_decode_batched(self, q_lat, q_pe, cache, block_table, seq_lens, kv_lora_rank, scale, num_splits=0,
