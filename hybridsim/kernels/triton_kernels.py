@@ -20,22 +20,25 @@ from .reference import ReferenceKernels
 
 
 @triton.jit
-def _conv_copy_kernel(conv, src, dst, off, page_stride, row_elems, rows, BLOCK: tl.constexpr):
-    """conv[dst, 0:rows-o] = conv[src, o:rows] for copy i (one program; tiles low to high,
-    each tile loaded before it is stored, so an in-place left shift is safe)."""
-    i = tl.program_id(0)
-    s = tl.load(src + i).to(tl.int64)
-    d = tl.load(dst + i).to(tl.int64)
-    o = tl.load(off + i).to(tl.int64)
-    n = (rows - o) * row_elems
-    sbase = conv + s * page_stride + o * row_elems
-    dbase = conv + d * page_stride
+def _copy_window(sbase, dbase, n, BLOCK: tl.constexpr):
+    """Copy n elements in tiles from low to high; each tile is fully loaded before any lane
+    stores, so an in-place left shift (dbase < sbase) has memmove semantics."""
     for start in range(0, n, BLOCK):
         idx = start + tl.arange(0, BLOCK).to(tl.int64)
         m = idx < n
         v = tl.load(sbase + idx, mask=m)
-        tl.debug_barrier()  # every lane has loaded before any lane stores: in-place shifts stay memmove
+        tl.debug_barrier()
         tl.store(dbase + idx, v, mask=m)
+
+
+@triton.jit
+def _conv_copy_kernel(conv, src, dst, off, page_stride, row_elems, rows, BLOCK: tl.constexpr):
+    """conv[dst, 0:rows-o] = conv[src, o:rows] for copy i, one program per copy."""
+    i = tl.program_id(0)
+    s = tl.load(src + i).to(tl.int64)
+    d = tl.load(dst + i).to(tl.int64)
+    o = tl.load(off + i).to(tl.int64)
+    _copy_window(conv + s * page_stride + o * row_elems, conv + d * page_stride, (rows - o) * row_elems, BLOCK)
 
 
 @triton.jit
@@ -74,16 +77,9 @@ def _fused_state_copy_kernel(conv, temporal, src, dst, off, tsrc, layers,
     else:
         s = tl.load(src + i).to(tl.int64)
         o = tl.load(off + i).to(tl.int64)
-        n = (conv_rows - o) * conv_row_elems
         cbase = conv + layer * conv_layer_stride
-        sbase = cbase + s * conv_page_stride + o * conv_row_elems
-        dbase = cbase + d * conv_page_stride
-        for start in range(0, n, CONV_BLOCK):
-            j = start + tl.arange(0, CONV_BLOCK).to(tl.int64)
-            mm = j < n
-            cv = tl.load(sbase + j, mask=mm)
-            tl.debug_barrier()  # loads before stores: in-place shifts stay memmove
-            tl.store(dbase + j, cv, mask=mm)
+        _copy_window(cbase + s * conv_page_stride + o * conv_row_elems, cbase + d * conv_page_stride,
+                     (conv_rows - o) * conv_row_elems, CONV_BLOCK)
 
 
 def fused_state_copy(conv: torch.Tensor, temporal: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,

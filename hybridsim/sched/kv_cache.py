@@ -193,14 +193,7 @@ class KVCacheManager:
                 if changed is None:
                     changed = {}
                 changed[m.gid] = tail
-        qt = qc = 1 << 62
-        for t, cc in quiet:
-            if t < qt:
-                qt = t
-            if cc < qc:
-                qc = cc
-        req.quiet_total = qt
-        req.quiet_computed = qc
+        _publish_quiet(req, quiet)
         if changed is None:
             return self._unchanged
         return [changed.get(m.gid, ()) for m in managers]
@@ -213,14 +206,7 @@ class KVCacheManager:
         else:
             for m in active:
                 quiet[m.gid] = m.quiet(req)
-        qt = qc = 1 << 62
-        for t, c in quiet:
-            if t < qt:
-                qt = t
-            if c < qc:
-                qc = c
-        req.quiet_total = qt
-        req.quiet_computed = qc
+        _publish_quiet(req, quiet)
 
     def free(self, req: Request) -> None:
         for m in self.managers:
@@ -238,6 +224,18 @@ class KVCacheManager:
                 if hasattr(m, "num_cached"):
                     m.num_cached.clear()
         return ok
+
+
+def _publish_quiet(req: Request, quiet: list[tuple[int, int]]) -> None:
+    """The request's overall quiet bounds: the tightest of its groups'."""
+    qt = qc = 1 << 62
+    for t, c in quiet:
+        if t < qt:
+            qt = t
+        if c < qc:
+            qc = c
+    req.quiet_total = qt
+    req.quiet_computed = qc
 
 
 def _scan_from(m: AttentionManager, req: Request, start: int, bound: int) -> int:
