@@ -68,10 +68,6 @@ def make_executor(s: Scenario, groups, checks: Checks, check: str, bugs: set[str
                   device: str, notes: list[str]) -> Optional[Executor]:
     dev = resolve_device(device)
     k = resolve_kernels(kernels, notes)
-    if dev == "cuda":
-        notes.append("the executor keeps its caches on the CPU in this build (GPU-resident execution is not "
-                     "done yet); Triton kernels run under the interpreter there")
-        dev = "cpu"
     if k.name != "reference":
         from .kernels.checked import CheckedKernels
         if not torch.cuda.is_available():

@@ -89,15 +89,18 @@ class Executor:
                                  "yet (plan it with --check off)", "spec_decode.num_speculative_tokens")
             mg = self.geo.mamba
             rows = mg.conv_rows(self.S)
+            oracle_probes = []
             for layer in range(mg.layers):
-                probe = MambaProbe(mg, layer, seed)
+                cpu_probe = MambaProbe(mg, layer, seed)
+                oracle_probes.append(cpu_probe)  # the oracle computes on the CPU, apart from the system under test
+                probe = cpu_probe.to(self.device)
                 self.mprobes.append(probe)
                 self.mcache.append(MambaLayerCache(rows, probe.dim, (probe.H, probe.P, probe.N), self.device,
                                                    self.blocks))
                 self.mlayer_group.append(next(g.group_id for g in self.mgroups if layer in g.layers))
             bs_m = self.mgroups[0].block_size
             self.tracker = TRACKERS[self.mode](bs_m, self.S, self.bugs)
-            self.moracle = MambaOracle(self.mprobes, bs_m)
+            self.moracle = MambaOracle(oracle_probes, bs_m)
             self.bs_m = bs_m
             self.conv_rows = rows
             natural = mg.state_bytes(self.S)
@@ -111,8 +114,11 @@ class Executor:
         if self.geo.mla is not None:
             lg = self.geo.mla
             mla_groups = [g for g in groups if g.kind == "mla"]
+            self.lprobes_cpu: list[MLAProbe] = []
             for layer in range(lg.layers):
-                probe = MLAProbe(lg, layer, seed)
+                cpu_probe = MLAProbe(lg, layer, seed)
+                self.lprobes_cpu.append(cpu_probe)
+                probe = cpu_probe.to(self.device)
                 self.lprobes.append(probe)
                 g = next(g for g in mla_groups if layer in g.layers)
                 self.llayer_group.append(g.group_id)
@@ -252,10 +258,11 @@ class Executor:
         conv = cache.conv.data
         temporal = cache.temporal.data
         g = self.mlayer_group[layer]
-        src = torch.tensor([self._blk(r, g, cp.src, step) for r, cp in copies], dtype=torch.int64)
-        dst = torch.tensor([self._blk(r, g, cp.dst, step) for r, cp in copies], dtype=torch.int64)
-        off = torch.tensor([cp.offset for _, cp in copies], dtype=torch.int64)
-        tsrc = torch.tensor([self._blk(r, g, cp.t_src, step) for r, cp in copies], dtype=torch.int64)
+        dev = self.device
+        src = torch.tensor([self._blk(r, g, cp.src, step) for r, cp in copies], dtype=torch.int64, device=dev)
+        dst = torch.tensor([self._blk(r, g, cp.dst, step) for r, cp in copies], dtype=torch.int64, device=dev)
+        off = torch.tensor([cp.offset for _, cp in copies], dtype=torch.int64, device=dev)
+        tsrc = torch.tensor([self._blk(r, g, cp.t_src, step) for r, cp in copies], dtype=torch.int64, device=dev)
         self.k.state_copy(conv, temporal, src, dst, off, conv.shape[1])
         self.k.temporal_copy(temporal, tsrc, dst)
 
@@ -277,10 +284,13 @@ class Executor:
         B = len(plans)
         ns = [p.n for p in plans]
         max_n = max(ns)
-        tok = torch.zeros(B, max_n, dtype=torch.int64)
+        dev = self.device
+        tok_cpu = torch.zeros(B, max_n, dtype=torch.int64)
         for i, t in enumerate(inputs):
-            tok[i, : len(t)] = torch.tensor(t, dtype=torch.int64)
-        active = [torch.tensor([i for i in range(B) if ns[i] > t], dtype=torch.int64) for t in range(max_n)]
+            tok_cpu[i, : len(t)] = torch.tensor(t, dtype=torch.int64)
+        tok = tok_cpu.to(dev)
+        act_lists = [[i for i in range(B) if ns[i] > t] for t in range(max_n)]
+        active = [torch.tensor(a, dtype=torch.int64, device=dev) for a in act_lists]
         outs = []
         K = self.geo.mamba.conv_kernel
         for layer, probe in enumerate(self.mprobes):
@@ -297,7 +307,7 @@ class Executor:
                     window[i] = conv[self._blk(r, g, p.read_col, plan.step), p.read_offset:p.read_offset + K - 1]
                     h[i] = temporal[self._blk(r, g, p.read_t_col, plan.step)]
             init_window = window.clone()
-            y_all = torch.zeros(B, max_n, probe.H * probe.P)
+            y_all = torch.zeros(B, max_n, probe.H * probe.P, device=dev)
             boundary = {}
             for i, p in enumerate(plans):
                 for t_b, col in p.boundary:
@@ -308,7 +318,7 @@ class Executor:
                 window[idx] = w2
                 h[idx] = h2
                 y_all[idx, t] = y
-                for i in idx.tolist():
+                for i in act_lists[t]:
                     p = plans[i]
                     if p.token_cols is not None:
                         temporal[self._blk(reqs[i], g, p.token_cols[t], plan.step)] = h[i]
@@ -325,7 +335,7 @@ class Executor:
                     blk = self._blk(r, g, p.final_col, plan.step)
                     conv[blk, 0:K - 1] = window[i]
                     temporal[blk] = h[i]
-            outs.append(y_all)
+            outs.append(y_all.cpu())
         return outs, plans
 
     def _check_hit(self, step: int, r: ExecRequest, hit: int) -> None:
@@ -345,8 +355,8 @@ class Executor:
         except _NullRead as e:
             tally.failed(Failure(step, r.rid, str(e), layer=f"mamba{layer}", position=pos))
             return
-        window = cache.conv.data[blk, off:off + K - 1]
-        h = cache.temporal.data[tblk]
+        window = cache.conv.data[blk, off:off + K - 1].cpu()
+        h = cache.temporal.data[tblk].cpu()
         ew, eh = self.moracle.state(r.rid, layer, pos)
         if torch.equal(window, ew) and torch.equal(h, eh):
             tally.passed()
@@ -416,10 +426,11 @@ class Executor:
     # ------------------------------------------------------------------ MLA
     def _slots(self, r: ExecRequest, group: int, positions: range, bs: int) -> torch.Tensor:
         row = r.rows[group]
-        return torch.tensor([self.blocks.row(row[pos // bs]) * bs + pos % bs for pos in positions], dtype=torch.int64)
+        return torch.tensor([self.blocks.row(row[pos // bs]) * bs + pos % bs for pos in positions], dtype=torch.int64,
+                            device=self.device)
 
     def _dense_row(self, r: ExecRequest, group: int, ncols: int) -> torch.Tensor:
-        return torch.tensor([self.blocks.row(b) for b in r.rows[group][:ncols]], dtype=torch.int64)
+        return torch.tensor([self.blocks.row(b) for b in r.rows[group][:ncols]], dtype=torch.int64, device=self.device)
 
     def _mla_forward(self, plan: StepPlan, inputs, meta):
         outs = []
@@ -431,9 +442,9 @@ class Executor:
             for s, toks in zip(plan.scheduled, inputs):
                 r = self.reqs[s.req_id]
                 c, n = s.num_computed_tokens, s.num_scheduled_tokens
-                pos = torch.arange(c, c + n)
+                pos = torch.arange(c, c + n, device=self.device)
                 cache = cache_t.data
-                lat = probe.latent(torch.tensor(toks), pos)
+                lat = probe.latent(torch.tensor(toks, device=self.device), pos)
                 self.k.concat_and_cache(lat, self._slots(r, g, range(c, c + n), bs), cache)
             cache = cache_t.data
             layer_out = []
@@ -441,13 +452,13 @@ class Executor:
             for i, (s, toks) in enumerate(zip(plan.scheduled, inputs)):
                 r = self.reqs[s.req_id]
                 c, n = s.num_computed_tokens, s.num_scheduled_tokens
-                pos = torch.arange(c, c + n)
-                q_nope, q_pe = probe.queries(torch.tensor(toks), pos)
+                pos = torch.arange(c, c + n, device=self.device)
+                q_nope, q_pe = probe.queries(torch.tensor(toks, device=self.device), pos)
                 block_row = self._dense_row(r, g, -(-(c + n) // bs))
                 dec = self._decode_path(probe, q_nope, q_pe, cache, block_row, c + n)
                 pre = self._prefill_path(probe, q_nope, q_pe, cache, block_row, c, n)
                 out = dec if i in decode_rows else pre
-                a, rel = _rel_err(dec, pre)
+                a, rel = _rel_err(dec.cpu(), pre.cpu())
                 paths.max_abs_err = max(paths.max_abs_err, a)
                 paths.max_rel_err = max(paths.max_rel_err, rel)
                 if rel <= self.tol:
@@ -455,7 +466,7 @@ class Executor:
                 else:
                     paths.failed(Failure(plan.step, s.req_id, f"prefill and decode paths differ (rel {rel:.2e})",
                                          layer=f"mla{layer}", max_abs_err=a, max_rel_err=rel))
-                layer_out.append(out)
+                layer_out.append(out.cpu())
             outs.append(layer_out)
         return outs
 
@@ -469,7 +480,8 @@ class Executor:
         q = torch.cat([q_nope, q_pe], dim=-1).float()
         new_lat = self._gather(cache, block_row, c, n)
         k_new, v_new = probe.up_project(new_lat)
-        mask = torch.arange(n)[None, :] <= torch.arange(n)[:, None]
+        ar = torch.arange(n, device=q.device)
+        mask = ar[None, :] <= ar[:, None]
         out, lse = self.k.attention_partial(q, k_new, v_new, probe.scale, mask)
         base2 = "lse_base2" in self.bugs
         unguarded = "lse_unmasked" in self.bugs
@@ -508,7 +520,7 @@ class Executor:
                 r = self.reqs[s.req_id]
                 c = s.num_computed_tokens
                 positions = list(range(c, c + k))
-                exp = mla_expected(probe, r.tokens, positions)
+                exp = mla_expected(self.lprobes_cpu[layer], r.tokens, positions)
                 got = outs[layer][i][:k]
                 # attention outputs are compared within a tolerance: digest them rounded
                 self.output_digest.update(torch.round(got.double() * 1e3).numpy().tobytes())
@@ -530,10 +542,10 @@ class Executor:
         for layer, c in enumerate(self.mcache):
             h = hashlib.sha256()
             for t in (c.conv.data, c.temporal.data):
-                h.update(t[order].numpy().tobytes())
+                h.update(t[order].cpu().numpy().tobytes())
             out[f"mamba{layer}.state"] = h.hexdigest()
         for layer, c in enumerate(self.lcache):
-            out[f"mla{layer}.latent_cache"] = hashlib.sha256(c.data[order].float().numpy().tobytes()).hexdigest()
+            out[f"mla{layer}.latent_cache"] = hashlib.sha256(c.data[order].float().cpu().numpy().tobytes()).hexdigest()
         out["outputs"] = self.output_digest.hexdigest()
         return out
 

@@ -25,17 +25,17 @@ class ReferenceKernels:
 
         conv: (num_blocks, L, dim). src/dst/offset: (n,), widened to int64.
         """
-        src = src.to(torch.int64)
-        dst = dst.to(torch.int64)
+        src = src.to(torch.int64).tolist()
+        dst = dst.to(torch.int64).tolist()
+        offset = offset.tolist()
         L = conv.shape[1]
-        for i in range(src.numel()):
-            s, d, o = int(src[i]), int(dst[i]), int(offset[i])
+        for s, d, o in zip(src, dst, offset):
             window = conv[s, o:L].clone()  # clone: same-block left shifts overlap
             conv[d, 0:L - o] = window
 
     def temporal_copy(self, temporal: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        src = src.to(torch.int64)
-        dst = dst.to(torch.int64)
+        src = src.to(temporal.device, torch.int64)
+        dst = dst.to(temporal.device, torch.int64)
         vals = temporal[src].clone()
         temporal[dst] = vals
 
@@ -43,15 +43,15 @@ class ReferenceKernels:
     def concat_and_cache(self, entries: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor) -> None:
         """cache viewed as (num_blocks * block_size, dim): write entries (n, dim) at slots (n,)."""
         flat = cache.view(-1, cache.shape[-1])
-        flat[slots.to(torch.int64)] = entries.to(cache.dtype)
+        flat[slots.to(cache.device, torch.int64)] = entries.to(cache.device, cache.dtype)
 
     def gather_cache(self, cache: torch.Tensor, block_row: torch.Tensor, start: int, length: int) -> torch.Tensor:
         """Latent entries of positions [start, start+length) of one request (start page-aligned)."""
         bs = cache.shape[1]
         if start % bs:
             raise ValueError(f"gather_cache: start {start} is not a multiple of the page size {bs}")
-        pos = torch.arange(start, start + length, dtype=torch.int64)
-        blocks = block_row.to(torch.int64)[pos // bs]
+        pos = torch.arange(start, start + length, dtype=torch.int64, device=cache.device)
+        blocks = block_row.to(cache.device, torch.int64)[pos // bs]
         return cache[blocks, pos % bs]
 
     # ------------------------------------------------------------------ attention pieces
@@ -111,10 +111,11 @@ class ReferenceKernels:
         nq = q_lat.shape[0]
         lat = self.gather_cache(cache, block_row, 0, seq_len).to(q_lat.dtype)
         kv_c, k_pe = lat[:, :kv_lora_rank], lat[:, kv_lora_rank:]
-        qpos = torch.arange(seq_len - nq, seq_len)
-        kpos = torch.arange(seq_len)
-        out = torch.zeros(nq, q_lat.shape[1], kv_lora_rank, dtype=q_lat.dtype)
-        lse = torch.full((nq, q_lat.shape[1]), NEG_INF, dtype=q_lat.dtype)
+        dev = q_lat.device
+        qpos = torch.arange(seq_len - nq, seq_len, device=dev)
+        kpos = torch.arange(seq_len, device=dev)
+        out = torch.zeros(nq, q_lat.shape[1], kv_lora_rank, dtype=q_lat.dtype, device=dev)
+        lse = torch.full((nq, q_lat.shape[1]), NEG_INF, dtype=q_lat.dtype, device=dev)
         per = max(1, math.ceil(seq_len / max(num_splits, 1)))
         for start in range(0, seq_len, per):
             sl = slice(start, min(seq_len, start + per))

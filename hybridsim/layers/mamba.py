@@ -75,12 +75,21 @@ class MambaProbe:
         self.K = geo.conv_kernel
         self.dim = geo.conv_dim()
 
+    def to(self, device) -> "MambaProbe":
+        """A copy of this layer with its weights on ``device`` (same values, bit for bit)."""
+        import copy
+        twin = copy.copy(self)
+        twin.w = MambaWeights(**{k: (v.to(device) if v is not None else None) for k, v in self.w.__dict__.items()})
+        return twin
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         t = tokens.long()
         return self.w.emb1[t % TABLE] + self.w.emb2[(t // TABLE) % TABLE2]
 
     def zero_state(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.zeros(batch, self.K - 1, self.dim), torch.zeros(batch, self.H, self.P, self.N))
+        dev = self.w.conv_w.device
+        return (torch.zeros(batch, self.K - 1, self.dim, device=dev),
+                torch.zeros(batch, self.H, self.P, self.N, device=dev))
 
     def split(self, z: torch.Tensor, tokens: torch.Tensor):
         """x (b, G, H/G, P), B and C (b, G, N): heads grouped so B/C broadcast without copies."""

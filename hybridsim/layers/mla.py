@@ -45,7 +45,7 @@ class MLAWeights:
 def rope(x: torch.Tensor, pos: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
     """Rotate-half RoPE on the last dim; pos (n,) aligned with x's first dim."""
     d = x.shape[-1]
-    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float64, device=pos.device) / d))
     ang = pos.to(torch.float64)[:, None] * inv[None, :]
     cos = torch.cos(ang).to(x.dtype)
     sin = torch.sin(ang).to(x.dtype)
@@ -70,6 +70,13 @@ class MLAProbe:
             w_uk=t(H, N, L, s=L ** -0.5), w_uv=t(H, L, V, s=L ** -0.5))
         self.scale = geo.scale()
         self.dtype = torch_dtype(geo.dtype)
+
+    def to(self, device) -> "MLAProbe":
+        """A copy of this layer with its weights on ``device``."""
+        import copy
+        twin = copy.copy(self)
+        twin.w = MLAWeights(**{k: v.to(device) for k, v in self.w.__dict__.items()})
+        return twin
 
     def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
         t = tokens.long()
