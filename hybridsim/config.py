@@ -6,7 +6,6 @@ dropped. Every error names the key path and the YAML line it came from.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -503,8 +502,4 @@ class LoadedScenario:
         return q if q.is_absolute() else (self.base_dir / q)
 
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-__all__ = ["Scenario", "LoadedScenario", "load_scenario", "parse_scenario", "ceil_div", "math"]
+__all__ = ["Scenario", "LoadedScenario", "load_scenario", "parse_scenario"]

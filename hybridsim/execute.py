@@ -10,7 +10,7 @@ from .checks import Checks
 from .config import Scenario
 from .engine.executor import Executor, GroupInfo
 from .errors import EnvironmentProblem, InputError
-from .kernels import PROVIDERS, get_kernels
+from .kernels import get_kernels
 
 # name -> (what it breaks, the check expected to catch it)
 BUGS: dict[str, tuple[str, str]] = {

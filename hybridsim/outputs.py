@@ -153,17 +153,6 @@ class RecordedDrafts:
         return list(self.drafts.get((req.req_id, req.num_tokens), ()))
 
 
-def sample(req: Request, drafts: tuple[int, ...], cont: Continuation) -> list[int]:
-    """Tokens the model commits after verifying ``drafts``: the matching prefix plus one."""
-    o = req.num_output_tokens
-    out = [cont.token(req, o)]
-    for j, d in enumerate(drafts):
-        if d != out[-1]:
-            break
-        out.append(cont.token(req, o + j + 1))
-    return out
-
-
 def make_drafter(num_spec: int, cont: Continuation, acc: Optional[Acceptance], vocab: int,
                  max_model_len: int) -> Optional[DraftSource]:
     if num_spec <= 0:

@@ -123,7 +123,6 @@ class Simulation:
         sched = self.scheduler
         pool = self.kv.pool
         stats = self.stats
-        cont = self.cont
         drafter = self.drafter
         reqs = self.requests
         usable = pool.num_blocks - 1

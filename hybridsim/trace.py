@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import IO, Iterator, Optional
+from typing import IO, Iterator
 
 from .errors import InputError
 from .sched.groups import GroupSpec
@@ -315,4 +315,4 @@ def write_trace(path: str | Path, header: dict, records: list[tuple[StepPlan, St
 
 
 __all__ = ["TraceWriter", "read_trace", "check_accounting", "header_dict", "step_dict", "write_trace",
-           "Trace", "Optional"]
+           "Trace"]

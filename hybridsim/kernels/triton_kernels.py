@@ -7,8 +7,6 @@ a stride: caches larger than 2^31 bytes are normal.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -341,4 +339,4 @@ class TritonKernels(ReferenceKernels):
         return o[0], lse[0]
 
 
-__all__ = ["TritonKernels", "fused_state_copy", "math"]
+__all__ = ["TritonKernels", "fused_state_copy"]

@@ -13,7 +13,7 @@ from typing import Optional
 
 from .block_pool import BlockPool
 from .groups import GroupSpec
-from .managers import AttentionManager, KVManager, _no_change, make_manager
+from .managers import AttentionManager, KVManager, make_manager
 from .request import Request
 
 
@@ -39,18 +39,11 @@ class KVCacheManager:
         self._unchanged: list = []  # allocate_running: no group changed
 
     # ------------------------------------------------------------------ hits
-    def attention_cached_blocks(self, req: Request, start_block: int = 0) -> int:
+    def attention_cached_blocks(self, req: Request) -> int:
         """Blocks of the request's prefix that every attention group holds cached."""
-        bound = (req.num_tokens - 1) // self.block_size
-        if not self.attn:
-            return 0
-        n = bound
+        n = (req.num_tokens - 1) // self.block_size
         for m in self.attn:
-            if start_block:
-                # a running request: its own computed blocks are cached; scan beyond them
-                n = min(n, _scan_from(m, req, start_block, n))
-            else:
-                n = min(n, m.hit_blocks(req, n))
+            n = min(n, m.hit_blocks(req, n))
         return n
 
     def lookup(self, req: Request) -> PrefixHit:
@@ -236,14 +229,3 @@ def _publish_quiet(req: Request, quiet: list[tuple[int, int]]) -> None:
             qc = c
     req.quiet_total = qt
     req.quiet_computed = qc
-
-
-def _scan_from(m: AttentionManager, req: Request, start: int, bound: int) -> int:
-    lookup = m.pool.cached.get
-    gid = m.gid
-    hashes = req.block_hashes
-    n = start
-    lim = min(bound, len(hashes))
-    while n < lim and lookup(hashes[n] << 6 | gid) is not None:
-        n += 1
-    return n

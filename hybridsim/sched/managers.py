@@ -96,9 +96,6 @@ class KVManager:
         allocate, publish nor release anything for the request (decode fast path)."""
         return _INF, _INF
 
-    def owned(self) -> dict[int, list[int]]:
-        return self.rows
-
 
 class AttentionManager(KVManager):
     """Full attention (GQA or MLA latent cache): every block is kept and hashed when full."""

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import PoissonArrival, StepsArrival, TimestampArrival, TraceWorkload
+from ..config import StepsArrival, TimestampArrival, TraceWorkload
 from ..errors import InputError
 from .base import Workload, WorkloadRequest
 from .synthetic import arrival_steps
