@@ -138,33 +138,20 @@ class KVCacheManager:
         quiet = req.quiet_by
         if quiet is not None and checkpoint is None and not publish_end:
             return self._decode_event(req, num_computed, total, quiet)
-        if quiet is None or checkpoint is not None or publish_end:
-            active = managers
-        else:  # groups still inside their quiet bounds would do nothing: skip them
-            active = [m for m, (qt, qc) in zip(managers, quiet) if total > qt or num_computed > qc]
-        for m in active:
-            if m.spec.is_mamba:
-                m.remove_skipped(req, num_computed)
+        for m in self.mamba:
+            m.remove_skipped(req, num_computed)
         need = 0
-        for m in active:
+        for m in managers:
             need += m.need(req, total, checkpoint)
         pool = self.pool
         if need > pool.num_free:
             return None
-        changed = False
-        tails = {}
-        for m in active:
-            tail = m.commit(req, pool.allocate(m.last_need) if m.last_need else [])
-            if tail:
-                changed = True
-                tails[m.gid] = tail
+        tails = [m.commit(req, pool.allocate(m.last_need) if m.last_need else []) for m in managers]
         if self.enable_caching:
-            for m in active:
+            for m in managers:
                 m.cache(req, num_computed, total, checkpoint, publish_end)
-        self._set_quiet(req, active)
-        if not changed:
-            return self._unchanged
-        return [tails.get(m.gid, ()) for m in managers]
+        self._set_quiet(req)
+        return tails if any(tails) else self._unchanged
 
     def _decode_event(self, req: Request, c: int, total: int, quiet: list) -> Optional[list]:
         """A decoding request crossed a quiet bound: only the groups whose bound it crossed act."""
@@ -191,15 +178,10 @@ class KVCacheManager:
             return self._unchanged
         return [changed.get(m.gid, ()) for m in managers]
 
-    def _set_quiet(self, req: Request, active=None) -> None:
+    def _set_quiet(self, req: Request) -> None:
         """Record, per group and overall, how far the request can decode untouched."""
-        quiet = req.quiet_by
-        if quiet is None or active is None or active is self.managers:
-            quiet = req.quiet_by = [m.quiet(req) for m in self.managers]
-        else:
-            for m in active:
-                quiet[m.gid] = m.quiet(req)
-        _publish_quiet(req, quiet)
+        req.quiet_by = [m.quiet(req) for m in self.managers]
+        _publish_quiet(req, req.quiet_by)
 
     def free(self, req: Request) -> None:
         for m in self.managers:

@@ -167,32 +167,6 @@ class AttentionManager(KVManager):
     def mark_hit_cached(self, req: Request, nblocks: int) -> None:
         self.num_cached[req.index] = nblocks
 
-    def decode_need(self, req, num_computed, total):
-        row = self.rows[req.index]
-        k = -(-total // self.bs) - len(row)
-        self.last_need = k = k if k > 0 else 0
-        return k
-
-    def decode_commit(self, req, fresh, num_computed, total):
-        idx = req.index
-        row = self.rows[idx]
-        if fresh:
-            row.extend(fresh)
-        bs = self.bs
-        done = self.num_cached.get(idx, 0)
-        ntok = len(req.token_ids)
-        full = (total if total < ntok else ntok) // bs
-        if full > done:
-            hashes = req.block_hashes
-            gid = self.gid
-            cache = self.pool.cache
-            for i in range(done, full):
-                cache(row[i], hashes[i] << 6 | gid)
-            self.num_cached[idx] = done = full
-        q = (done + 1) * bs - 1
-        cap = len(row) * bs
-        return (fresh if fresh else ()), ((cap if cap < q else q), _INF)
-
     def quiet(self, req):
         idx = req.index
         bs = self.bs
