@@ -42,37 +42,55 @@ def ceilings():
 
 
 def state_copy_rows(copy_bw):
-    """Nemotron-H-8B: 24 Mamba layers, conv (K-1+S)=6 x 10240 bf16, temporal 128x64x128 fp32; S=3."""
+    """Nemotron-H-8B: 24 Mamba layers, conv (K-1+S)=6 x 10240 bf16, temporal 128x64x128 fp32; S=3.
+    Each request's copy crosses a block boundary with an accept bias (conv offset 1-3, the
+    temporal state from the bias column); block rows come from a shuffled table on the GPU."""
     rows = []
     layers, crow, cdim, tshape = 24, 6, 128 * 64 + 2 * 8 * 128, (128, 64, 128)
     for n in (1, 8, 64, 256):
-        pages = 2 * n + 1
+        pages = 2 * n + 1  # 256 requests: 513 pages x 24 layers = 53 GB
         conv = torch.randn(layers, pages, crow, cdim, dtype=torch.bfloat16, device="cuda")
         temporal = torch.randn(layers, pages, *tshape, dtype=torch.float32, device="cuda")
-        src = torch.arange(1, n + 1, device="cuda")
-        dst = torch.arange(n + 1, 2 * n + 1, device="cuda")
-        off = torch.randint(0, 4, (n,), device="cuda")
-        tsrc = src  # bias column: another block; same size either way
-        bytes_moved = n * layers * (2 * temporal[0, 0].numel() * 4) + int(2 * (crow - off.float().mean()) * cdim * 2 * n * layers)
-        t = bench(lambda: fused_state_copy(conv, temporal, src, dst, off, tsrc))
-        tt = bench(lambda: temporal.__setitem__((slice(None), dst), temporal[:, tsrc]))
+        pair = (torch.randperm(pages - 1, device="cuda") + 1).view(n, 2)
+        table = torch.cat([pair, pair[:, :1]], 1).contiguous()  # cols: src, dst, bias column (memory: = src)
+        off = torch.randint(1, 4, (n,), device="cuda")
+        items = torch.stack([torch.arange(n, device="cuda").repeat_interleave(layers),
+                             torch.arange(layers, device="cuda").repeat(n),
+                             torch.zeros(n * layers, dtype=torch.int64, device="cuda"),
+                             torch.ones(n * layers, dtype=torch.int64, device="cuda"),
+                             torch.full((n * layers,), 2, dtype=torch.int64, device="cuda"),
+                             off.repeat_interleave(layers)], 1).contiguous()
+        conv_bytes = int(2 * (crow * n - off.sum().item()) * cdim * 2 * layers)
+        bytes_moved = n * layers * 2 * temporal[0, 0].numel() * 4 + conv_bytes
+        t = bench(lambda: fused_state_copy(conv, temporal, table, items))
+        src, dst, tsrc = table[:, 0], table[:, 1], table[:, 2]
+
+        def torch_copy():
+            temporal[:, dst] = temporal[:, tsrc]
+            for i in range(n):  # the shifted conv windows, one slice per request
+                conv[:, dst[i], : crow - 1] = conv[:, src[i], 1:]
+        tt = bench(torch_copy) if n <= 64 else None
         rows.append({"kernel": "state_copy", "case": f"{n} requests x 24 layers", "time_us": t * 1e6,
                      "bytes": bytes_moved, "GBps": bytes_moved / t / 1e9, "pct_ceiling": 100 * bytes_moved / t / copy_bw,
-                     "torch_time_us": tt * 1e6})
+                     "torch_time_us": tt * 1e6 if tt else None})
         del conv, temporal
         torch.cuda.empty_cache()
     # a tiny-model step: 2 layers, 4 requests
-    conv = torch.randn(2, 9, 3, 96, device="cuda")
-    temporal = torch.randn(2, 9, 4, 16, 16, device="cuda")
-    src, dst = torch.arange(1, 5, device="cuda"), torch.arange(5, 9, device="cuda")
-    off = torch.zeros(4, dtype=torch.int64, device="cuda")
-    t = bench(lambda: fused_state_copy(conv, temporal, src, dst, off, src))
+    conv = torch.randn(2, 13, 3, 96, device="cuda")
+    temporal = torch.randn(2, 13, 4, 16, 16, device="cuda")
+    table = (torch.randperm(12, device="cuda") + 1).view(4, 3)
+    items = torch.tensor([[r, l, 0, 1, 2, 1] for r in range(4) for l in range(2)], device="cuda")
+    t = bench(lambda: fused_state_copy(conv, temporal, table, items))
     rows.append({"kernel": "state_copy", "case": "tiny model step (2 layers, 4 requests)", "time_us": t * 1e6,
-                 "bytes": 0, "GBps": 0, "pct_ceiling": 0, "torch_time_us": 0})
+                 "bytes": 0, "GBps": 0, "pct_ceiling": 0, "torch_time_us": None})
     return rows
 
 
-def mla_rows(copy_bw, flops, configs):
+def mla_rows(copy_bw, flops, configs, splits_options):
+    """DeepSeek-V3 absorbed decode: 128 heads, 512 + 64 latent, bf16, page 64. FlashMLA's
+    accounting: FLOPs = 2 * B * ctx * H * (576 + 512); bytes = latent cache + q + out.
+    Every config of the sweep is tried with the automatic split count, then the best
+    config with each forced split count; the best of all is reported, with the auto choice."""
     rows = []
     H, L, R, page = 128, 512, 64, 64
     for B in (1, 32, 128):
@@ -83,19 +101,33 @@ def mla_rows(copy_bw, flops, configs):
             lens = torch.full((B,), ctx, device="cuda")
             q_lat = torch.randn(B, 1, H, L, device="cuda")
             q_pe = torch.randn(B, 1, H, R, device="cuda")
-            bytes_read = B * ctx * (L + R) * 2
-            fl = B * H * ctx * 2 * (L + R + L)
-            floor = max(bytes_read / copy_bw, fl / flops)
-            best = None
-            for bm, bn, nw in configs:
+            byts = B * ctx * (L + R) * 2 + B * H * (L + R) * 4 + B * H * L * 4
+            fl = 2 * B * H * ctx * (L + R + L)
+            floor = max(byts / copy_bw, fl / flops)
+            results = []
+
+            def run(cfg, sp, graph=True):
+                bm, bn, nw, ns = cfg
+
+                def call():
+                    return T.mla_decode_batched(q_lat, q_pe, cache, table, lens, L, 0.1352338, num_splits=sp,
+                                                max_seq_len=ctx, block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
+                if not graph:
+                    return bench(call, rep=100)
+                call()  # compile outside the capture
+                # GPU time of the whole call (query cast, split kernel, combine) replayed as a CUDA
+                # graph: Python launch overhead is not the kernel's (research/mla.md §3.5)
+                return triton.testing.do_bench_cudagraph(call, rep=100, return_mode="median") * 1e-3
+            for cfg in configs:
                 try:
-                    t = bench(lambda: T.mla_decode_batched(q_lat, q_pe, cache, table, lens, L, 0.1352338,
-                                                           block_m=bm, block_n=bn, num_warps=nw), rep=100)
+                    results.append((run(cfg, 0), cfg, 0))
                 except Exception as e:  # a config that does not compile (registers/shared memory)
-                    print(f"  config {bm},{bn},{nw} failed: {type(e).__name__}", flush=True)
-                    continue
-                if best is None or t < best[0]:
-                    best = (t, (bm, bn, nw))
+                    print(f"  config {cfg} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            auto = min(results)
+            for sp in splits_options:
+                results.append((run(auto[1], sp), auto[1], sp))
+            best = min(results)
+            eager = run(best[1], best[2], graph=False)
             kv = cache[table.flatten()].view(B, ctx, L + R).float()
 
             def torch_ref():
@@ -103,8 +135,10 @@ def mla_rows(copy_bw, flops, configs):
                 return torch.softmax(s * 0.1352338, -1) @ kv[..., :L]
             tt = bench(torch_ref, rep=50) if B * ctx <= 32 * 16384 else None
             rows.append({"kernel": "mla_decode", "case": f"B={B} ctx={ctx}", "time_us": best[0] * 1e6,
-                         "config": best[1], "bytes": bytes_read, "flops": fl, "floor_us": floor * 1e6,
-                         "pct_floor": 100 * floor / best[0], "GBps": bytes_read / best[0] / 1e9,
+                         "config": best[1], "splits": best[2], "auto_time_us": auto[0] * 1e6, "auto_config": auto[1],
+                         "bytes": byts, "flops": fl, "floor_us": floor * 1e6,
+                         "pct_floor": 100 * floor / best[0], "auto_pct_floor": 100 * floor / auto[0],
+                         "TFLOPs": fl / best[0] / 1e12, "GBps": byts / best[0] / 1e9, "eager_time_us": eager * 1e6,
                          "torch_time_us": tt * 1e6 if tt else None})
             print(rows[-1], flush=True)
             del cache, kv
@@ -141,17 +175,24 @@ def memory_rows(copy_bw):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--mla-configs", default="16,32,4;32,32,4;64,32,8;64,64,8")
+    ap.add_argument("--mla-configs", default="64,64,8,2;64,64,8,3;64,32,8,3;64,32,8,4;64,64,4,2",
+                    help="block_m,block_n,num_warps,num_stages;...")
+    ap.add_argument("--mla-splits", default="1,2,4,8")
+    ap.add_argument("--only", default="state_copy,memory,mla")
     args = ap.parse_args()
     configs = [tuple(int(x) for x in c.split(",")) for c in args.mla_configs.split(";")]
+    splits = [int(x) for x in args.mla_splits.split(",") if x]
     props = torch.cuda.get_device_properties(0)
     copy_bw, flops = ceilings()
     print(f"{props.name}: copy {copy_bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s", flush=True)
-    rows = state_copy_rows(copy_bw)
+    only = args.only.split(",")
+    rows = state_copy_rows(copy_bw) if "state_copy" in only else []
     for r in rows:
         print(r, flush=True)
-    rows += memory_rows(copy_bw)
-    rows += mla_rows(copy_bw, flops, configs)
+    if "memory" in only:
+        rows += memory_rows(copy_bw)
+    if "mla" in only:
+        rows += mla_rows(copy_bw, flops, configs, splits)
     args.out.write_text(json.dumps({"device": props.name, "sms": props.multi_processor_count,
                                     "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                                     "triton": triton.__version__, "copy_TBps": copy_bw / 1e12,

@@ -87,7 +87,7 @@ def run(
 
     def body() -> int:
         from .config import load_scenario
-        from .report import checks_table, print_tables, summary_table, timings_table
+        from .report import checks_table, kernel_timings_table, print_tables, summary_table, timings_table
         from .execute import check_bugs
         from .runner import plan_scenario
 
@@ -135,6 +135,8 @@ def run(
             if res.checks.tallies:
                 tables.append(checks_table(res))
             tables.append(timings_table(res))
+            if res.kernel_timings:
+                tables.append(kernel_timings_table(res.kernel_timings))
             print_tables(out, *tables)
             for note in res.stats.notes:
                 out.print(f"[yellow]note:[/] {note}")
@@ -162,7 +164,7 @@ def replay(
     def body() -> int:
         from .execute import check_bugs
         from .replay import replay_trace
-        from .report import golden_table, replay_table
+        from .report import golden_table, kernel_timings_table, replay_table
 
         bugs = check_bugs(inject_bug)
         _check_choice(kernels, ("reference", "triton"), "--kernels")
@@ -192,6 +194,8 @@ def replay(
         if not quiet:
             for r in results:
                 out.print(replay_table(r))
+                if r.kernel_timings:
+                    out.print(kernel_timings_table(r.kernel_timings))
                 for note in sorted(set(r.notes)):
                     out.print(f"[yellow]note:[/] {note}")
         return 1 if any(r.failed for r in results) else 0

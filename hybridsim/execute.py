@@ -68,12 +68,21 @@ def make_executor(s: Scenario, groups, checks: Checks, check: str, bugs: set[str
                   device: str, notes: list[str]) -> Optional[Executor]:
     dev = resolve_device(device)
     k = resolve_kernels(kernels, notes)
-    if k.name != "reference":
-        from .kernels.checked import CheckedKernels
+    checked = k.name != "reference"
+    if checked:
+        k.poison = True  # every output buffer NaN-filled before its launch: unwritten elements fail
         if not torch.cuda.is_available():
             notes.append("Triton kernels run under TRITON_INTERPRET=1 (no GPU): correct, not fast")
+    timer = None
+    if torch.device(dev).type == "cuda":
+        from .kernels.timed import TimedKernels
+        k = timer = TimedKernels(k, torch.device(dev))
+    if checked:
+        from .kernels.checked import CheckedKernels
         k = CheckedKernels(k, checks)
     if s.geometry().attention is not None:
         notes.append("GQA attention layers are planned (their blocks are tracked) but not executed; "
                      "Mamba and MLA layers are executed and checked")
-    return Executor(s, groups_from_specs(groups), k, checks, check, bugs, dev)
+    ex = Executor(s, groups_from_specs(groups), k, checks, check, bugs, dev)
+    ex.kernel_timer = timer
+    return ex

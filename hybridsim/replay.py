@@ -30,6 +30,7 @@ class ReplayResult:
     notes: list[str] = field(default_factory=list)
     timings: dict = field(default_factory=dict)
     digests: dict = field(default_factory=dict)
+    kernel_timings: Optional[dict] = None  # GPU runs: per-kernel CUDA-event timings
 
     @property
     def failed(self) -> bool:
@@ -40,7 +41,8 @@ class ReplayResult:
                                                      "wall_s": round(self.wall_s, 6), "notes": self.notes},
                 "checks": self.checks.as_list(),
                 "first_divergence": dict(sorted(self.checks.divergence.items(), key=lambda kv: kv[1])),
-                "timings": [{"phase": k, "total_s": round(v, 6)} for k, v in self.timings.items()]}
+                "timings": [{"phase": k, "total_s": round(v, 6)} for k, v in self.timings.items()],
+                "kernel_timings": self.kernel_timings}
 
 
 def replay_trace(path: str | Path, *, check: str = "full", bugs: Optional[set[str]] = None,
@@ -60,5 +62,6 @@ def replay_trace(path: str | Path, *, check: str = "full", bugs: Optional[set[st
     t0 = perf_counter()
     for _, plan, outcome in tr.steps:
         ex.step(plan, outcome)
-    return ReplayResult(Path(path), len(tr.steps), len(tr.requests), checks, perf_counter() - t0, notes,
-                        dict(ex.timings), ex.state_digests())
+    wall = perf_counter() - t0
+    return ReplayResult(Path(path), len(tr.steps), len(tr.requests), checks, wall, notes, dict(ex.timings),
+                        ex.state_digests(), ex.kernel_timer.summary() if ex.kernel_timer is not None else None)

@@ -107,6 +107,24 @@ def timings_table(res: RunResult) -> Table:
     return t
 
 
+def kernel_timings_table(kt: dict) -> Table:
+    """Per-kernel GPU time from CUDA events around each provider call (launch gaps included)."""
+    t = Table(title=f"kernel timings — {kt['device']}, copy ceiling {kt['copy_ceiling_TBps']:.2f} TB/s (measured)",
+              title_justify="left",
+              caption="time = GPU time of each call's kernels (CUDA events; the host finishes launching "
+                      "while the GPU spins before the start event); untimed = calls whose launch outlasted "
+                      "the spin (e.g. a first call that compiles), left out; bytes = read + written; "
+                      "% = GB/s against the measured device-to-device copy rate")
+    for col in ("kernel", "calls", "untimed", "total", "median", "p90", "bytes", "GB/s", "% of copy ceiling"):
+        t.add_column(col, justify="left" if col == "kernel" else "right", no_wrap=col == "kernel")
+    for r in kt["kernels"]:
+        t.add_row(r["kernel"], f"{r['calls']:,}", f"{r['untimed']:,}", f"{r['total_s'] * 1e3:,.2f} ms",
+                  f"{r['median_us']:,.1f} µs",
+                  f"{r['p90_us']:,.1f} µs", _human_bytes(r["bytes"]), f"{r['GBps']:,.1f}",
+                  f"{r['pct_copy_ceiling']:.1f}%")
+    return t
+
+
 def presets_table(rows: list[tuple[ModelGeometry, str]], num_spec: int = 0) -> Table:
     t = Table(title="model presets", title_justify="left",
               caption="state = conv window + SSM state of every recurrent layer for one request; "

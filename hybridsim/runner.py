@@ -47,6 +47,7 @@ class RunResult:
     trace_path: Optional[Path] = None
     timings: list[dict] = field(default_factory=list)
     steps: list[StepRecord] = field(default_factory=list)
+    kernel_timings: Optional[dict] = None  # GPU runs: per-kernel CUDA-event timings
 
     @property
     def failed(self) -> bool:
@@ -67,6 +68,7 @@ class RunResult:
                 {"phase": "wall", "total_s": round(self.wall_s, 6),
                  "steps_per_s": round(self.stats.steps / self.wall_s, 1) if self.wall_s else None},
             ],
+            "kernel_timings": self.kernel_timings,
         }
 
 
@@ -136,4 +138,6 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
     res = RunResult(s.name, sim.stats, checks, wall, sim.schedule_s, sim.update_s, wl, record, steps=records)
     if executor is not None:
         res.timings = [{"phase": k, "total_s": round(v, 6)} for k, v in executor.timings.items()]
+        if executor.kernel_timer is not None:
+            res.kernel_timings = executor.kernel_timer.summary()
     return res

@@ -15,19 +15,14 @@ K = ReferenceKernels()
 
 
 def test_conv_copy_is_memmove_safe_in_place():
-    conv = torch.randn(4, 6, 5)
-    before = conv.clone()
-    K.state_copy(conv, None, torch.tensor([2]), torch.tensor([2]), torch.tensor([2]), 6)
-    assert torch.equal(conv[2, :4], before[2, 2:6])  # left shift inside one block
-    assert torch.equal(conv[2, 4:], before[2, 4:])  # tail rows untouched
-    assert torch.equal(conv[[0, 1, 3]], before[[0, 1, 3]])
-
-
-def test_temporal_copy_reads_before_writing():
-    t = torch.randn(5, 3)
-    before = t.clone()
-    K.temporal_copy(t, torch.tensor([1, 2]), torch.tensor([2, 3]))  # chain: 1->2, 2->3 uses old 2
-    assert torch.equal(t[2], before[1]) and torch.equal(t[3], before[2])
+    conv = torch.randn(1, 4, 6, 5)
+    temporal = torch.randn(1, 4, 3)
+    before, t_before = conv.clone(), temporal.clone()
+    K.state_copy(conv, temporal, torch.tensor([[2, 3]]), torch.tensor([[0, 0, 0, 0, 1, 2]]))
+    assert torch.equal(conv[0, 2, :4], before[0, 2, 2:6])  # left shift inside one block
+    assert torch.equal(conv[0, 2, 4:], before[0, 2, 4:])  # tail rows untouched
+    assert torch.equal(conv[0, [0, 1, 3]], before[0, [0, 1, 3]])
+    assert torch.equal(temporal[0, 2], t_before[0, 3]) and torch.equal(temporal[0, 3], t_before[0, 3])
 
 
 def _partial(q, k, v, scale):

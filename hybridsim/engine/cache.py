@@ -28,31 +28,37 @@ class BlockMap:
 
 
 class PagedTensor:
-    """A tensor of pages (dense rows) that grows as new block ids appear."""
+    """A tensor of pages (dense rows) that grows as new block ids appear; with ``layers`` the
+    pages of every layer are stacked, (layers, pages, ...), so one launch can reach them all."""
 
-    def __init__(self, page_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, blocks: BlockMap):
+    def __init__(self, page_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, blocks: BlockMap,
+                 layers: int | None = None):
         self.page_shape = page_shape
         self.dtype = dtype
         self.device = device
         self.blocks = blocks
-        self.data = torch.full((8, *page_shape), float("nan"), dtype=dtype, device=device)
+        self.lead = () if layers is None else (layers,)
+        self.data = torch.full((*self.lead, 8, *page_shape), float("nan"), dtype=dtype, device=device)
 
     def ensure(self) -> torch.Tensor:
         need = len(self.blocks)
-        if need > self.data.shape[0]:
-            cap = self.data.shape[0]
+        axis = len(self.lead)
+        if need > self.data.shape[axis]:
+            cap = self.data.shape[axis]
             while cap < need:
                 cap *= 2
-            grown = torch.full((cap, *self.page_shape), float("nan"), dtype=self.dtype, device=self.device)
-            grown[: self.data.shape[0]] = self.data
+            grown = torch.full((*self.lead, cap, *self.page_shape), float("nan"), dtype=self.dtype,
+                               device=self.device)
+            grown.narrow(axis, 0, self.data.shape[axis]).copy_(self.data)
             self.data = grown
         return self.data
 
 
-class MambaLayerCache:
-    """One Mamba layer: conv window pages (R, dim) and temporal state pages (H, P, N)."""
+class MambaStateCache:
+    """Every Mamba layer's state pages: conv windows (layers, pages, R, dim) and temporal
+    states (layers, pages, H, P, N), stacked so a step's copies for all layers are one launch."""
 
-    def __init__(self, conv_rows: int, dim: int, temporal_shape: tuple[int, ...], device: torch.device,
-                 blocks: BlockMap):
-        self.conv = PagedTensor((conv_rows, dim), torch.float32, device, blocks)
-        self.temporal = PagedTensor(temporal_shape, torch.float32, device, blocks)
+    def __init__(self, layers: int, conv_rows: int, dim: int, temporal_shape: tuple[int, ...],
+                 device: torch.device, blocks: BlockMap):
+        self.conv = PagedTensor((conv_rows, dim), torch.float32, device, blocks, layers)
+        self.temporal = PagedTensor(temporal_shape, torch.float32, device, blocks, layers)

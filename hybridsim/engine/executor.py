@@ -23,7 +23,7 @@ from ..layers.mamba import MambaProbe
 from ..layers.mla import MLAProbe
 from ..oracle import MambaOracle, mla_expected
 from ..sched.plan import StepOutcome, StepPlan
-from .cache import BlockMap, MambaLayerCache, PagedTensor
+from .cache import BlockMap, MambaStateCache, PagedTensor
 from .mamba_state import TRACKERS, Bugs, Copy, RowPlan
 from .metadata import build_batch, chunk_metadata, chunk_metadata_varlen
 
@@ -74,6 +74,7 @@ class Executor:
         self.reqs: dict[str, ExecRequest] = {}
         self.blocks = BlockMap()
         self.timings: dict[str, float] = {"mamba": 0.0, "mla": 0.0, "oracle": 0.0, "copies": 0.0}
+        self.kernel_timer = None  # a TimedKernels on a GPU: per-kernel CUDA-event timings
         self.last_copies = 0  # state copies (request x layer) made by the last step
         self.output_digest = hashlib.sha256()  # every checked output, in step order (golden traces)
         seed = scenario.seed
@@ -81,7 +82,7 @@ class Executor:
         # Mamba
         self.mgroups = [g for g in groups if g.kind == "mamba"]
         self.mprobes: list[MambaProbe] = []
-        self.mcache: list[MambaLayerCache] = []
+        self.mcache: Optional[MambaStateCache] = None
         self.mlayer_group: list[int] = []
         if self.geo.mamba is not None:
             if self.mode == "all" and self.S > 0:
@@ -95,9 +96,9 @@ class Executor:
                 oracle_probes.append(cpu_probe)  # the oracle computes on the CPU, apart from the system under test
                 probe = cpu_probe.to(self.device)
                 self.mprobes.append(probe)
-                self.mcache.append(MambaLayerCache(rows, probe.dim, (probe.H, probe.P, probe.N), self.device,
-                                                   self.blocks))
                 self.mlayer_group.append(next(g.group_id for g in self.mgroups if layer in g.layers))
+            p0 = self.mprobes[0]
+            self.mcache = MambaStateCache(mg.layers, rows, p0.dim, (p0.H, p0.P, p0.N), self.device, self.blocks)
             bs_m = self.mgroups[0].block_size
             self.tracker = TRACKERS[self.mode](bs_m, self.S, self.bugs)
             self.moracle = MambaOracle(oracle_probes, bs_m)
@@ -155,9 +156,9 @@ class Executor:
                 for tail in s.new_block_ids:
                     for b in tail:
                         self.blocks.row(b)
-        for c in self.mcache:
-            c.conv.ensure()
-            c.temporal.ensure()
+        if self.mcache is not None:
+            self.mcache.conv.ensure()
+            self.mcache.temporal.ensure()
         for c in self.lcache:
             c.ensure()
         if not plan.scheduled:
@@ -178,7 +179,7 @@ class Executor:
             t0 = perf_counter()
             try:
                 mamba_out, row_plans = self._mamba_forward(plan, inputs)
-            except _NullRead as e:  # the bookkeeping pointed at a column holding no block
+            except _BadAccess as e:  # the bookkeeping pointed at a column holding no block
                 self.checks.get("ssm.running_state").failed(Failure(plan.step, None, str(e)))
                 mamba_out = None
             self.timings["mamba"] += perf_counter() - t0
@@ -203,7 +204,7 @@ class Executor:
         if self.mprobes and mamba_out is not None:
             try:
                 self._mamba_after(plan, outcome, mamba_out, row_plans, committed)
-            except _NullRead as e:
+            except _BadAccess as e:
                 self.checks.get("ssm.running_state").failed(Failure(plan.step, None, str(e)))
         if self.lprobes:
             self._mla_check(plan, mla_out, committed)
@@ -213,7 +214,7 @@ class Executor:
     def _blk(self, r: ExecRequest, group: int, col: int, step: int) -> int:
         row = r.rows[group]
         if col < 0 or col >= len(row) or row[col] == 0:
-            raise _NullRead(f"step {step}: {r.rid} needs column {col} of group {group}, which holds no block")
+            raise _BadAccess(f"step {step}: {r.rid} needs column {col} of group {group}, which holds no block")
         block = row[col]
         if self.int32_pages:
             block = self._int32_page(block)
@@ -250,21 +251,38 @@ class Executor:
             tally.failed(Failure(plan.step, None, f"chunk metadata differs: per-request cu={a[0][:8]} "
                                                   f"varlen cu={b[0][:8]}"))
 
-    def _apply_copies(self, layer: int, copies: list[tuple[ExecRequest, Copy]], step: int) -> None:
+    def _apply_copies(self, copies: list[tuple[ExecRequest, Copy]], step: int) -> None:
+        """Every layer's copies in one provider call: a table of the block rows the copies
+        name (one row per request and Mamba group) and one item per (copy, layer)."""
         if not copies:
             return
-        self.last_copies += len(copies)
-        cache = self.mcache[layer]
-        conv = cache.conv.data
-        temporal = cache.temporal.data
-        g = self.mlayer_group[layer]
+        layers = len(self.mprobes)
+        self.last_copies += len(copies) * layers
+        index: dict[tuple[str, int], int] = {}
+        table: list[dict[int, int]] = []
+        items = []
+        for r, cp in copies:
+            for layer in range(layers):
+                g = self.mlayer_group[layer]
+                ti = index.get((r.rid, g))
+                if ti is None:
+                    ti = index[(r.rid, g)] = len(table)
+                    table.append({})
+                row = table[ti]
+                for col in (cp.src, cp.dst, cp.t_src):
+                    row[col] = self._blk(r, g, col, step)
+                items.append((ti, layer, cp.src, cp.dst, cp.t_src, cp.offset))
+        width = 1 + max(c for row in table for c in row)
+        dense = torch.zeros(len(table), width, dtype=torch.int64)
+        for i, row in enumerate(table):
+            for c, b in row.items():
+                dense[i, c] = b
         dev = self.device
-        src = torch.tensor([self._blk(r, g, cp.src, step) for r, cp in copies], dtype=torch.int64, device=dev)
-        dst = torch.tensor([self._blk(r, g, cp.dst, step) for r, cp in copies], dtype=torch.int64, device=dev)
-        off = torch.tensor([cp.offset for _, cp in copies], dtype=torch.int64, device=dev)
-        tsrc = torch.tensor([self._blk(r, g, cp.t_src, step) for r, cp in copies], dtype=torch.int64, device=dev)
-        self.k.state_copy(conv, temporal, src, dst, off, conv.shape[1])
-        self.k.temporal_copy(temporal, tsrc, dst)
+        try:
+            self.k.state_copy(self.mcache.conv.data, self.mcache.temporal.data, dense.to(dev),
+                              torch.tensor(items, dtype=torch.int64).to(dev))
+        except ValueError as e:  # copies that depend on each other: the bookkeeping collided
+            raise _BadAccess(f"step {step}: {e}") from None
 
     def _mamba_forward(self, plan: StepPlan, inputs: list[list[int]]):
         plans: list[RowPlan] = []
@@ -293,14 +311,13 @@ class Executor:
         active = [torch.tensor(a, dtype=torch.int64, device=dev) for a in act_lists]
         outs = []
         K = self.geo.mamba.conv_kernel
+        t0 = perf_counter()
+        self._apply_copies([(r, cp) for r, p in zip(reqs, plans) for cp in p.pre], plan.step)
+        self.timings["copies"] += perf_counter() - t0
         for layer, probe in enumerate(self.mprobes):
             g = self.mlayer_group[layer]
-            t0 = perf_counter()
-            self._apply_copies(layer, [(r, cp) for r, p in zip(reqs, plans) for cp in p.pre], plan.step)
-            self.timings["copies"] += perf_counter() - t0
-            cache = self.mcache[layer]
-            conv = cache.conv.data
-            temporal = cache.temporal.data
+            conv = self.mcache.conv.data[layer]
+            temporal = self.mcache.temporal.data[layer]
             window, h = probe.zero_state(B)
             for i, (r, p) in enumerate(zip(reqs, plans)):
                 if p.has_state:
@@ -348,15 +365,14 @@ class Executor:
     def _compare_state(self, tally, step, r, layer, col, off, tcol, pos, what) -> None:
         g = self.mlayer_group[layer]
         K = self.geo.mamba.conv_kernel
-        cache = self.mcache[layer]
         try:
             blk = self._blk(r, g, col, step)
             tblk = self._blk(r, g, tcol, step)
-        except _NullRead as e:
+        except _BadAccess as e:
             tally.failed(Failure(step, r.rid, str(e), layer=f"mamba{layer}", position=pos))
             return
-        window = cache.conv.data[blk, off:off + K - 1].cpu()
-        h = cache.temporal.data[tblk].cpu()
+        window = self.mcache.conv.data[layer, blk, off:off + K - 1].cpu()
+        h = self.mcache.temporal.data[layer, tblk].cpu()
         ew, eh = self.moracle.state(r.rid, layer, pos)
         if torch.equal(window, ew) and torch.equal(h, eh):
             tally.passed()
@@ -380,8 +396,7 @@ class Executor:
                 acc = p.drafts  # treat every draft as accepted for the state's position
             for cp in self.tracker.post(p, acc, bool(toks)):
                 post.append((r, cp))
-        for layer in range(len(self.mprobes)):
-            self._apply_copies(layer, post, plan.step)
+        self._apply_copies(post, plan.step)
         out_tally = self.checks.get("ssm.output")
         run_tally = self.checks.get("ssm.running_state")
         blk_tally = self.checks.get("ssm.cached_blocks")
@@ -539,9 +554,9 @@ class Executor:
         """sha256 of every cache page, in physical block order, per layer."""
         order = [self.blocks.rows[b] for b in sorted(self.blocks.rows) if b != 0]
         out = {}
-        for layer, c in enumerate(self.mcache):
+        for layer in range(len(self.mprobes)):
             h = hashlib.sha256()
-            for t in (c.conv.data, c.temporal.data):
+            for t in (self.mcache.conv.data[layer], self.mcache.temporal.data[layer]):
                 h.update(t[order].cpu().numpy().tobytes())
             out[f"mamba{layer}.state"] = h.hexdigest()
         for layer, c in enumerate(self.lcache):
@@ -550,5 +565,6 @@ class Executor:
         return out
 
 
-class _NullRead(Exception):
-    pass
+class _BadAccess(Exception):
+    """The bookkeeping pointed a read or copy at a column holding no block, or made two
+    copies of one step collide: a failure of ``ssm.running_state``, not a crash."""

@@ -24,6 +24,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return (fa - fb).abs().max().item() / max(ref, 1e-30) if fa.numel() else 0.0
 
 
+LOW_PRECISION_TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
 class CheckedKernels:
     def __init__(self, inner, checks: Checks, tol: float = 1e-5):
         self.inner = inner
@@ -50,17 +53,12 @@ class CheckedKernels:
             t.failed(Failure(self.step, None, f"{self.name} {name} off the reference by rel {rel:.2e}",
                              max_rel_err=rel))
 
-    def state_copy(self, conv, temporal, src, dst, offset, rows):
-        ref = conv.clone()
-        self.ref.state_copy(ref, None, src, dst, offset, rows)
-        self.inner.state_copy(conv, temporal, src, dst, offset, rows)
-        self._exact("state_copy", conv, ref)
-
-    def temporal_copy(self, temporal, src, dst):
-        ref = temporal.clone()
-        self.ref.temporal_copy(ref, src, dst)
-        self.inner.temporal_copy(temporal, src, dst)
-        self._exact("state_copy", temporal, ref)
+    def state_copy(self, conv, temporal, table, items):
+        ref_c, ref_t = conv.clone(), temporal.clone()
+        self.ref.state_copy(ref_c, ref_t, table, items)
+        self.inner.state_copy(conv, temporal, table, items)
+        self._exact("state_copy", conv, ref_c)
+        self._exact("state_copy", temporal, ref_t)
 
     def concat_and_cache(self, entries, slots, cache):
         ref = cache.clone()
@@ -86,6 +84,9 @@ class CheckedKernels:
     def mla_decode(self, q_lat, q_pe, cache, block_row, seq_len, kv_lora_rank, scale, num_splits=1):
         got = self.inner.mla_decode(q_lat, q_pe, cache, block_row, seq_len, kv_lora_rank, scale, num_splits)
         want = self.ref.mla_decode(q_lat, q_pe, cache, block_row, seq_len, kv_lora_rank, scale, num_splits)
-        self._close("mla_decode", got[0], want[0], self.tol)
-        self._close("mla_decode", got[1], want[1], self.tol)
+        # the reference computes in fp32; a bf16/fp16 cache feeds the kernel's matrix units in
+        # that precision, so the bar is the dtype's (SPEC §7: rel. err <= 2e-2 for bf16)
+        tol = max(self.tol, LOW_PRECISION_TOL.get(cache.dtype, 0.0))
+        self._close("mla_decode", got[0], want[0], tol)
+        self._close("mla_decode", got[1], want[1], tol)
         return got

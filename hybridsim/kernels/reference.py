@@ -17,27 +17,46 @@ class ReferenceKernels:
     name = "reference"
 
     # ------------------------------------------------------------------ Mamba state copies
-    def state_copy(self, conv: torch.Tensor, temporal: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
-                   offset: torch.Tensor, rows: int) -> None:
-        """Conv windows: for each copy i, conv[dst, 0:L-o] = conv[src, o:L] with o = offset[i]
-        and L the conv rows (memmove semantics: same-block left shifts are safe). The
-        temporal half is ``temporal_copy`` (its source block already includes the bias).
+    def state_copy(self, conv: torch.Tensor, temporal: torch.Tensor, table: torch.Tensor,
+                   items: torch.Tensor) -> None:
+        """Every (request, layer) state copy of one step.
 
-        conv: (num_blocks, L, dim). src/dst/offset: (n,), widened to int64.
+        conv (layers, pages, R, dim) and temporal (layers, pages, ...) hold every Mamba layer;
+        table (rows, cols) holds block rows; items (n, 6) are (table row, layer, src col,
+        dst col, temporal src col, offset): conv[layer, dst, 0:R-o] = conv[layer, src, o:R]
+        (memmove semantics: a same-block left shift is safe) and temporal[layer, dst] =
+        temporal[layer, tsrc]. No item may read a page another item writes: the copies of
+        one step are independent, which is what lets a kernel run them all at once.
         """
-        src = src.to(torch.int64).tolist()
-        dst = dst.to(torch.int64).tolist()
-        offset = offset.tolist()
-        L = conv.shape[1]
-        for s, d, o in zip(src, dst, offset):
-            window = conv[s, o:L].clone()  # clone: same-block left shifts overlap
-            conv[d, 0:L - o] = window
+        self.check_copy_items(table, items)
+        table = table.to(torch.int64).cpu()
+        R = conv.shape[2]
+        for row, layer, s_col, d_col, t_col, o in items.to(torch.int64).tolist():
+            s, d, ts = (int(table[row, c]) for c in (s_col, d_col, t_col))
+            window = conv[layer, s, o:R].clone()  # clone: same-block left shifts overlap
+            conv[layer, d, 0:R - o] = window
+            temporal[layer, d] = temporal[layer, ts].clone()
 
-    def temporal_copy(self, temporal: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        src = src.to(temporal.device, torch.int64)
-        dst = dst.to(temporal.device, torch.int64)
-        vals = temporal[src].clone()
-        temporal[dst] = vals
+    @staticmethod
+    def check_copy_items(table: torch.Tensor, items: torch.Tensor) -> None:
+        """Refuse a step whose copies depend on each other: one writes a page another reads
+        or writes (its own source may be its destination: an in-place shift)."""
+        if items.shape[0] < 2:
+            return
+        t = table.to(torch.int64).cpu()
+        it = items.to(torch.int64).cpu()
+        rows, layers = it[:, 0], it[:, 1]
+        src, dst, tsrc = t[rows, it[:, 2]], t[rows, it[:, 3]], t[rows, it[:, 4]]
+        readers: dict[tuple[int, int], set[int]] = {}
+        for k, (l, a, b) in enumerate(zip(layers.tolist(), src.tolist(), tsrc.tolist())):
+            readers.setdefault((l, a), set()).add(k)
+            readers.setdefault((l, b), set()).add(k)
+        written: set[tuple[int, int]] = set()
+        for k, (l, d) in enumerate(zip(layers.tolist(), dst.tolist())):
+            if (l, d) in written or readers.get((l, d), {k}) - {k}:
+                raise ValueError(f"state_copy: copy {k} writes page {d} of layer {l}, which another "
+                                 f"copy of the same step reads or writes")
+            written.add((l, d))
 
     # ------------------------------------------------------------------ MLA cache ops
     def concat_and_cache(self, entries: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor) -> None:

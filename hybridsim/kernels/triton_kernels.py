@@ -7,9 +7,12 @@ a stride: caches larger than 2^31 bytes are normal.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .reference import ReferenceKernels
 
@@ -30,84 +33,79 @@ def _copy_window(sbase, dbase, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _conv_copy_kernel(conv, src, dst, off, page_stride, row_elems, rows, BLOCK: tl.constexpr):
-    """conv[dst, 0:rows-o] = conv[src, o:rows] for copy i, one program per copy."""
-    i = tl.program_id(0)
-    s = tl.load(src + i).to(tl.int64)
-    d = tl.load(dst + i).to(tl.int64)
-    o = tl.load(off + i).to(tl.int64)
-    _copy_window(conv + s * page_stride + o * row_elems, conv + d * page_stride, (rows - o) * row_elems, BLOCK)
-
-
-@triton.jit
-def _page_copy_kernel(data, src, dst, page_stride, page_elems, BLOCK: tl.constexpr):
-    """data[dst_i] = data[src_i]; grid (copies, tiles): a large page is split over many programs."""
-    i = tl.program_id(0)
-    t = tl.program_id(1)
-    s = tl.load(src + i).to(tl.int64)
-    d = tl.load(dst + i).to(tl.int64)
-    idx = t.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    m = idx < page_elems
-    v = tl.load(data + s * page_stride + idx, mask=m)
-    tl.store(data + d * page_stride + idx, v, mask=m)
-
-
-@triton.jit
-def _fused_state_copy_kernel(conv, temporal, src, dst, off, tsrc, layers,
+def _fused_state_copy_kernel(conv, temporal, table, items, table_stride,
                              conv_layer_stride, conv_page_stride, conv_row_elems, conv_rows,
-                             t_layer_stride, t_page_stride, t_page_elems, t_tiles,
+                             t_layer_stride, t_page_stride, t_page_elems, c_tiles,
                              BLOCK: tl.constexpr, CONV_BLOCK: tl.constexpr):
-    """Every (copy, layer, state) of a step in one launch. Grid (copies x layers, t_tiles + 1):
-    tiles 0..t_tiles-1 each move one BLOCK of the temporal page (large pages spread over many
-    programs), the last tile moves the conv window with its accept-bias shift (low to high)."""
-    pid = tl.program_id(0)
+    """Every (request, layer) state copy of a step in one launch; grid (items, c_tiles + t_tiles).
+
+    An item is (table row, layer, src col, dst col, temporal src col, conv offset); block
+    rows are read from the step's block table on the device. Tiles 0..c_tiles-1 move the
+    conv window (rows offset.. of src to rows 0.. of dst) and are scheduled first, the rest
+    move one BLOCK of the temporal page each, so a multi-MB state is spread over many
+    programs. An in-place shift (src == dst, offset > 0) is the one case that needs
+    ordering: tile 0 walks it low to high alone (memmove), the other conv tiles do nothing.
+    """
+    i = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
-    i = pid // layers
-    layer = (pid % layers).to(tl.int64)
-    d = tl.load(dst + i).to(tl.int64)
-    if tile < t_tiles:
-        ts = tl.load(tsrc + i).to(tl.int64)
-        idx = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    it = items + i * 6
+    trow = table + tl.load(it) * table_stride
+    layer = tl.load(it + 1)
+    d = tl.load(trow + tl.load(it + 3)).to(tl.int64)
+    if tile < c_tiles:
+        s = tl.load(trow + tl.load(it + 2)).to(tl.int64)
+        o = tl.load(it + 5)
+        cbase = conv + layer * conv_layer_stride
+        sbase = cbase + s * conv_page_stride + o * conv_row_elems
+        dbase = cbase + d * conv_page_stride
+        n = (conv_rows - o) * conv_row_elems
+        if (s != d) | (o == 0):
+            idx = tile.to(tl.int64) * CONV_BLOCK + tl.arange(0, CONV_BLOCK).to(tl.int64)
+            m = idx < n
+            v = tl.load(sbase + idx, mask=m)
+            tl.store(dbase + idx, v, mask=m)
+        elif tile == 0:
+            _copy_window(sbase, dbase, n, CONV_BLOCK)
+    else:
+        ts = tl.load(trow + tl.load(it + 4)).to(tl.int64)
+        idx = (tile - c_tiles).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
         m = idx < t_page_elems
         tbase = temporal + layer * t_layer_stride
         v = tl.load(tbase + ts * t_page_stride + idx, mask=m)
         tl.store(tbase + d * t_page_stride + idx, v, mask=m)
-    else:
-        s = tl.load(src + i).to(tl.int64)
-        o = tl.load(off + i).to(tl.int64)
-        cbase = conv + layer * conv_layer_stride
-        _copy_window(cbase + s * conv_page_stride + o * conv_row_elems, cbase + d * conv_page_stride,
-                     (conv_rows - o) * conv_row_elems, CONV_BLOCK)
 
 
-def fused_state_copy(conv: torch.Tensor, temporal: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
-                     offset: torch.Tensor, tsrc: torch.Tensor, block: int = 8192) -> None:
-    """conv (layers, pages, rows, dim), temporal (layers, pages, ...): all layers, one launch."""
-    n = src.numel()
+def fused_state_copy(conv: torch.Tensor, temporal: torch.Tensor, table: torch.Tensor, items: torch.Tensor,
+                     block: int = 8192, conv_block: int = 4096) -> None:
+    """conv (layers, pages, rows, dim), temporal (layers, pages, ...); table (rows, cols) int64
+    block rows on the device; items (n, 6) int64: (table row, layer, src, dst, temporal src, offset)."""
+    n = items.shape[0]
     if n == 0:
         return
-    layers = conv.shape[0]
     t_elems = temporal[0, 0].numel()
-    tiles = triton.cdiv(t_elems, block)
-    dev = conv.device
-    _fused_state_copy_kernel[(n * layers, tiles + 1)](
-        conv, temporal, src.to(dev, torch.int64), dst.to(dev, torch.int64), offset.to(dev, torch.int64),
-        tsrc.to(dev, torch.int64), layers, conv.stride(0), conv.stride(1), conv.stride(2), conv.shape[2],
-        temporal.stride(0), temporal.stride(1), t_elems, tiles, BLOCK=block, CONV_BLOCK=4096, num_warps=8)
+    c_elems = conv[0, 0].numel()
+    t_tiles = triton.cdiv(t_elems, block)
+    c_tiles = triton.cdiv(c_elems, conv_block)
+    _fused_state_copy_kernel[(n, c_tiles + t_tiles)](
+        conv, temporal, table, items, table.stride(0), conv.stride(0), conv.stride(1), conv.stride(2),
+        conv.shape[2], temporal.stride(0), temporal.stride(1), t_elems, c_tiles,
+        BLOCK=block, CONV_BLOCK=conv_block, num_warps=8)
 
 
 # ----------------------------------------------------------------------------- cache ops
 
 
 @triton.jit
-def _scatter_rows_kernel(entries, slots, cache, dim, BLOCK: tl.constexpr):
-    i = tl.program_id(0)
-    slot = tl.load(slots + i).to(tl.int64)
-    for start in range(0, dim, BLOCK):
-        c = start + tl.arange(0, BLOCK)
-        m = c < dim
-        v = tl.load(entries + i.to(tl.int64) * dim + c, mask=m)
-        tl.store(cache + slot * dim + c, v.to(cache.dtype.element_ty), mask=m)
+def _scatter_rows_kernel(entries, slots, cache, n, dim, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """ROWS entries per program, each written to its slot (row index into the flat cache)."""
+    i = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    rm = i < n
+    slot = tl.load(slots + i, mask=rm, other=0).to(tl.int64)
+    for c0 in range(0, dim, BLOCK):
+        c = c0 + tl.arange(0, BLOCK)
+        m = rm[:, None] & (c < dim)[None, :]
+        v = tl.load(entries + i[:, None] * dim + c[None, :], mask=m)
+        tl.store(cache + slot[:, None] * dim + c[None, :], v.to(cache.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -170,71 +168,149 @@ def _merge_kernel(oa, la, ob, lb, out, lse_out, n_rows, D, BLOCK_D: tl.constexpr
 
 
 @triton.jit
-def _mla_decode_kernel(q_lat, q_pe, cache, block_table, seq_lens, o_part, lse_part,
-                       M, H, nq, max_blocks, keys_per_split, scale,
-                       L: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-                       LOW_PRECISION: tl.constexpr):
-    """One program: request b, key split s, a tile of BLOCK_M (query token, head) rows.
+def _attend_tile(q_lo, q_hi, q_r, kv_lo, kv_hi, k_r, visible, m_i, l_i, acc_lo, acc_hi, qk_scale_log2,
+                 LOW_PRECISION: tl.constexpr):
+    """One latent tile into the running softmax: the tile is K (kv_lo | kv_hi | k_r) and V (kv_lo | kv_hi)."""
+    if LOW_PRECISION:  # bf16/fp16 cache: matrix units, fp32 accumulation
+        s = tl.dot(q_lo, tl.trans(kv_lo))
+        s = tl.dot(q_hi, tl.trans(kv_hi), s)
+        s = tl.dot(q_r, tl.trans(k_r), s)
+    else:  # fp32 cache: exact fp32 products (no tf32)
+        s = tl.dot(q_lo, tl.trans(kv_lo), input_precision="ieee")
+        s = tl.dot(q_hi, tl.trans(kv_hi), s, input_precision="ieee")
+        s = tl.dot(q_r, tl.trans(k_r), s, input_precision="ieee")
+    s = tl.where(visible, s * qk_scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc_lo = acc_lo * alpha[:, None]
+    acc_hi = acc_hi * alpha[:, None]
+    if LOW_PRECISION:
+        pl = p.to(kv_lo.dtype)
+        acc_lo = tl.dot(pl, kv_lo, acc_lo)
+        acc_hi = tl.dot(pl, kv_hi, acc_hi)
+    else:
+        acc_lo = tl.dot(p, kv_lo, acc_lo, input_precision="ieee")
+        acc_hi = tl.dot(p, kv_hi, acc_hi, input_precision="ieee")
+    return m_new, l_i, acc_lo, acc_hi
 
-    Every row of the tile shares the latent cache of request b, so each latent tile is
-    loaded once per program and used both as K (with k_pe) and as V. Bottom-right causal
-    mask: query token t of nq sees keys up to seq_len - nq + t. Writes the split's
-    partial output and natural-log lse (-inf for a split with no visible key).
+
+@triton.jit
+def _mla_split_kernel(q_lat, q_pe, cache, kv_desc, kr_desc, block_table, seq_lens, o_part, lse_part,
+                      M, H, nq, max_blocks, keys_per_split, qk_scale_log2,
+                      L: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr, HALF: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      LOW_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, TMA: tl.constexpr):
+    """One program: a tile of BLOCK_M (query token, head) rows of request b over key split sp.
+
+    All rows share request b's latent cache. Each latent tile [BLOCK_N, L] is loaded once
+    per program as two halves and used both as K (with k_pe) and as V; the 512-wide fp32
+    accumulator is kept as two [BLOCK_M, HALF] halves so it stays in registers across
+    the warps. Head tiles are the fastest grid axis: the programs that share a latent
+    tile run side by side and the second read comes from L2.
+    With TMA (pages a multiple of BLOCK_N), every full tile is one page slice fetched by
+    the copy engine through a tensor descriptor, pipelined NUM_STAGES deep; the partial
+    last tile of a sequence (rows past its end may hold anything, NaN included) and every
+    tile without TMA go through masked pointer loads.
+    Softmax runs in base 2 (scale * log2 e folded into the logits); the stored lse is in
+    natural log. Bottom-right causal mask: query token t of nq sees keys up to
+    seq_len - nq + t. A split with no visible key writes 0 and -inf.
     """
-    b = tl.program_id(0).to(tl.int64)
+    mt = tl.program_id(0)
     sp = tl.program_id(1)
-    mt = tl.program_id(2)
-    seq_len = tl.load(seq_lens + b)
+    b = tl.program_id(2).to(tl.int64)
+    num_b = tl.num_programs(2)
+    seq_len = tl.load(seq_lens + b).to(tl.int32)
     rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M
-    qtok = rows // H
-    qpos = seq_len - nq + qtok
-    lcols = tl.arange(0, BLOCK_L)
-    lmask = lcols < L
-    rcols = tl.arange(0, R)
-    qbase = (b * M + rows.to(tl.int64))
-    ql = tl.load(q_lat + qbase[:, None] * L + lcols[None, :], mask=rmask[:, None] & lmask[None, :], other=0.0)
-    qr = tl.load(q_pe + qbase[:, None] * R + rcols[None, :], mask=rmask[:, None], other=0.0)
+    qpos = seq_len - nq + rows // H
+    c_lo = tl.arange(0, HALF)
+    c_hi = HALF + tl.arange(0, HALF)
+    m_lo = c_lo < L
+    m_hi = c_hi < L
+    c_r = tl.arange(0, BLOCK_R)
+    m_r = c_r < R
+    qrow = b * M + rows.to(tl.int64)
+    q_lo = tl.load(q_lat + qrow[:, None] * L + c_lo[None, :], mask=rmask[:, None] & m_lo[None, :], other=0.0)
+    q_hi = tl.load(q_lat + qrow[:, None] * L + c_hi[None, :], mask=rmask[:, None] & m_hi[None, :], other=0.0)
+    q_r = tl.load(q_pe + qrow[:, None] * R + c_r[None, :], mask=rmask[:, None] & m_r[None, :], other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_L], tl.float32)
+    acc_lo = tl.zeros([BLOCK_M, HALF], tl.float32)
+    acc_hi = tl.zeros([BLOCK_M, HALF], tl.float32)
     k_start = sp * keys_per_split
     k_end = tl.minimum(k_start + keys_per_split, seq_len)
-    for n0 in range(k_start, k_end, BLOCK_N):
-        kpos = n0 + tl.arange(0, BLOCK_N)
-        kmask = kpos < k_end
-        blk = tl.load(block_table + b * max_blocks + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
-        kaddr = (blk * PAGE + kpos % PAGE) * (L + R)
-        kv = tl.load(cache + kaddr[:, None] + lcols[None, :], mask=kmask[:, None] & lmask[None, :], other=0.0)
-        kpe = tl.load(cache + kaddr[:, None] + L + rcols[None, :], mask=kmask[:, None], other=0.0)
-        if LOW_PRECISION:  # bf16/fp16 cache: matrix units, fp32 accumulation
-            kv = kv.to(cache.dtype.element_ty)
-            s = tl.dot(ql.to(kv.dtype), tl.trans(kv)) + tl.dot(qr.to(kv.dtype), tl.trans(kpe))
-        else:  # fp32 cache: exact fp32 products (no tf32)
-            kv = kv.to(tl.float32)
-            s = tl.dot(ql, tl.trans(kv), input_precision="ieee") + \
-                tl.dot(qr, tl.trans(kpe.to(tl.float32)), input_precision="ieee")
-        s = s * scale
-        visible = kmask[None, :] & (kpos[None, :] <= qpos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if LOW_PRECISION:
-            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p, kv, input_precision="ieee")
-        m_i = m_new
+    table = block_table + b * max_blocks
+    if TMA:
+        tail = k_start + tl.maximum(k_end - k_start, 0) // BLOCK_N * BLOCK_N
+        for n0 in tl.range(k_start, tail, BLOCK_N, num_stages=NUM_STAGES):
+            row = tl.load(table + n0 // PAGE).to(tl.int32) * PAGE + n0 % PAGE
+            kpos = n0 + tl.arange(0, BLOCK_N)
+            m_i, l_i, acc_lo, acc_hi = _attend_tile(q_lo, q_hi, q_r, kv_desc.load([row, 0]), kv_desc.load([row, HALF]),
+                                                    kr_desc.load([row, L]), kpos[None, :] <= qpos[:, None],
+                                                    m_i, l_i, acc_lo, acc_hi, qk_scale_log2, LOW_PRECISION)
+        if tail < k_end:  # the partial last tile: rows past the end may hold anything, so zero them
+            row = tl.load(table + tail // PAGE).to(tl.int32) * PAGE + tail % PAGE
+            kpos = tail + tl.arange(0, BLOCK_N)
+            kmask = kpos < k_end
+            kv_lo = tl.where(kmask[:, None], kv_desc.load([row, 0]), 0.0).to(cache.dtype.element_ty)
+            kv_hi = tl.where(kmask[:, None], kv_desc.load([row, HALF]), 0.0).to(cache.dtype.element_ty)
+            k_r = tl.where(kmask[:, None], kr_desc.load([row, L]), 0.0).to(cache.dtype.element_ty)
+            m_i, l_i, acc_lo, acc_hi = _attend_tile(q_lo, q_hi, q_r, kv_lo, kv_hi, k_r,
+                                                    kmask[None, :] & (kpos[None, :] <= qpos[:, None]),
+                                                    m_i, l_i, acc_lo, acc_hi, qk_scale_log2, LOW_PRECISION)
+    else:
+        for n0 in tl.range(k_start, k_end, BLOCK_N, num_stages=NUM_STAGES):
+            kpos = n0 + tl.arange(0, BLOCK_N)
+            kmask = kpos < k_end
+            blk = tl.load(table + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
+            kaddr = (blk * PAGE + kpos % PAGE) * (L + R)
+            kv_lo = tl.load(cache + kaddr[:, None] + c_lo[None, :], mask=kmask[:, None] & m_lo[None, :], other=0.0)
+            kv_hi = tl.load(cache + kaddr[:, None] + c_hi[None, :], mask=kmask[:, None] & m_hi[None, :], other=0.0)
+            k_r = tl.load(cache + kaddr[:, None] + L + c_r[None, :], mask=kmask[:, None] & m_r[None, :], other=0.0)
+            m_i, l_i, acc_lo, acc_hi = _attend_tile(q_lo, q_hi, q_r, kv_lo, kv_hi, k_r,
+                                                    kmask[None, :] & (kpos[None, :] <= qpos[:, None]), m_i, l_i,
+                                                    acc_lo, acc_hi, qk_scale_log2, LOW_PRECISION)
     empty = l_i == 0.0
     inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
-    out = acc * inv[:, None]
-    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
-    obase = (sp.to(tl.int64) * tl.num_programs(0) + b) * M + rows.to(tl.int64)
-    tl.store(o_part + obase[:, None] * L + lcols[None, :], out, mask=rmask[:, None] & lmask[None, :])
-    tl.store(lse_part + obase, lse, mask=rmask)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    orow = (sp.to(tl.int64) * num_b + b) * M + rows.to(tl.int64)
+    tl.store(o_part + orow[:, None] * L + c_lo[None, :], acc_lo * inv[:, None], mask=rmask[:, None] & m_lo[None, :])
+    tl.store(o_part + orow[:, None] * L + c_hi[None, :], acc_hi * inv[:, None], mask=rmask[:, None] & m_hi[None, :])
+    tl.store(lse_part + orow, lse, mask=rmask)
+
+
+@triton.jit
+def _mla_combine_kernel(o_part, lse_part, out, lse_out, n_rows, num_splits, L: tl.constexpr,
+                        BLOCK_L: tl.constexpr, ROWS: tl.constexpr):
+    """Merge the splits' partials of ROWS rows in one pass: weights exp(lse_s - max);
+    splits with lse -inf weigh 0; a row empty in every split gives 0 and -inf."""
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    rm = r < n_rows
+    c = tl.arange(0, BLOCK_L)
+    cm = rm[:, None] & (c < L)[None, :]
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    for s in range(num_splits):
+        m = tl.maximum(m, tl.load(lse_part + s * n_rows + r, mask=rm, other=float("-inf")))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    acc = tl.zeros([ROWS, BLOCK_L], tl.float32)
+    wsum = tl.zeros([ROWS], tl.float32)
+    for s in range(num_splits):
+        w = tl.exp(tl.load(lse_part + s * n_rows + r, mask=rm, other=float("-inf")) - m_safe)
+        o = tl.load(o_part + (s * n_rows + r)[:, None] * L + c[None, :], mask=cm, other=0.0)
+        acc += w[:, None] * o
+        wsum += w
+    empty = wsum == 0.0
+    inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, wsum))
+    tl.store(out + r[:, None] * L + c[None, :], acc * inv[:, None], mask=cm)
+    tl.store(lse_out + r, tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, wsum))), mask=rm)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(dev: torch.device) -> int:
+    return torch.cuda.get_device_properties(dev).multi_processor_count
 
 
 def _pow2(n: int, lo: int = 16) -> int:
@@ -246,39 +322,37 @@ class TritonKernels(ReferenceKernels):
 
     name = "triton"
 
-    def state_copy(self, conv, temporal, src, dst, offset, rows):
-        n = src.numel()
-        if n == 0:
-            return
-        dev = conv.device
-        row_elems = conv.stride(1)
-        _conv_copy_kernel[(n,)](conv, src.to(dev, torch.int64), dst.to(dev, torch.int64),
-                                offset.to(dev, torch.int64), conv.stride(0), row_elems, conv.shape[1], BLOCK=1024)
+    def __init__(self, poison: bool = False):
+        # poison: fill every output buffer with NaN before the launch, so that an element a
+        # kernel fails to write cannot pass a comparison (tests and checked runs); off for
+        # benchmarks, where the fill would be timed as part of the kernel
+        self.poison = poison
 
-    def temporal_copy(self, temporal, src, dst):
-        n = src.numel()
-        if n == 0:
-            return
-        dev = temporal.device
-        page = temporal[0].numel()
-        BLOCK = 4096
-        _page_copy_kernel[(n, triton.cdiv(page, BLOCK))](temporal, src.to(dev, torch.int64), dst.to(dev, torch.int64),
-                                                         temporal.stride(0), page, BLOCK=BLOCK)
+    def _out(self, shape, dtype, device) -> torch.Tensor:
+        if self.poison:
+            return torch.full(shape, float("nan"), dtype=dtype, device=device)
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    def state_copy(self, conv, temporal, table, items):
+        fused_state_copy(conv, temporal, table.to(conv.device, torch.int64).contiguous(),
+                         items.to(conv.device, torch.int64).contiguous())
 
     def concat_and_cache(self, entries, slots, cache):
         n = entries.shape[0]
         if n == 0:
             return
         dim = cache.shape[-1]
-        _scatter_rows_kernel[(n,)](entries.contiguous().to(cache.device), slots.to(cache.device, torch.int64), cache,
-                                   dim, BLOCK=min(_pow2(dim), 1024))
+        rows = 8
+        _scatter_rows_kernel[(triton.cdiv(n, rows),)](entries.contiguous().to(cache.device),
+                                                      slots.to(cache.device, torch.int64), cache, n, dim,
+                                                      BLOCK=min(_pow2(dim), 1024), ROWS=rows)
 
     def gather_cache(self, cache, block_row, start, length):
         page = cache.shape[1]
         if start % page:
             raise ValueError(f"gather_cache: start {start} is not a multiple of the page size {page}")
         dim = cache.shape[-1]
-        out = torch.full((length, dim), float("nan"), dtype=cache.dtype, device=cache.device)  # poisoned
+        out = self._out((length, dim), cache.dtype, cache.device)
         if length:
             rows = 8
             _gather_rows_kernel[(triton.cdiv(length, rows),)](cache, block_row.to(cache.device, torch.int64), out,
@@ -289,9 +363,8 @@ class TritonKernels(ReferenceKernels):
     def merge_states(self, o_a, lse_a, o_b, lse_b, base2_bug=False, unguarded=False):
         D = o_a.shape[-1]
         rows = lse_a.numel()
-        # row-major, as the kernel writes; poisoned so an unwritten element cannot pass
-        out = torch.full(o_a.shape, float("nan"), dtype=torch.float32, device=o_a.device)
-        lse = torch.full(lse_a.shape, float("nan"), dtype=torch.float32, device=lse_a.device)
+        out = self._out(o_a.shape, torch.float32, o_a.device)  # row-major, as the kernel writes
+        lse = self._out(lse_a.shape, torch.float32, lse_a.device)
         if rows:
             per = max(1, min(16, 4096 // _pow2(D)))
             _merge_kernel[(triton.cdiv(rows, per),)](o_a.contiguous().float(), lse_a.contiguous().float(),
@@ -301,41 +374,69 @@ class TritonKernels(ReferenceKernels):
         return out, lse
 
     def mla_decode_batched(self, q_lat, q_pe, cache, block_table, seq_lens, kv_lora_rank, scale, num_splits=0,
-                           block_m=16, block_n=32, num_warps=4):
+                           max_seq_len=None, block_m=None, block_n=None, num_warps=None, num_stages=None,
+                           tma=None):
         """q_lat (B, nq, H, L), q_pe (B, nq, H, R); block_table (B, max_blocks); seq_lens (B,).
 
-        Returns o_lat (B, nq, H, L) and lse (B, nq, H). ``num_splits`` 0 picks the split
-        count from batch x head tiles against the multiprocessor count.
+        Returns o_lat (B, nq, H, L) fp32 and lse (B, nq, H) fp32, natural log. ``num_splits``
+        0 picks the split count so that batch x head tiles x splits fills the multiprocessors
+        about once; ``max_seq_len`` (if the caller knows it) avoids a device-to-host sync.
+        Two launches at most: the split kernel and one combine over all splits.
         """
         B, nq, H, L = q_lat.shape
         R = q_pe.shape[-1]
         page = cache.shape[1]
         M = nq * H
-        mtiles = triton.cdiv(M, block_m)
-        max_len = int(seq_lens.max())
-        if num_splits <= 0:
-            sms = torch.cuda.get_device_properties(cache.device).multi_processor_count if cache.is_cuda else 4
-            num_splits = max(1, min(triton.cdiv(max_len, 256), triton.cdiv(2 * sms, B * mtiles)))
-        per = triton.cdiv(triton.cdiv(max_len, num_splits), block_n) * block_n
-        num_splits = triton.cdiv(max_len, per)
         dev = cache.device
-        o_part = torch.full((num_splits, B, M, L), float("nan"), dtype=torch.float32, device=dev)
-        lse_part = torch.full((num_splits, B, M), float("nan"), dtype=torch.float32, device=dev)
-        _mla_decode_kernel[(B, num_splits, mtiles)](
-            q_lat.contiguous().float(), q_pe.contiguous().float(), cache, block_table.to(dev, torch.int64).contiguous(),
-            seq_lens.to(dev, torch.int64), o_part, lse_part, M, H, nq, block_table.shape[1], per, float(scale),
-            L=L, R=R, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_L=_pow2(L),
-            LOW_PRECISION=cache.dtype in (torch.bfloat16, torch.float16), num_warps=num_warps)
-        o, lse = o_part[0], lse_part[0]
-        for s in range(1, num_splits):
-            o, lse = self.merge_states(o, lse, o_part[s], lse_part[s])
+        low = cache.dtype in (torch.bfloat16, torch.float16)
+        block_m = block_m or (64 if low else min(64, _pow2(M)))
+        block_n = block_n or (64 if low else 32)
+        num_warps = num_warps or (8 if low else 4)
+        num_stages = num_stages or (2 if low else 1)
+        mtiles = triton.cdiv(M, block_m)
+        max_len = int(seq_lens.max()) if max_seq_len is None else int(max_seq_len)
+        if num_splits <= 0:
+            sms = _sm_count(dev) if cache.is_cuda else 4
+            # at most one wave: a program per multiprocessor (shared memory allows no more)
+            num_splits = max(1, min(triton.cdiv(max_len, 4 * block_n), sms // (B * mtiles)))
+        per = triton.cdiv(triton.cdiv(max(max_len, 1), num_splits), block_n) * block_n
+        num_splits = max(1, triton.cdiv(max_len, per))
+        o_part = self._out((num_splits, B, M, L), torch.float32, dev)
+        lse_part = self._out((num_splits, B, M), torch.float32, dev)
+        half = max(16, _pow2((L + 1) // 2))
+        if tma is None:  # the copy engine needs whole page slices, exact column splits, aligned rows
+            tma = (cache.is_cuda and page % block_n == 0 and L == 2 * half and R == _pow2(R)
+                   and cache.is_contiguous() and (L + R) * cache.element_size() % 16 == 0)
+        # queries in the cache's precision: loaded straight into shared memory as matrix-unit
+        # operands (a conversion inside the kernel would keep them in registers, which spills)
+        qdt = cache.dtype if low else torch.float32
+        kv_desc = kr_desc = None
+        if tma:
+            flat = cache.view(-1, L + R)
+            kv_desc = TensorDescriptor.from_tensor(flat, block_shape=[block_n, half])
+            kr_desc = TensorDescriptor.from_tensor(flat, block_shape=[block_n, R])
+        _mla_split_kernel[(mtiles, num_splits, B)](
+            q_lat.to(qdt).contiguous(), q_pe.to(qdt).contiguous(), cache, kv_desc, kr_desc,
+            block_table.to(dev, torch.int64).contiguous(), seq_lens.to(dev, torch.int64), o_part, lse_part,
+            M, H, nq, block_table.shape[1], per, float(scale) * 1.4426950408889634,
+            L=L, R=R, PAGE=page, HALF=half, BLOCK_R=_pow2(R), BLOCK_M=block_m,
+            BLOCK_N=block_n, LOW_PRECISION=low, NUM_STAGES=num_stages, TMA=bool(tma), num_warps=num_warps)
+        if num_splits == 1:
+            return o_part[0].view(B, nq, H, L), lse_part[0].view(B, nq, H)
+        o = self._out((B, M, L), torch.float32, dev)
+        lse = self._out((B, M), torch.float32, dev)
+        rows = 4
+        _mla_combine_kernel[(triton.cdiv(B * M, rows),)](o_part, lse_part, o, lse, B * M, num_splits, L=L,
+                                                         BLOCK_L=_pow2(L), ROWS=rows, num_warps=4)
         return o.view(B, nq, H, L), lse.view(B, nq, H)
 
     def mla_decode(self, q_lat, q_pe, cache, block_row, seq_len, kv_lora_rank, scale, num_splits=1):
         nq, H, L = q_lat.shape
         table = block_row.view(1, -1)
+        # the length is written on the device (a fill, not a host copy: no stream sync)
+        lens = torch.full((1,), seq_len, dtype=torch.int64, device=cache.device)
         o, lse = self.mla_decode_batched(q_lat.view(1, nq, H, L), q_pe.view(1, nq, H, -1), cache, table,
-                                         torch.tensor([seq_len]), kv_lora_rank, scale, num_splits=num_splits)
+                                         lens, kv_lora_rank, scale, num_splits=num_splits, max_seq_len=seq_len)
         return o[0], lse[0]
 
 

@@ -1,0 +1,24 @@
+"""On the GPU: a scenario executed with the Triton provider, every check green, and the
+per-kernel CUDA-event timings filled in with real calls, times and bytes."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridsim.config import load_scenario
+from hybridsim.runner import plan_scenario
+
+from .conftest import REPO
+
+pytestmark = pytest.mark.gpu
+
+
+def test_gpu_run_reports_kernel_timings():
+    res = plan_scenario(load_scenario(REPO / "scenarios" / "quickstart.yaml"), kernels="triton", device="cuda")
+    assert not res.failed
+    kt = res.kernel_timings
+    assert kt is not None and kt["copy_ceiling_TBps"] > 0.1
+    names = {r["kernel"] for r in kt["kernels"]}
+    assert {"state_copy", "mla_decode", "merge_states", "concat_and_cache"} <= names
+    for r in kt["kernels"]:
+        assert r["calls"] > 0 and r["total_s"] > 0 and r["bytes"] > 0 and r["p90_us"] >= r["median_us"] > 0
