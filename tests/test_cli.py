@@ -157,3 +157,22 @@ def test_run_then_replay_same_checks(tmp_path):
     ra = {c["name"]: c["count"] for c in json.loads(a.read_text())["checks"] if c["name"] != "sched.invariants"}
     rb = {c["name"]: c["count"] for c in json.loads(b.read_text())["checks"]}
     assert ra == rb  # replaying the recorded steps makes exactly the same comparisons
+
+
+def test_kernel_timings_table_renders_every_kernel_row():
+    """The GPU-only table, rendered from the summary a TimedKernels run produces."""
+    from rich.console import Console
+
+    from hybridsim.report import kernel_timings_table
+
+    kt = {"device": "Test GPU", "copy_ceiling_TBps": 3.0, "kernels": [
+        {"kernel": "state_copy", "calls": 8, "untimed": 1, "total_s": 6.1e-4, "median_us": 76.3, "p90_us": 78.5,
+         "bytes": 1_700_000_000, "GBps": 2760.0, "pct_copy_ceiling": 92.4},
+        {"kernel": "mla_decode", "calls": 0, "untimed": 3, "total_s": 0.0, "median_us": 0.0, "p90_us": 0.0,
+         "bytes": 0, "GBps": 0.0, "pct_copy_ceiling": 0.0}]}
+    console = Console(width=200, record=True)
+    console.print(kernel_timings_table(kt))
+    text = console.export_text()
+    assert "Test GPU" in text and "3.00 TB/s" in text
+    assert "state_copy" in text and "92.4%" in text and "76.3 µs" in text and "1.6 GiB" in text
+    assert "mla_decode" in text and "untimed" in text

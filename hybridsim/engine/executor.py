@@ -277,12 +277,17 @@ class Executor:
         for i, row in enumerate(table):
             for c, b in row.items():
                 dense[i, c] = b
-        dev = self.device
+        table_d, items_d = self._to_device(dense), self._to_device(torch.tensor(items, dtype=torch.int64))
         try:
-            self.k.state_copy(self.mcache.conv.data, self.mcache.temporal.data, dense.to(dev),
-                              torch.tensor(items, dtype=torch.int64).to(dev))
+            self.k.state_copy(self.mcache.conv.data, self.mcache.temporal.data, table_d, items_d)
         except ValueError as e:  # copies that depend on each other: the bookkeeping collided
             raise _BadAccess(f"step {step}: {e}") from None
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """Host-built index tensors go up asynchronously (pinned staging): no stream sync."""
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _mamba_forward(self, plan: StepPlan, inputs: list[list[int]]):
         plans: list[RowPlan] = []
