@@ -381,7 +381,8 @@ class TritonKernels(ReferenceKernels):
         Returns o_lat (B, nq, H, L) fp32 and lse (B, nq, H) fp32, natural log. ``num_splits``
         0 picks the split count so that batch x head tiles x splits fills the multiprocessors
         about once; ``max_seq_len`` (if the caller knows it) avoids a device-to-host sync.
-        Two launches at most: the split kernel and one combine over all splits.
+        Launches: the query cast (bf16/fp16 caches), the split kernel, and with more than one
+        split a single combine over all of them.
         """
         B, nq, H, L = q_lat.shape
         R = q_pe.shape[-1]
@@ -406,7 +407,8 @@ class TritonKernels(ReferenceKernels):
         half = max(16, _pow2((L + 1) // 2))
         if tma is None:  # the copy engine needs whole page slices, exact column splits, aligned rows
             tma = (cache.is_cuda and page % block_n == 0 and L == 2 * half and R == _pow2(R)
-                   and cache.is_contiguous() and (L + R) * cache.element_size() % 16 == 0)
+                   and max(half, R, block_n) <= 256 and cache.is_contiguous() and cache.data_ptr() % 16 == 0
+                   and (L + R) * cache.element_size() % 16 == 0)
         # queries in the cache's precision: loaded straight into shared memory as matrix-unit
         # operands (a conversion inside the kernel would keep them in registers, which spills)
         qdt = cache.dtype if low else torch.float32
