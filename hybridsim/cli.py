@@ -71,7 +71,8 @@ def run(
     csv_dir: Optional[Path] = typer.Option(None, "--csv", help="write steps.csv and checks.csv into this folder"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="write the step timeline (PNG)"),
     max_steps: Optional[int] = typer.Option(None, min=1, help="override execution.max_steps"),
-    kernels: Optional[str] = typer.Option(None, help="reference | triton (default: the scenario's)"),
+    kernels: Optional[str] = typer.Option(None, help="auto | reference | triton (default: the scenario's; "
+                                                     "auto = triton on a GPU, reference on a CPU)"),
     device: Optional[str] = typer.Option(None, help="auto | cpu | cuda (default: the scenario's)"),
     inject_bug: List[str] = typer.Option([], "--inject-bug", help="switch on a known-wrong variant (repeatable)"),
     list_bugs: bool = typer.Option(False, "--list-bugs", help="list the injectable bugs and exit"),
@@ -92,7 +93,7 @@ def run(
         from .runner import plan_scenario
 
         bugs = check_bugs(inject_bug)
-        _check_choice(kernels, ("reference", "triton"), "--kernels")
+        _check_choice(kernels, ("auto", "reference", "triton"), "--kernels")
         _check_choice(device, ("auto", "cpu", "cuda"), "--device")
         _writable(record, "--record")
         _writable(json_out, "--json")
@@ -154,7 +155,8 @@ def replay(
                                          help="rewrite the NAME.expected.json files and say what changed"),
     check_mode: CheckMode = typer.Option(CheckMode.full, "--check-mode", help="full | sampled | off"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write summary, checks and timings as JSON"),
-    kernels: str = typer.Option("reference", help="reference | triton"),
+    kernels: str = typer.Option("reference", help="reference | triton | auto (reference by default: the golden "
+                                                   "digests are the reference provider's)"),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
     inject_bug: List[str] = typer.Option([], "--inject-bug", help="switch on a known-wrong variant (repeatable)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no tables, only errors"),
@@ -167,7 +169,7 @@ def replay(
         from .report import golden_table, kernel_timings_table, replay_table
 
         bugs = check_bugs(inject_bug)
-        _check_choice(kernels, ("reference", "triton"), "--kernels")
+        _check_choice(kernels, ("auto", "reference", "triton"), "--kernels")
         _check_choice(device, ("auto", "cpu", "cuda"), "--device")
         _writable(json_out, "--json")
         kw = dict(check=check_mode.value, bugs=bugs, kernels=kernels, device=device)

@@ -250,7 +250,7 @@ Fault = Annotated[Union[ResetPrefixCacheFault, PreemptFault], Field(discriminato
 
 class ExecutionSection(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    kernels: Literal["triton", "reference"] = "reference"
+    kernels: Literal["auto", "triton", "reference"] = "auto"
     check: Literal["full", "sampled", "off"] = "full"
     max_steps: int = Field(5000, ge=1)
 

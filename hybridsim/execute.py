@@ -67,6 +67,8 @@ def groups_from_specs(groups) -> list[GroupInfo]:
 def make_executor(s: Scenario, groups, checks: Checks, check: str, bugs: set[str], kernels: str,
                   device: str, notes: list[str]) -> Optional[Executor]:
     dev = resolve_device(device)
+    if kernels == "auto":  # the Triton kernels where they are fast, the reference elsewhere
+        kernels = "triton" if torch.device(dev).type == "cuda" else "reference"
     k = resolve_kernels(kernels, notes)
     checked = k.name != "reference"
     if checked:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridsim.config import load_scenario
+from hybridsim.config import load_scenario, parse_scenario
 from hybridsim.execute import BUGS
 from hybridsim.layers.mamba import MambaProbe
 from hybridsim.presets import build_preset
 from hybridsim.runner import plan_scenario
 
-from .conftest import REPO, SCENARIOS
+from .conftest import REPO, SCENARIOS, tiny_scenario
 
 # scenarios with real model geometries (nemotron_h_8b, deepseek_v3) are GPU work: bench/gpu_session.sh
 EXECUTED = [p for p in SCENARIOS if load_scenario(p).scenario.execution.check != "off"
@@ -83,3 +83,17 @@ def test_bug_is_specific_no_false_alarm_elsewhere():
     res = plan_scenario(load_scenario(path), bugs={"lse_base2"})
     assert res.checks.tallies["mla.output"].failures > 0
     assert res.checks.tallies["ssm.output"].failures == 0
+
+
+def test_triton_provider_executes_a_hybrid_mla_scenario_green():
+    """The Triton kernels inside the executor (interpreter on a CPU): every kernel is called,
+    every call equals the reference on the same inputs, and the oracle checks pass."""
+    src = tiny_scenario(preset="tiny-hybrid-mla", spec=2, acc="{kind: bernoulli, rate: 0.6}", n=4, per_step=2,
+                        pmin=20, pmax=90, omin=4, omax=10, prefix=32)
+    res = plan_scenario(parse_scenario(src, "tiny-triton"), kernels="triton")
+    bad = [(t.name, t.first_failure) for t in res.checks.tallies.values() if t.failures]
+    assert not bad, bad
+    counts = {t.name: t.count for t in res.checks.tallies.values()}
+    for name in ("kernel.state_copy", "kernel.mla_decode", "kernel.merge_states", "kernel.cache_ops",
+                 "ssm.running_state", "mla.output"):
+        assert counts.get(name, 0) > 0, counts
