@@ -110,7 +110,7 @@ def mla_rows(copy_bw, flops, configs, splits_options):
                 bm, bn, nw, ns = cfg
 
                 def call():
-                    return T.mla_decode_batched(q_lat, q_pe, cache, table, lens, L, 0.1352338, num_splits=sp,
+                    return T.mla_decode(q_lat, q_pe, cache, table, lens, L, 0.1352338, num_splits=sp,
                                                 max_seq_len=ctx, block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
                 if not graph:
                     return bench(call, rep=100)

@@ -68,8 +68,8 @@ def test_mla_decode_independent_of_splits(splits):
     cache = torch.randn(8, bs, L + R)
     row = torch.tensor([7, 1, 3, 6, 2])
     q_lat, q_pe = torch.randn(3, H, L), torch.randn(3, H, R)
-    ref_o, ref_l = K.mla_decode(q_lat, q_pe, cache, row, 18, L, 0.2, num_splits=1)
-    o, l = K.mla_decode(q_lat, q_pe, cache, row, 18, L, 0.2, num_splits=splits)
+    ref_o, ref_l = K.mla_decode_one(q_lat, q_pe, cache, row, 18, L, 0.2, num_splits=1)
+    o, l = K.mla_decode_one(q_lat, q_pe, cache, row, 18, L, 0.2, num_splits=splits)
     assert torch.allclose(o, ref_o, atol=1e-6) and torch.allclose(l, ref_l, atol=1e-6)
     # dense check with the bottom-right causal mask
     lat = K.gather_cache(cache, row, 0, 18)

@@ -156,10 +156,10 @@ def test_mla_decode_matches_reference(nq, H, page, lens, tma):
     L, R = 64, 16
     lens = [max(n, nq) for n in lens]
     q_lat, q_pe, cache, table = _mla_case(len(lens), nq, H, L, R, page, lens, torch.float32, gen)
-    o, lse = TRI.mla_decode_batched(q_lat, q_pe, cache, table, torch.tensor(lens), L, 0.125, num_splits=2,
+    o, lse = TRI.mla_decode(q_lat, q_pe, cache, table, torch.tensor(lens), L, 0.125, num_splits=2,
                                     block_n=16, tma=tma)
     for b, n in enumerate(lens):
-        ro, rl = REF.mla_decode(q_lat[b].cpu(), q_pe[b].cpu(), cache.cpu(), table[b].cpu(), n, L, 0.125)
+        ro, rl = REF.mla_decode_one(q_lat[b].cpu(), q_pe[b].cpu(), cache.cpu(), table[b].cpu(), n, L, 0.125)
         assert not torch.isnan(o[b]).any()
         rel = (o[b].cpu() - ro).abs().max() / ro.abs().max()
         assert rel < 1e-5 and cos_diff(o[b].cpu(), ro) < 1e-9
@@ -170,8 +170,8 @@ def test_mla_decode_split_count_does_not_matter():
     gen = torch.Generator().manual_seed(9)
     q_lat, q_pe, cache, table = _mla_case(2, 2, 4, 64, 16, 16, [90, 45], torch.float32, gen)
     lens = torch.tensor([90, 45])
-    a = TRI.mla_decode_batched(q_lat, q_pe, cache, table, lens, 64, 0.2, num_splits=1)
-    b = TRI.mla_decode_batched(q_lat, q_pe, cache, table, lens, 64, 0.2, num_splits=3)
+    a = TRI.mla_decode(q_lat, q_pe, cache, table, lens, 64, 0.2, num_splits=1)
+    b = TRI.mla_decode(q_lat, q_pe, cache, table, lens, 64, 0.2, num_splits=3)
     assert torch.allclose(a[0], b[0], atol=1e-5) and torch.allclose(a[1], b[1], atol=1e-5)
 
 
@@ -182,10 +182,10 @@ def test_mla_decode_empty_rows_give_zero_and_neg_inf():
     gen = torch.Generator().manual_seed(4)
     lens = [100, 0, 2, 65]
     q_lat, q_pe, cache, table = _mla_case(4, 2, 6, 48, 24, 16, [max(1, n) for n in lens], torch.float32, gen)
-    o, lse = TRI.mla_decode_batched(q_lat, q_pe, cache, table, torch.tensor(lens), 48, 0.3, num_splits=3)
+    o, lse = TRI.mla_decode(q_lat, q_pe, cache, table, torch.tensor(lens), 48, 0.3, num_splits=3)
     assert torch.equal(o[1].cpu(), torch.zeros_like(o[1].cpu())) and torch.isneginf(lse[1]).all()
     for b in (0, 2, 3):
-        ro, rl = REF.mla_decode(q_lat[b].cpu(), q_pe[b].cpu(), cache.cpu(), table[b].cpu(), lens[b], 48, 0.3)
+        ro, rl = REF.mla_decode_one(q_lat[b].cpu(), q_pe[b].cpu(), cache.cpu(), table[b].cpu(), lens[b], 48, 0.3)
         assert not torch.isnan(o[b]).any() and cos_diff(o[b].cpu(), ro) < 1e-9
         assert torch.allclose(o[b].cpu(), ro, atol=1e-5) and torch.allclose(lse[b].cpu(), rl, atol=1e-5)
 
@@ -200,10 +200,10 @@ def test_gpu_mla_decode_deepseek_shapes_bf16(nq, page, splits):
     gen = torch.Generator().manual_seed(nq * 10 + page)
     lens = [4096, 1000, 1 + nq, 333]
     q_lat, q_pe, cache, table = _mla_case(4, nq, 128, 512, 64, page, lens, torch.bfloat16, gen)
-    o, lse = TRI.mla_decode_batched(q_lat, q_pe, cache, table, torch.tensor(lens), 512, 0.1352338,
+    o, lse = TRI.mla_decode(q_lat, q_pe, cache, table, torch.tensor(lens), 512, 0.1352338,
                                     num_splits=splits)
     for b, n in enumerate(lens):
-        ro, rl = REF.mla_decode(q_lat[b].cpu(), q_pe[b].cpu(), cache.cpu().float(), table[b].cpu(), n, 512, 0.1352338)
+        ro, rl = REF.mla_decode_one(q_lat[b].cpu(), q_pe[b].cpu(), cache.cpu().float(), table[b].cpu(), n, 512, 0.1352338)
         rel = float((o[b].cpu() - ro).abs().max() / ro.abs().max())
         assert rel < 2e-2 and cos_diff(o[b].cpu(), ro) < 1e-4, rel
         assert float((lse[b].cpu() - rl).abs().max()) < 2e-2

@@ -449,9 +449,6 @@ class Executor:
         return torch.tensor([self.blocks.row(row[pos // bs]) * bs + pos % bs for pos in positions], dtype=torch.int64,
                             device=self.device)
 
-    def _dense_row(self, r: ExecRequest, group: int, ncols: int) -> torch.Tensor:
-        return torch.tensor([self.blocks.row(b) for b in r.rows[group][:ncols]], dtype=torch.int64, device=self.device)
-
     def _mla_forward(self, plan: StepPlan, inputs, meta):
         outs = []
         decode_rows = set(meta.order[: meta.num_decodes])
@@ -469,14 +466,18 @@ class Executor:
             cache = cache_t.data
             layer_out = []
             paths = self.checks.get("mla.paths")
-            for i, (s, toks) in enumerate(zip(plan.scheduled, inputs)):
-                r = self.reqs[s.req_id]
+            queries = []
+            for s, toks in zip(plan.scheduled, inputs):
                 c, n = s.num_computed_tokens, s.num_scheduled_tokens
                 pos = torch.arange(c, c + n, device=self.device)
-                q_nope, q_pe = probe.queries(torch.tensor(toks, device=self.device), pos)
-                block_row = self._dense_row(r, g, -(-(c + n) // bs))
-                dec = self._decode_path(probe, q_nope, q_pe, cache, block_row, c + n)
-                pre = self._prefill_path(probe, q_nope, q_pe, cache, block_row, c, n)
+                queries.append(probe.queries(torch.tensor(toks, device=self.device), pos))
+            table = self._block_table(plan, g, bs)
+            decoded = self._decode_paths(probe, plan, queries, cache, table)
+            for i, s in enumerate(plan.scheduled):
+                c, n = s.num_computed_tokens, s.num_scheduled_tokens
+                q_nope, q_pe = queries[i]
+                dec = decoded[i]
+                pre = self._prefill_path(probe, q_nope, q_pe, cache, table[i, : -(-(c + n) // bs)], c, n)
                 out = dec if i in decode_rows else pre
                 a, rel = _rel_err(dec.cpu(), pre.cpu())
                 paths.max_abs_err = max(paths.max_abs_err, a)
@@ -490,11 +491,34 @@ class Executor:
             outs.append(layer_out)
         return outs
 
-    def _decode_path(self, probe: MLAProbe, q_nope, q_pe, cache, block_row, seq_len):
-        q_lat = probe.absorb(q_nope).to(torch.float32)
-        o_lat, _ = self.k.mla_decode(q_lat, q_pe.float(), cache, block_row, seq_len, probe.geo.kv_lora_rank,
-                                     probe.scale, num_splits=2)
-        return probe.unabsorb(o_lat)
+    def _block_table(self, plan: StepPlan, group: int, bs: int) -> torch.Tensor:
+        """The step's block table of one group as cache rows, a row per scheduled request
+        (padded with the null row), uploaded once."""
+        rows = []
+        for s in plan.scheduled:
+            ncols = -(-(s.num_computed_tokens + s.num_scheduled_tokens) // bs)
+            rows.append([self.blocks.row(b) for b in self.reqs[s.req_id].rows[group][:ncols]])
+        width = max(1, max(len(row) for row in rows))
+        return self._to_device(torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.int64))
+
+    def _decode_paths(self, probe: MLAProbe, plan: StepPlan, queries, cache, table) -> list[torch.Tensor]:
+        """The absorbed decode path for every scheduled request, one kernel call per query
+        count (decode rows of a step share it; prefill chunks are checked through it too)."""
+        by_n: dict[int, list[int]] = {}
+        for i, s in enumerate(plan.scheduled):
+            by_n.setdefault(s.num_scheduled_tokens, []).append(i)
+        out: list[Optional[torch.Tensor]] = [None] * len(plan.scheduled)
+        for idx in by_n.values():
+            q_lat = torch.stack([probe.absorb(queries[i][0]).to(torch.float32) for i in idx])
+            q_pe = torch.stack([queries[i][1].float() for i in idx])
+            lens = [plan.scheduled[i].num_computed_tokens + plan.scheduled[i].num_scheduled_tokens for i in idx]
+            sel = self._to_device(torch.tensor(idx, dtype=torch.int64))
+            o_lat, _ = self.k.mla_decode(q_lat, q_pe, cache, table.index_select(0, sel),
+                                         self._to_device(torch.tensor(lens, dtype=torch.int64)),
+                                         probe.geo.kv_lora_rank, probe.scale, num_splits=0, max_seq_len=max(lens))
+            for j, i in enumerate(idx):
+                out[i] = probe.unabsorb(o_lat[j])
+        return out
 
     def _prefill_path(self, probe: MLAProbe, q_nope, q_pe, cache, block_row, c, n):
         q = torch.cat([q_nope, q_pe], dim=-1).float()

@@ -81,9 +81,11 @@ class CheckedKernels:
     def attention_partial(self, *a, **k):
         return self.inner.attention_partial(*a, **k)
 
-    def mla_decode(self, q_lat, q_pe, cache, block_row, seq_len, kv_lora_rank, scale, num_splits=1):
-        got = self.inner.mla_decode(q_lat, q_pe, cache, block_row, seq_len, kv_lora_rank, scale, num_splits)
-        want = self.ref.mla_decode(q_lat, q_pe, cache, block_row, seq_len, kv_lora_rank, scale, num_splits)
+    def mla_decode(self, q_lat, q_pe, cache, block_table, seq_lens, kv_lora_rank, scale, num_splits=0,
+                   max_seq_len=None):
+        got = self.inner.mla_decode(q_lat, q_pe, cache, block_table, seq_lens, kv_lora_rank, scale, num_splits,
+                                    max_seq_len=max_seq_len)
+        want = self.ref.mla_decode(q_lat, q_pe, cache, block_table, seq_lens, kv_lora_rank, scale, num_splits)
         # the reference computes in fp32; a bf16/fp16 cache feeds the kernel's matrix units in
         # that precision, so the bar is the dtype's (SPEC §7: rel. err <= 2e-2 for bf16)
         tol = max(self.tol, LOW_PRECISION_TOL.get(cache.dtype, 0.0))

@@ -120,8 +120,20 @@ class ReferenceKernels:
         out = torch.einsum("nhm,mhd->nhd", p, v) if v.dim() == 3 else torch.einsum("nhm,md->nhd", p, v)
         return out, lse
 
-    def mla_decode(self, q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_row: torch.Tensor,
-                   seq_len: int, kv_lora_rank: int, scale: float, num_splits: int = 1):
+    def mla_decode(self, q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+                   seq_lens: torch.Tensor, kv_lora_rank: int, scale: float, num_splits: int = 0,
+                   max_seq_len: int | None = None):
+        """A batch of requests with the same query count: q_lat (B, nq, H, L), q_pe (B, nq, H, R),
+        block_table (B, cols), seq_lens (B,). Returns o_lat (B, nq, H, L) and lse (B, nq, H).
+        ``num_splits`` 0 is the provider's choice; here every request's keys are split in two,
+        enough to exercise the merge. ``max_seq_len`` is a speed hint other providers use."""
+        splits = num_splits if num_splits > 0 else 2
+        outs = [self.mla_decode_one(q_lat[b], q_pe[b], cache, block_table[b], int(n), kv_lora_rank, scale, splits)
+                for b, n in enumerate(seq_lens.tolist())]
+        return torch.stack([o for o, _ in outs]), torch.stack([lse for _, lse in outs])
+
+    def mla_decode_one(self, q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_row: torch.Tensor,
+                       seq_len: int, kv_lora_rank: int, scale: float, num_splits: int = 1):
         """Absorbed MLA over one request's paged latent cache, split over the keys and merged.
 
         q_lat (q, H, kv_lora), q_pe (q, H, rope); the q queries are the last q positions of

@@ -67,9 +67,11 @@ def _gather_bytes(cache, block_row, start, length) -> int:
     return 2 * length * cache.shape[-1] * cache.element_size()
 
 
-def _mla_bytes(q_lat, q_pe, cache, block_row, seq_len, *_, **__) -> int:
-    out = q_lat.numel() * 4
-    return int(seq_len) * cache.shape[-1] * cache.element_size() + q_lat.numel() * 4 + q_pe.numel() * 4 + out
+def _mla_bytes(q_lat, q_pe, cache, block_table, seq_lens, *_, **__) -> Callable[[], int]:
+    """Latent rows read (deferred: the lengths may live on the device), queries, outputs."""
+    row = cache.shape[-1] * cache.element_size()
+    fixed = q_lat.numel() * 4 + q_pe.numel() * 4 + q_lat.numel() * 4
+    return lambda: int(seq_lens.sum()) * row + fixed
 
 
 BYTES: dict[str, Callable[..., "int | Callable[[], int]"]] = {

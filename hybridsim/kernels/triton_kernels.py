@@ -373,7 +373,7 @@ class TritonKernels(ReferenceKernels):
                                                      UNGUARDED=unguarded, num_warps=8)
         return out, lse
 
-    def mla_decode_batched(self, q_lat, q_pe, cache, block_table, seq_lens, kv_lora_rank, scale, num_splits=0,
+    def mla_decode(self, q_lat, q_pe, cache, block_table, seq_lens, kv_lora_rank, scale, num_splits=0,
                            max_seq_len=None, block_m=None, block_n=None, num_warps=None, num_stages=None,
                            tma=None):
         """q_lat (B, nq, H, L), q_pe (B, nq, H, R); block_table (B, max_blocks); seq_lens (B,).
@@ -431,15 +431,6 @@ class TritonKernels(ReferenceKernels):
         _mla_combine_kernel[(triton.cdiv(B * M, rows),)](o_part, lse_part, o, lse, B * M, num_splits, L=L,
                                                          BLOCK_L=_pow2(L), ROWS=rows, num_warps=4)
         return o.view(B, nq, H, L), lse.view(B, nq, H)
-
-    def mla_decode(self, q_lat, q_pe, cache, block_row, seq_len, kv_lora_rank, scale, num_splits=1):
-        nq, H, L = q_lat.shape
-        table = block_row.view(1, -1)
-        # the length is written on the device (a fill, not a host copy: no stream sync)
-        lens = torch.full((1,), seq_len, dtype=torch.int64, device=cache.device)
-        o, lse = self.mla_decode_batched(q_lat.view(1, nq, H, L), q_pe.view(1, nq, H, -1), cache, table,
-                                         lens, kv_lora_rank, scale, num_splits=num_splits, max_seq_len=seq_len)
-        return o[0], lse[0]
 
 
 __all__ = ["TritonKernels", "fused_state_copy"]
