@@ -67,8 +67,9 @@ def groups_from_specs(groups) -> list[GroupInfo]:
 def make_executor(s: Scenario, groups, checks: Checks, check: str, bugs: set[str], kernels: str,
                   device: str, notes: list[str]) -> Optional[Executor]:
     dev = resolve_device(device)
+    on_gpu = torch.device(dev).type == "cuda"
     if kernels == "auto":  # the Triton kernels where they are fast, the reference elsewhere
-        kernels = "triton" if torch.device(dev).type == "cuda" else "reference"
+        kernels = "triton" if on_gpu else "reference"
     k = resolve_kernels(kernels, notes)
     checked = k.name != "reference"
     if checked:
@@ -76,7 +77,7 @@ def make_executor(s: Scenario, groups, checks: Checks, check: str, bugs: set[str
         if not torch.cuda.is_available():
             notes.append("Triton kernels run under TRITON_INTERPRET=1 (no GPU): correct, not fast")
     timer = None
-    if torch.device(dev).type == "cuda":
+    if on_gpu:
         from .kernels.timed import TimedKernels
         k = timer = TimedKernels(k, torch.device(dev))
     if checked:

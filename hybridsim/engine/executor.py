@@ -107,7 +107,6 @@ class Executor:
             natural = mg.state_bytes(self.S)
             self.page_bytes = scenario.cache.page_size_bytes or natural
             self.int32_pages = "int32_block_offset" in self.bugs
-            self.wrapped_accesses = 0
         # MLA
         self.lprobes: list[MLAProbe] = []
         self.lcache: list[PagedTensor] = []
@@ -228,9 +227,6 @@ class Executor:
         if addr >= 1 << 31:
             addr -= 1 << 32
         wrapped = addr // page
-        if wrapped == block:
-            return block
-        self.wrapped_accesses += 1
         return wrapped if wrapped > 0 else 0  # a negative address lands outside the cache: the NaN page
 
     def _check_chunk_meta(self, plan: StepPlan, meta) -> None:
@@ -270,7 +266,8 @@ class Executor:
                     table.append({})
                 row = table[ti]
                 for col in (cp.src, cp.dst, cp.t_src):
-                    row[col] = self._blk(r, g, col, step)
+                    if col not in row:  # each (request, group, column) resolved once
+                        row[col] = self._blk(r, g, col, step)
                 items.append((ti, layer, cp.src, cp.dst, cp.t_src, cp.offset))
         width = 1 + max(c for row in table for c in row)
         dense = torch.zeros(len(table), width, dtype=torch.int64)

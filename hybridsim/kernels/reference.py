@@ -28,10 +28,11 @@ class ReferenceKernels:
         temporal[layer, tsrc]. No item may read a page another item writes: the copies of
         one step are independent, which is what lets a kernel run them all at once.
         """
-        self.check_copy_items(table, items)
         table = table.to(torch.int64).cpu()
+        items = items.to(torch.int64).cpu()
+        self.check_copy_items(table, items)
         R = conv.shape[2]
-        for row, layer, s_col, d_col, t_col, o in items.to(torch.int64).tolist():
+        for row, layer, s_col, d_col, t_col, o in items.tolist():
             s, d, ts = (int(table[row, c]) for c in (s_col, d_col, t_col))
             window = conv[layer, s, o:R].clone()  # clone: same-block left shifts overlap
             conv[layer, d, 0:R - o] = window

@@ -115,6 +115,7 @@ class TimedKernels:
             else:
                 untimed[attr] += 1
             return out
+        setattr(self, attr, timed)  # built once: later calls find it without __getattr__
         return timed
 
     def summary(self) -> dict:
