@@ -167,6 +167,33 @@ class AttentionManager(KVManager):
     def mark_hit_cached(self, req: Request, nblocks: int) -> None:
         self.num_cached[req.index] = nblocks
 
+    def decode_need(self, req, num_computed, total):
+        k = -(-total // self.bs) - len(self.rows[req.index])
+        self.last_need = k if k > 0 else 0
+        return self.last_need
+
+    def decode_commit(self, req, fresh, num_computed, total):
+        """``commit`` + ``cache`` + ``quiet`` in one pass (the decode hot path)."""
+        idx = req.index
+        row = self.rows[idx]
+        if fresh:
+            row.extend(fresh)
+        bs = self.bs
+        ntok = len(req.token_ids)
+        full = (total if total < ntok else ntok) // bs
+        num_cached = self.num_cached
+        done = num_cached.get(idx, 0)
+        if full > done:
+            hashes = req.block_hashes
+            gid = self.gid
+            cache = self.pool.cache
+            for i in range(done, full):
+                cache(row[i], hashes[i] << 6 | gid)
+            num_cached[idx] = done = full
+        qt = len(row) * bs
+        qp = (done + 1) * bs - 1
+        return (fresh or ()), (qt if qt < qp else qp, _INF)
+
     def quiet(self, req):
         idx = req.index
         bs = self.bs
@@ -316,6 +343,47 @@ class MambaAlignManager(MambaManager):
     def commit(self, req, fresh):
         lay = self._pending
         return () if lay is None else self._fill(self.rows[req.index], lay[1], fresh)
+
+    def decode_need(self, req, num_computed, total):
+        """Release the column left behind, then: a fresh block when the running column moves on.
+
+        Without draft columns the layout is one live column, so this is ``remove_skipped``
+        + ``need`` without the general column planning (the decode hot path)."""
+        if self.spec.num_spec:
+            return KVManager.decode_need(self, req, num_computed, total)
+        idx = req.index
+        row = self.rows[idx]
+        bs = self.bs
+        if num_computed > 0:
+            keep_from = (num_computed - 1) // bs
+            if keep_from > len(row):
+                keep_from = len(row)
+            low = self.low.get(idx, 0)
+            if keep_from > low:
+                free = [row[c] for c in range(keep_from - 1, low - 1, -1) if row[c] != NULL_BLOCK]
+                for c in range(low, keep_from):
+                    row[c] = NULL_BLOCK
+                self.low[idx] = keep_from
+                if free:
+                    self.pool.free(free)
+        self.last_need = 1 if (total - 1) // bs >= len(row) else 0
+        return self.last_need
+
+    def decode_commit(self, req, fresh, num_computed, total):
+        if self.spec.num_spec:
+            return KVManager.decode_commit(self, req, fresh, num_computed, total)
+        idx = req.index
+        row = self.rows[idx]
+        bs = self.bs
+        prev_len = len(row)
+        tail = ()
+        if fresh:
+            running = (total - 1) // bs
+            if running > prev_len:
+                row.extend([NULL_BLOCK] * (running - prev_len))
+            row.append(fresh[0])
+            tail = row[prev_len:]
+        return tail, (len(row) * bs, (self.low.get(idx, 0) + 1) * bs)
 
     def cache(self, req, num_computed, total, checkpoint, publish_end):
         """Publish the checkpoint and junction states, only inside the prompt: states
