@@ -89,7 +89,7 @@ class Simulation:
                  groups: Optional[list[GroupSpec]] = None,
                  sched_cfg: Optional[SchedulerConfig] = None,
                  num_blocks: Optional[int] = None,
-                 checker=None, check_every: int = 1):
+                 checker=None, check_every: int = 1, bulk_decode: bool = True):
         self.scenario = scenario
         self.workload = workload
         self.groups = groups or kv_groups(scenario)
@@ -97,6 +97,8 @@ class Simulation:
         self.kv = KVCacheManager(self.groups, num_blocks or scenario.cache.num_blocks,
                                  scenario.cache.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.kv)
+        if bulk_decode:  # steady decodes advanced in bulk (same plans; see Scheduler.enable_cruise)
+            self.scheduler.enable_cruise(self._output_tokens)
         self.cont = continuation or SeededContinuation(workload.vocab_size)
         if drafter is None and cfg.num_speculative_tokens > 0:
             drafter = make_drafter(cfg.num_speculative_tokens, self.cont,
@@ -155,7 +157,7 @@ class Simulation:
                 stats.peak_blocks_in_use = in_use
             t2 = perf_counter()
             finished = sched.update(plan, StepOutcome(sampled, accepted))
-            outcome = StepOutcome(sampled, accepted, tuple(finished))
+            outcome = StepOutcome(sampled, accepted, tuple(finished), plan)
             if self.checker is not None:  # cheap; keeps the monotonicity baseline current
                 self.checker.after_update(plan, outcome)
             self.update_s += perf_counter() - t2
@@ -169,7 +171,7 @@ class Simulation:
                         req.spec_token_ids = drafter.propose(req)
             stats.steps += 1
             stats.last_step = step
-            if plan.scheduled:
+            if plan.num_rows:
                 idle_since_progress = 0
             else:
                 idle_since_progress += 1
@@ -180,6 +182,7 @@ class Simulation:
                     break
             yield plan, outcome
             step += 1
+        sched.sync()  # requests advanced in bulk: their counters and tokens, as of the last step
         stats.prefill_tokens = stats.scheduled_tokens - stats.decode_tokens
         stats.evictions = pool.evictions
         unfinished = sum(1 for r in reqs if r.status != Status.FINISHED)
@@ -195,8 +198,9 @@ class Simulation:
         stream_of = self._stream
         sampled: dict[str, tuple[int, ...]] = {}
         accepted: dict[str, int] = {}
-        scheduled_tokens = decode_tokens = out_tokens = 0
-        for s in plan.scheduled:
+        bulk = plan.num_rows - len(plan.explicit_rows) if plan._cruise is not None else 0
+        scheduled_tokens = decode_tokens = out_tokens = bulk  # bulk rows: one decode token each
+        for s in plan.explicit_rows:
             rid, c, n = s[0], s[1], s[2]
             scheduled_tokens += n
             if s[4] and not s[5]:  # first admission: prefix-cache query
@@ -237,6 +241,13 @@ class Simulation:
         stats.output_tokens += out_tokens
         self.last_tokens = (scheduled_tokens - decode_tokens, decode_tokens)
         return sampled, accepted
+
+    def _output_tokens(self, req: Request, start: int, count: int) -> list[int]:
+        """Output tokens start .. start+count-1 as the model commits them (bulk decode)."""
+        stream = req.out_stream
+        if stream is None:
+            stream = self._stream(req)
+        return stream[start:start + count]
 
     def _stream(self, req: Request) -> list[int]:
         """The request's true continuation, long enough to verify drafts past max_tokens."""

@@ -45,3 +45,41 @@ def test_random_scenarios_keep_invariants(text):
     assert sim.stats.finished == sim.stats.requests, sim.stats.notes
     # nothing leaks: every block is back in the pool at the end
     assert sim.kv.pool.num_free == sim.kv.pool.num_blocks - 1
+
+
+def _run(text: str, bulk: bool, base_dir=None):
+    from hybridsim.config import parse_scenario
+    from hybridsim.simulate import Simulation
+    from hybridsim.workload import build_workload
+
+    loaded = parse_scenario(text, "t.yaml", base_dir)
+    sim = Simulation(loaded.scenario, build_workload(loaded), bulk_decode=bulk)
+    steps = [(plan.step, plan.scheduled, plan.preempted, plan.finished, plan.forced_preempted,
+              dict(out.sampled), dict(out.accepted), out.finished) for plan, out in sim]
+    reqs = {r.req_id: (r.num_computed_tokens, tuple(r.token_ids), r.status, tuple(r.block_hashes))
+            for r in sim.requests}
+    return steps, reqs, sim.stats.as_dict()
+
+
+def _assert_bulk_is_exact(text: str, base_dir=None):
+    fast = _run(text, True, base_dir)
+    slow = _run(text, False, base_dir)
+    assert len(fast[0]) == len(slow[0])
+    for a, b in zip(fast[0], slow[0]):
+        assert a == b, f"step {b[0]} differs"
+    assert fast[1] == slow[1]
+    assert fast[2] == slow[2]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_bulk_decode_plans_exactly_what_the_step_by_step_path_plans(text):
+    """Requests advanced in bulk give the same plans, outcomes, final requests and stats."""
+    _assert_bulk_is_exact(text)
+
+
+def test_bulk_decode_is_exact_on_every_shipped_scenario():
+    from pathlib import Path
+
+    for path in sorted(Path(__file__).resolve().parents[1].joinpath("scenarios").glob("*.yaml")):
+        _assert_bulk_is_exact(path.read_text(), path.parent)

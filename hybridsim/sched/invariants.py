@@ -100,6 +100,7 @@ class InvariantChecker:
 
     def after_update(self, plan: StepPlan, outcome: StepOutcome) -> None:
         s = self.sched
+        s.sync()  # requests advanced in bulk: bring their counters up to date before reading them
         step = plan.step
         for r in plan.scheduled:
             acc = outcome.accepted.get(r.req_id)

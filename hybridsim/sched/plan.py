@@ -6,7 +6,6 @@ is what the (simulated) model produced. A trace line is the two together.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 
@@ -30,24 +29,150 @@ class ScheduledRequest(NamedTuple):
         return len(self.spec_token_ids)
 
 
-@dataclass(frozen=True, slots=True)
+class Cruise(NamedTuple):
+    """Requests the scheduler advanced in bulk this step (one decode token each, no drafts,
+    no block change): their rows are built only when someone reads ``StepPlan.scheduled``."""
+
+    running: tuple  # the running queue after the running pass (its order is the rows' order)
+    explicit: dict  # req_id -> the rows the running pass built one by one
+    bases: dict  # Request -> (computed tokens at base_step, base_step)
+
+
+_new = tuple.__new__
+
+
 class StepPlan:
-    step: int
-    scheduled: tuple[ScheduledRequest, ...]
-    preempted: tuple[str, ...] = ()
-    finished: tuple[str, ...] = ()  # finished after the previous step (their blocks are free)
-    faults: tuple[str, ...] = ()
-    forced_preempted: tuple[str, ...] = ()  # preempted outside the scheduler (reset_prefix_cache)
+    """One step's plan (immutable). ``scheduled`` lists every row in the engine's order."""
+
+    __slots__ = ("step", "_rows", "preempted", "finished", "faults", "forced_preempted", "_cruise", "_tail",
+                 "num_rows")
+
+    def __init__(self, step: int, scheduled: tuple[ScheduledRequest, ...], preempted: tuple[str, ...] = (),
+                 finished: tuple[str, ...] = (), faults: tuple[str, ...] = (),
+                 forced_preempted: tuple[str, ...] = (), cruise: Optional[Cruise] = None,
+                 admitted: tuple[ScheduledRequest, ...] = ()):
+        set_ = object.__setattr__
+        set_(self, "step", step)
+        set_(self, "preempted", preempted)
+        set_(self, "finished", finished)  # finished after the previous step (their blocks are free)
+        set_(self, "faults", faults)
+        set_(self, "forced_preempted", forced_preempted)  # preempted outside the scheduler
+        set_(self, "_cruise", cruise)
+        if cruise is None:
+            set_(self, "_rows", scheduled)
+            set_(self, "_tail", ())
+            set_(self, "num_rows", len(scheduled))
+        else:  # ``scheduled``: the running pass's own rows; ``admitted``: the waiting pass's
+            set_(self, "_rows", None)
+            set_(self, "_tail", admitted)
+            set_(self, "num_rows", len(cruise.explicit) + len(cruise.bases) + len(admitted))
+
+    def __setattr__(self, name, value):
+        raise AttributeError("StepPlan is immutable")
+
+    @property
+    def scheduled(self) -> tuple[ScheduledRequest, ...]:
+        rows = self._rows
+        if rows is None:
+            rows = tuple(self._cruise_rows()) + self._tail
+            object.__setattr__(self, "_rows", rows)
+        return rows
+
+    def _cruise_rows(self):
+        cr = self._cruise
+        explicit = cr.explicit
+        bases = cr.bases
+        step = self.step
+        for req in cr.running:
+            row = explicit.get(req.req_id)
+            if row is not None:
+                yield row
+                continue
+            base = bases.get(req)
+            if base is not None:
+                yield _new(ScheduledRequest, (req.req_id, base[0] + step - base[1], 1, None, False, False, 0, (),
+                                              None, 0))
+
+    def cruise_rows(self) -> tuple:
+        """(request, computed tokens before this step) of every bulk-advanced row."""
+        cr = self._cruise
+        if cr is None:
+            return ()
+        step = self.step
+        return tuple((req, c + step - b) for req, (c, b) in cr.bases.items())
+
+    @property
+    def explicit_rows(self):
+        """Rows built one by one (all of them when nothing was advanced in bulk)."""
+        cr = self._cruise
+        if cr is None:
+            return self._rows
+        return tuple(cr.explicit.values()) + self._tail
 
     @property
     def total_tokens(self) -> int:
         return sum(r.num_scheduled_tokens for r in self.scheduled)
 
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, StepPlan):
+            return NotImplemented
+        return (self.step, self.scheduled, self.preempted, self.finished, self.faults, self.forced_preempted) == \
+            (other.step, other.scheduled, other.preempted, other.finished, other.faults, other.forced_preempted)
 
-@dataclass(frozen=True, slots=True)
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return (f"StepPlan(step={self.step}, scheduled={self.scheduled!r}, preempted={self.preempted!r}, "
+                f"finished={self.finished!r}, faults={self.faults!r}, forced_preempted={self.forced_preempted!r})")
+
+
 class StepOutcome:
-    """Tokens the model committed per request (bonus included) and drafts accepted."""
+    """Tokens the model committed per request (bonus included) and drafts accepted.
 
-    sampled: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    accepted: dict[str, int] = field(default_factory=dict)
-    finished: tuple[str, ...] = ()
+    With a bulk-advanced plan, ``sampled`` is built on first read: the rows the model
+    handled one by one, plus one true-continuation token for every bulk row, in row order."""
+
+    __slots__ = ("_sampled", "accepted", "finished", "_plan")
+
+    def __init__(self, sampled: Optional[dict] = None, accepted: Optional[dict] = None,
+                 finished: tuple[str, ...] = (), plan: Optional[StepPlan] = None):
+        set_ = object.__setattr__
+        set_(self, "_sampled", {} if sampled is None else sampled)
+        set_(self, "accepted", {} if accepted is None else accepted)
+        set_(self, "finished", finished)
+        set_(self, "_plan", plan if plan is not None and plan._cruise is not None and plan._cruise.bases else None)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("StepOutcome is immutable")
+
+    @property
+    def sampled(self) -> dict[str, tuple[int, ...]]:
+        plan = self._plan
+        if plan is None:
+            return self._sampled
+        own = self._sampled
+        bases = plan._cruise.bases
+        byid = {req.req_id: req for req in bases}
+        out = {}
+        for row in plan.scheduled:
+            rid = row[0]
+            toks = own.get(rid)
+            if toks is not None:
+                out[rid] = toks
+            else:
+                req = byid.get(rid)
+                if req is not None and row[3] is None and not row[4]:
+                    out[rid] = (req.out_stream[row[1] + 1 - req.num_prompt_tokens],)
+        object.__setattr__(self, "_sampled", out)
+        object.__setattr__(self, "_plan", None)
+        return out
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, StepOutcome):
+            return NotImplemented
+        return (self.sampled, self.accepted, self.finished) == (other.sampled, other.accepted, other.finished)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"StepOutcome(sampled={self.sampled!r}, accepted={self.accepted!r}, finished={self.finished!r})"

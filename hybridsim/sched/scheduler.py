@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from .kv_cache import KVCacheManager, PrefixHit
-from .plan import ScheduledRequest, StepOutcome, StepPlan
+from .plan import Cruise, ScheduledRequest, StepOutcome, StepPlan
 from .request import Request, Status
 
 _Sched = ScheduledRequest  # built with tuple.__new__ on the hot path (all ten fields, in order)
@@ -78,6 +78,41 @@ class Scheduler:
         self._finished_since_last: list[str] = []
         self._pending_preempted: list[str] = []
         self.num_preemptions = 0
+        # Bulk decode ("cruise"): a request that will decode one token a step for the next J
+        # steps without touching a block is advanced without per-step work; its rows and
+        # tokens are built when read. Needs the true continuation: see ``enable_cruise``.
+        self._cruise: dict[Request, tuple[int, int]] = {}  # req -> (computed tokens, at step)
+        self._wake_at: dict[int, list[Request]] = {}
+        self._tokens = None  # callable(req, first output index, count) -> list of output tokens
+        self._now = 0  # the step being scheduled, or the next one after an update
+
+    def enable_cruise(self, tokens) -> None:
+        """Advance steady decodes in bulk. ``tokens(req, start, count)`` returns the output
+        tokens the model will commit (its true continuation). Not with drafts."""
+        if self.cfg.num_speculative_tokens == 0:
+            self._tokens = tokens
+
+    def _land(self, req: Request, stay: bool) -> None:
+        """Bring a cruising request's counters and tokens up to date (``stay``: keep cruising)."""
+        base_c, base_step = self._cruise[req]
+        k = self._now - base_step
+        if k > 0:
+            req.num_computed_tokens = base_c + k
+            req.append_output(self._tokens(req, len(req.token_ids) - req.num_prompt_tokens, k))
+        if stay:
+            self._cruise[req] = (base_c + k, self._now)
+        else:
+            del self._cruise[req]
+            req.cruising = False
+
+    def sync(self) -> None:
+        """Make every cruising request's attributes current (for observers such as sched.invariants)."""
+        for req in list(self._cruise):
+            self._land(req, True)
+
+    def _wake_all(self) -> None:
+        for req in list(self._cruise):
+            self._land(req, False)
 
     # ------------------------------------------------------------------ intake
     def add_request(self, req: Request) -> None:
@@ -120,6 +155,7 @@ class Scheduler:
         cfg = self.cfg
         kv = self.kv
         kv.pool.new_step()
+        self._now = step
         budget = cfg.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
@@ -128,10 +164,36 @@ class Scheduler:
         max_len = cfg.max_model_len
         align = cfg.align_split
 
+        cruise = self._cruise
+        order = running
+        if cruise:
+            for req in self._wake_at.pop(step, ()):
+                if req.cruising:
+                    self._land(req, False)
+            # the bulk rows are only exact if no row can be cut short by the budget
+            order = [req for req in running if not req.cruising]
+            demand = len(cruise)
+            for req in order:
+                want = len(req.token_ids) + len(req.spec_token_ids) - req.num_computed_tokens
+                if want > 0:
+                    demand += want
+            if demand > budget:
+                self._wake_all()
+                order = running
+            else:
+                budget -= len(cruise)
+        if order is running:
+            order = list(running)
+        before = list(running) if cruise else None
+
         append = scheduled.append
-        i = 0
-        while i < len(running) and budget > 0:
-            req = running[i]
+        stopped = None
+        for req in order:
+            if budget <= 0:
+                # with bulk rows prepaid, every request left in this pass wants no token
+                break
+            if req.status != Status.RUNNING:
+                continue  # preempted as a victim earlier in this pass
             c = req.num_computed_tokens
             ntok = len(req.token_ids)
             spec = req.spec_token_ids
@@ -145,7 +207,6 @@ class Scheduler:
             checkpoint, publish = None, False
             if c >= ntok - 1 and c >= req.num_prompt_tokens:  # decoding
                 if n <= 0:
-                    i += 1
                     continue
                 if c + n <= req.quiet_total and c <= req.quiet_computed:
                     # inside its current blocks: no group allocates, publishes or releases
@@ -158,13 +219,11 @@ class Scheduler:
                     append(_new(_Sched, (req.req_id, c, n, None, False, False, 0, drafts, None, 0)))
                     req.num_computed_tokens = c + n
                     budget -= n
-                    i += 1
                     continue
             else:
                 if align:
                     n, checkpoint, publish = self._align_split(req, c, n, None)
                 if n <= 0:
-                    i += 1
                     continue
             while True:
                 new_blocks = kv.allocate_running(req, c, n, checkpoint, publish)
@@ -177,6 +236,7 @@ class Scheduler:
                 if victim is req:
                     break
             if new_blocks is None:
+                stopped = req
                 break
             num_drafts = n + c - ntok
             drafts = tuple(spec[:num_drafts]) if num_drafts > 0 else ()
@@ -185,7 +245,18 @@ class Scheduler:
             req.num_computed_tokens = c + n
             req.spec_token_ids = []
             budget -= n
-            i += 1
+
+        snapshot = None
+        if cruise:
+            if stopped is not None:
+                # the pass stopped at a request that could not get blocks even by preempting
+                # itself: no request after it gets a row this step
+                for req in before[before.index(stopped) + 1:]:
+                    if req.cruising:
+                        self._land(req, False)
+                        budget += 1
+            if cruise:
+                snapshot = (tuple(running), {r.req_id: r for r in scheduled}, dict(cruise))
 
         if not preempted:
             self._schedule_waiting(scheduled, budget)
@@ -195,7 +266,11 @@ class Scheduler:
         self.num_preemptions += len(preempted)
         finished = tuple(self._finished_since_last)
         self._finished_since_last = []
-        return StepPlan(step, tuple(scheduled), preempted_ids, finished, faults, forced)
+        if snapshot is None:
+            return StepPlan(step, tuple(scheduled), preempted_ids, finished, faults, forced)
+        n_running_rows = len(snapshot[1])
+        return StepPlan(step, (), preempted_ids, finished, faults, forced, cruise=Cruise(*snapshot),
+                        admitted=tuple(scheduled[n_running_rows:]))
 
     def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> None:
         cfg = self.cfg
@@ -276,6 +351,8 @@ class Scheduler:
         return self.running[-1]
 
     def _preempt(self, req: Request) -> None:
+        if req.cruising:
+            self._land(req, False)
         self.kv.free(req)
         req.status = Status.PREEMPTED
         req.num_computed_tokens = 0
@@ -290,9 +367,11 @@ class Scheduler:
         finished = []
         max_len = self.cfg.max_model_len
         reqs = self.requests
-        sampled_get = outcome.sampled.get
+        sampled_get = outcome._sampled.get  # the rows handled one by one (bulk rows need nothing)
         accepted = outcome.accepted
-        for s in plan.scheduled:
+        tokens_of = self._tokens
+        steady = [] if tokens_of is not None else None
+        for s in plan.explicit_rows:
             tokens = sampled_get(s[0])
             if not tokens:
                 continue
@@ -312,9 +391,43 @@ class Scheduler:
                 req.update_hashes()
             if len(toks) - req.num_prompt_tokens >= req.max_tokens or len(toks) >= max_len:
                 finished.append(req)
+            elif steady is not None and len(tokens) == 1:
+                steady.append(req)
         for req in finished:
             self.running.remove(req)
             req.status = Status.FINISHED
             self.kv.free(req)
             self._finished_since_last.append(req.req_id)
+        self._now = plan.step + 1
+        if steady:
+            self._start_cruise(steady)
         return [r.req_id for r in finished]
+
+    def _start_cruise(self, reqs: list[Request]) -> None:
+        """Put decoding requests that have J >= 2 quiet, unfinished steps ahead into bulk mode."""
+        max_len = self.cfg.max_model_len
+        nxt = self._now
+        for req in reqs:
+            if req.status != Status.RUNNING or req.spec_token_ids:
+                continue
+            ntok = len(req.token_ids)
+            c = req.num_computed_tokens
+            if c != ntok - 1 or c < req.num_prompt_tokens:
+                continue
+            # step j of the run schedules c + j (one token): inside the quiet bounds, and the
+            # request must not finish in it (the finishing step goes the normal way)
+            j = req.quiet_total - c
+            k = req.quiet_computed - c + 1
+            if k < j:
+                j = k
+            k = req.max_tokens - (ntok - req.num_prompt_tokens) - 1
+            if k < j:
+                j = k
+            k = max_len - ntok - 1
+            if k < j:
+                j = k
+            if j < 2:
+                continue
+            self._cruise[req] = (c, nxt)
+            req.cruising = True
+            self._wake_at.setdefault(nxt + j, []).append(req)
