@@ -43,6 +43,15 @@ class BlockPool:
     # ------------------------------------------------------------------ allocation
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` blocks from the front of the free queue (caller checked num_free)."""
+        if n == 1:  # the decode hot path
+            b, _ = self.free_queue.popitem(last=False)
+            key = self.block_key[b]
+            if key is not None:
+                self.block_key[b] = None
+                self._unindex(key, b)
+                self.evictions += 1
+            self.ref_cnt[b] = 1
+            return [b]
         out = []
         popitem = self.free_queue.popitem
         for _ in range(n):
@@ -91,6 +100,18 @@ class BlockPool:
         ref = self.ref_cnt
         fq = self.free_queue
         keys = self.block_key
+        if type(blocks) is list and len(blocks) == 1:  # the decode hot path
+            b = blocks[0]
+            if b != NULL_BLOCK:
+                r = ref[b] - 1
+                ref[b] = r
+                if r == 0:
+                    fq[b] = None
+                    if keys[b] is None:
+                        fq.move_to_end(b, last=False)
+                elif r < 0:  # pragma: no cover - caught by sched.invariants
+                    raise AssertionError(f"block {b} freed more often than taken")
+            return
         front = []
         for b in blocks:
             if b == NULL_BLOCK:

@@ -155,28 +155,37 @@ class KVCacheManager:
 
     def _decode_event(self, req: Request, c: int, total: int, quiet: list) -> Optional[list]:
         """A decoding request crossed a quiet bound: only the groups whose bound it crossed act."""
-        managers = self.managers
         active = []
         need = 0
-        for j, (qt, qc) in enumerate(quiet):
-            if total > qt or c > qc:
-                m = managers[j]
+        j = 0
+        for q in quiet:
+            if total > q[0] or c > q[1]:
+                m = self.managers[j]
                 need += m.decode_need(req, c, total)
                 active.append(m)
+            j += 1
         pool = self.pool
-        if need > pool.num_free:
+        if need and need > len(pool.free_queue):
             return None
         changed = None
         for m in active:
-            tail, quiet[m.gid] = m.decode_commit(req, pool.allocate(m.last_need) if m.last_need else [], c, total)
+            gid = m.gid
+            tail, quiet[gid] = m.decode_commit(req, pool.allocate(m.last_need) if m.last_need else (), c, total)
             if tail:
                 if changed is None:
                     changed = {}
-                changed[m.gid] = tail
-        _publish_quiet(req, quiet)
+                changed[gid] = tail
+        qt = qc = 1 << 62
+        for t, cc in quiet:
+            if t < qt:
+                qt = t
+            if cc < qc:
+                qc = cc
+        req.quiet_total = qt
+        req.quiet_computed = qc
         if changed is None:
             return self._unchanged
-        return [changed.get(m.gid, ()) for m in managers]
+        return [changed.get(m.gid, ()) for m in self.managers]
 
     def _set_quiet(self, req: Request) -> None:
         """Record, per group and overall, how far the request can decode untouched."""

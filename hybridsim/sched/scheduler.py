@@ -171,12 +171,14 @@ class Scheduler:
                 if req.cruising:
                     self._land(req, False)
             # the bulk rows are only exact if no row can be cut short by the budget
-            order = [req for req in running if not req.cruising]
+            order = []
             demand = len(cruise)
-            for req in order:
-                want = len(req.token_ids) + len(req.spec_token_ids) - req.num_computed_tokens
-                if want > 0:
-                    demand += want
+            for req in running:
+                if not req.cruising:
+                    order.append(req)
+                    want = len(req.token_ids) + len(req.spec_token_ids) - req.num_computed_tokens
+                    if want > 0:
+                        demand += want
             if demand > budget:
                 self._wake_all()
                 order = running
