@@ -199,8 +199,8 @@ class Simulation:
         stream_of = self._stream
         sampled: dict[str, tuple[int, ...]] = {}
         accepted: dict[str, int] = {}
-        bulk = plan.num_rows - len(plan.explicit_rows) if plan._cruise is not None else 0
-        scheduled_tokens = decode_tokens = out_tokens = bulk  # bulk rows: one decode token each
+        bulk = plan.num_bulk  # rows advanced in bulk: one decode token each, sampled when read
+        scheduled_tokens = decode_tokens = out_tokens = bulk
         for s in plan.explicit_rows:
             rid, c, n = s[0], s[1], s[2]
             scheduled_tokens += n

@@ -175,14 +175,7 @@ class KVCacheManager:
                 if changed is None:
                     changed = {}
                 changed[gid] = tail
-        qt = qc = 1 << 62
-        for t, cc in quiet:
-            if t < qt:
-                qt = t
-            if cc < qc:
-                qc = cc
-        req.quiet_total = qt
-        req.quiet_computed = qc
+        _publish_quiet(req, quiet)
         if changed is None:
             return self._unchanged
         return [changed.get(m.gid, ()) for m in self.managers]

@@ -45,7 +45,7 @@ class StepPlan:
     """One step's plan (immutable). ``scheduled`` lists every row in the engine's order."""
 
     __slots__ = ("step", "_rows", "preempted", "finished", "faults", "forced_preempted", "_cruise", "_tail",
-                 "num_rows")
+                 "num_rows", "num_bulk")
 
     def __init__(self, step: int, scheduled: tuple[ScheduledRequest, ...], preempted: tuple[str, ...] = (),
                  finished: tuple[str, ...] = (), faults: tuple[str, ...] = (),
@@ -62,10 +62,12 @@ class StepPlan:
             set_(self, "_rows", scheduled)
             set_(self, "_tail", ())
             set_(self, "num_rows", len(scheduled))
+            set_(self, "num_bulk", 0)
         else:  # ``scheduled``: the running pass's own rows; ``admitted``: the waiting pass's
             set_(self, "_rows", None)
             set_(self, "_tail", admitted)
             set_(self, "num_rows", len(cruise.explicit) + len(cruise.bases) + len(admitted))
+            set_(self, "num_bulk", len(cruise.bases))  # rows advanced in bulk: one decode token each
 
     def __setattr__(self, name, value):
         raise AttributeError("StepPlan is immutable")
@@ -92,14 +94,6 @@ class StepPlan:
             if base is not None:
                 yield _new(ScheduledRequest, (req.req_id, base[0] + step - base[1], 1, None, False, False, 0, (),
                                               None, 0))
-
-    def cruise_rows(self) -> tuple:
-        """(request, computed tokens before this step) of every bulk-advanced row."""
-        cr = self._cruise
-        if cr is None:
-            return ()
-        step = self.step
-        return tuple((req, c + step - b) for req, (c, b) in cr.bases.items())
 
     @property
     def explicit_rows(self):
@@ -140,7 +134,7 @@ class StepOutcome:
         set_(self, "_sampled", {} if sampled is None else sampled)
         set_(self, "accepted", {} if accepted is None else accepted)
         set_(self, "finished", finished)
-        set_(self, "_plan", plan if plan is not None and plan._cruise is not None and plan._cruise.bases else None)
+        set_(self, "_plan", plan if plan is not None and plan.num_bulk else None)
 
     def __setattr__(self, name, value):
         raise AttributeError("StepOutcome is immutable")
@@ -161,11 +155,16 @@ class StepOutcome:
                 out[rid] = toks
             else:
                 req = byid.get(rid)
-                if req is not None and row[3] is None and not row[4]:
+                if req is not None:  # a bulk row: the continuation token after its c + 1 tokens
                     out[rid] = (req.out_stream[row[1] + 1 - req.num_prompt_tokens],)
         object.__setattr__(self, "_sampled", out)
         object.__setattr__(self, "_plan", None)
         return out
+
+    @property
+    def own_sampled(self) -> dict[str, tuple[int, ...]]:
+        """Only the rows the model handled one by one (what the scheduler's update applies)."""
+        return self._sampled
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, StepOutcome):

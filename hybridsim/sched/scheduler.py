@@ -369,7 +369,7 @@ class Scheduler:
         finished = []
         max_len = self.cfg.max_model_len
         reqs = self.requests
-        sampled_get = outcome._sampled.get  # the rows handled one by one (bulk rows need nothing)
+        sampled_get = outcome.own_sampled.get  # bulk rows need nothing: they are applied when read
         accepted = outcome.accepted
         tokens_of = self._tokens
         steady = [] if tokens_of is not None else None
