@@ -34,7 +34,7 @@ class Cruise(NamedTuple):
     no block change): their rows are built only when someone reads ``StepPlan.scheduled``."""
 
     running: tuple  # the running queue after the running pass (its order is the rows' order)
-    explicit: dict  # req_id -> the rows the running pass built one by one
+    explicit: tuple  # the rows the running pass built one by one, in its order
     bases: dict  # Request -> (computed tokens at base_step, base_step)
 
 
@@ -44,7 +44,7 @@ _new = tuple.__new__
 class StepPlan:
     """One step's plan (immutable). ``scheduled`` lists every row in the engine's order."""
 
-    __slots__ = ("step", "_rows", "preempted", "finished", "faults", "forced_preempted", "_cruise", "_tail",
+    __slots__ = ("step", "_rows", "preempted", "finished", "faults", "forced_preempted", "_cruise", "_explicit",
                  "num_rows", "num_bulk")
 
     def __init__(self, step: int, scheduled: tuple[ScheduledRequest, ...], preempted: tuple[str, ...] = (),
@@ -60,13 +60,13 @@ class StepPlan:
         set_(self, "_cruise", cruise)
         if cruise is None:
             set_(self, "_rows", scheduled)
-            set_(self, "_tail", ())
+            set_(self, "_explicit", scheduled)
             set_(self, "num_rows", len(scheduled))
             set_(self, "num_bulk", 0)
         else:  # ``scheduled``: the running pass's own rows; ``admitted``: the waiting pass's
             set_(self, "_rows", None)
-            set_(self, "_tail", admitted)
-            set_(self, "num_rows", len(cruise.explicit) + len(cruise.bases) + len(admitted))
+            set_(self, "_explicit", cruise.explicit + admitted)
+            set_(self, "num_rows", len(self._explicit) + len(cruise.bases))
             set_(self, "num_bulk", len(cruise.bases))  # rows advanced in bulk: one decode token each
 
     def __setattr__(self, name, value):
@@ -76,13 +76,13 @@ class StepPlan:
     def scheduled(self) -> tuple[ScheduledRequest, ...]:
         rows = self._rows
         if rows is None:
-            rows = tuple(self._cruise_rows()) + self._tail
+            rows = tuple(self._cruise_rows()) + self._explicit[len(self._cruise.explicit):]
             object.__setattr__(self, "_rows", rows)
         return rows
 
     def _cruise_rows(self):
         cr = self._cruise
-        explicit = cr.explicit
+        explicit = {r.req_id: r for r in cr.explicit}
         bases = cr.bases
         step = self.step
         for req in cr.running:
@@ -98,10 +98,7 @@ class StepPlan:
     @property
     def explicit_rows(self):
         """Rows built one by one (all of them when nothing was advanced in bulk)."""
-        cr = self._cruise
-        if cr is None:
-            return self._rows
-        return tuple(cr.explicit.values()) + self._tail
+        return self._explicit
 
     @property
     def total_tokens(self) -> int:

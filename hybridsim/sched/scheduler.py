@@ -258,7 +258,7 @@ class Scheduler:
                         self._land(req, False)
                         budget += 1
             if cruise:
-                snapshot = (tuple(running), {r.req_id: r for r in scheduled}, dict(cruise))
+                snapshot = (tuple(running), tuple(scheduled), dict(cruise))
 
         if not preempted:
             self._schedule_waiting(scheduled, budget)
@@ -371,8 +371,7 @@ class Scheduler:
         reqs = self.requests
         sampled_get = outcome.own_sampled.get  # bulk rows need nothing: they are applied when read
         accepted = outcome.accepted
-        tokens_of = self._tokens
-        steady = [] if tokens_of is not None else None
+        steady = [] if self._tokens is not None else None  # candidates for bulk decode
         for s in plan.explicit_rows:
             tokens = sampled_get(s[0])
             if not tokens:
