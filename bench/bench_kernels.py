@@ -86,11 +86,12 @@ def state_copy_rows(copy_bw):
     return rows
 
 
-def mla_rows(copy_bw, flops, configs, splits_options):
+def mla_rows(copy_bw, flops, configs, splits_options, impls=("auto",)):
     """DeepSeek-V3 absorbed decode: 128 heads, 512 + 64 latent, bf16, page 64. FlashMLA's
     accounting: FLOPs = 2 * B * ctx * H * (576 + 512); bytes = latent cache + q + out.
-    Every config of the sweep is tried with the automatic split count, then the best
-    config with each forced split count; the best of all is reported, with the auto choice."""
+    Every (split kernel, config) of the sweep is tried with the automatic split count, then the
+    best with each forced split count; the best of all is reported, with the automatic choice
+    (first config of the first kernel) and each kernel's best."""
     rows = []
     H, L, R, page = 128, 512, 64, 64
     for B in (1, 32, 128):
@@ -107,23 +108,27 @@ def mla_rows(copy_bw, flops, configs, splits_options):
             results = []
 
             def run(cfg, sp, graph=True):
-                bm, bn, nw, ns = cfg
+                impl, (bm, bn, nw, ns) = cfg
 
                 def call():
                     return T.mla_decode(q_lat, q_pe, cache, table, lens, L, 0.1352338, num_splits=sp,
-                                                max_seq_len=ctx, block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
+                                        max_seq_len=ctx, block_m=bm, block_n=bn, num_warps=nw, num_stages=ns,
+                                        impl=impl)
                 if not graph:
                     return bench(call, rep=100)
                 call()  # compile outside the capture
                 # GPU time of the whole call (query cast, split kernel, combine) replayed as a CUDA
                 # graph: Python launch overhead is not the kernel's (research/mla.md §3.5)
                 return triton.testing.do_bench_cudagraph(call, rep=100, return_mode="median") * 1e-3
-            for cfg in configs:
-                try:
-                    results.append((run(cfg, 0), cfg, 0))
-                except Exception as e:  # a config that does not compile (registers/shared memory)
-                    print(f"  config {cfg} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
-            auto = min(results)
+            for impl in impls:
+                for cfg in configs:
+                    try:
+                        results.append((run((impl, cfg), 0), (impl, cfg), 0))
+                    except Exception as e:  # a config that does not compile (registers/shared memory)
+                        print(f"  {impl} config {cfg} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            per_impl = {impl: min(r for r in results if r[1][0] == impl)[0] * 1e6
+                        for impl in impls if any(r[1][0] == impl for r in results)}
+            auto = min(r for r in results if r[1][0] == impls[0])
             for sp in splits_options:
                 results.append((run(auto[1], sp), auto[1], sp))
             best = min(results)
@@ -136,6 +141,7 @@ def mla_rows(copy_bw, flops, configs, splits_options):
             tt = bench(torch_ref, rep=50) if B * ctx <= 32 * 16384 else None
             rows.append({"kernel": "mla_decode", "case": f"B={B} ctx={ctx}", "time_us": best[0] * 1e6,
                          "config": best[1], "splits": best[2], "auto_time_us": auto[0] * 1e6, "auto_config": auto[1],
+                         "best_us_per_impl": per_impl,
                          "bytes": byts, "flops": fl, "floor_us": floor * 1e6,
                          "pct_floor": 100 * floor / best[0], "auto_pct_floor": 100 * floor / auto[0],
                          "TFLOPs": fl / best[0] / 1e12, "GBps": byts / best[0] / 1e9, "eager_time_us": eager * 1e6,
@@ -178,6 +184,7 @@ def main():
     ap.add_argument("--mla-configs", default="64,64,8,2;64,64,8,3;64,32,8,3;64,32,8,4;64,64,4,2",
                     help="block_m,block_n,num_warps,num_stages;...")
     ap.add_argument("--mla-splits", default="1,2,4,8")
+    ap.add_argument("--mla-impls", default="auto", help="split kernels to sweep: auto,gluon,triton")
     ap.add_argument("--only", default="state_copy,memory,mla")
     args = ap.parse_args()
     configs = [tuple(int(x) for x in c.split(",")) for c in args.mla_configs.split(";")]
@@ -192,7 +199,7 @@ def main():
     if "memory" in only:
         rows += memory_rows(copy_bw)
     if "mla" in only:
-        rows += mla_rows(copy_bw, flops, configs, splits)
+        rows += mla_rows(copy_bw, flops, configs, splits, tuple(args.mla_impls.split(",")))
     args.out.write_text(json.dumps({"device": props.name, "sms": props.multi_processor_count,
                                     "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                                     "triton": triton.__version__, "copy_TBps": copy_bw / 1e12,

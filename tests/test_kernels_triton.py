@@ -210,6 +210,39 @@ def test_gpu_mla_decode_deepseek_shapes_bf16(nq, page, splits):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["gluon", "triton"])
+@pytest.mark.parametrize("nq,H,lens,splits", [(1, 128, [4096, 1000, 2, 333, 0], 0), (2, 128, [700, 65, 3], 3),
+                                              (4, 128, [130, 64, 4097], 0), (1, 40, [1000, 1, 77], 2),
+                                              (1, 128, [4096, 100, 0], 8)])
+def test_gpu_mla_decode_both_split_kernels(impl, nq, H, lens, splits):
+    """The Gluon (Hopper) and Triton split kernels, each forced, at page 64: partial last tiles over
+    NaN rows, a request with no key (0 and -inf), splits past short requests, spec-decode queries,
+    40 heads (a 64-row tile reaching into the next request's queries and past the last one), and
+    8 splits (the Gluon kernel merges 2 in its last program, more in the combine kernel)."""
+    from hybridsim.kernels.mla_gluon import gluon_applies
+
+    gen = torch.Generator().manual_seed(nq * 31 + H + len(lens))
+    q_lat, q_pe, cache, table = _mla_case(len(lens), nq, H, 512, 64, 64, [max(1, n) for n in lens],
+                                          torch.bfloat16, gen)
+    if impl == "gluon" and not gluon_applies(cache, 512, 64, 64):
+        pytest.skip("the Gluon kernel needs a Hopper GPU")
+    o, lse = TRI.mla_decode(q_lat, q_pe, cache, table, torch.tensor(lens), 512, 0.1352338, num_splits=splits,
+                            impl=impl)
+    for b, n in enumerate(lens):
+        if n == 0:
+            assert torch.equal(o[b].cpu(), torch.zeros_like(o[b].cpu())) and torch.isneginf(lse[b].cpu()).all()
+            continue
+        ro, rl = REF.mla_decode_one(q_lat[b].cpu(), q_pe[b].cpu(), cache.cpu().float(), table[b].cpu(), n, 512,
+                                    0.1352338)
+        assert not torch.isnan(o[b]).any()
+        rel = float((o[b].cpu() - ro).abs().max() / ro.abs().max())
+        assert rel < 2e-2 and cos_diff(o[b].cpu(), ro) < 1e-4, (b, rel)
+        # lse to 2e-2 relative (bf16 queries and cache: logits of magnitude ~6 carry ~2e-2 rounding)
+        assert same_specials(lse[b].cpu(), rl)
+        assert bool(((lse[b].cpu() - rl).abs() <= 2e-2 * rl.abs().clamp(min=1)).all())
+
+
+@pytest.mark.gpu
 def test_gpu_state_copy_past_2gib():
     """A temporal cache larger than 2^31 bytes: block id x stride must not wrap in 32 bits."""
     pages = 600

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .mla_gluon import gluon_applies, launch_gluon_split
 from .reference import ReferenceKernels
 
 
@@ -375,14 +376,17 @@ class TritonKernels(ReferenceKernels):
 
     def mla_decode(self, q_lat, q_pe, cache, block_table, seq_lens, kv_lora_rank, scale, num_splits=0,
                            max_seq_len=None, block_m=None, block_n=None, num_warps=None, num_stages=None,
-                           tma=None):
+                           tma=None, impl="auto"):
         """q_lat (B, nq, H, L), q_pe (B, nq, H, R); block_table (B, max_blocks); seq_lens (B,).
 
         Returns o_lat (B, nq, H, L) fp32 and lse (B, nq, H) fp32, natural log. ``num_splits``
         0 picks the split count so that batch x head tiles x splits fills the multiprocessors
         about once; ``max_seq_len`` (if the caller knows it) avoids a device-to-host sync.
-        Launches: the query cast (bf16/fp16 caches), the split kernel, and with more than one
-        split a single combine over all of them.
+        Launches (Triton kernel): the query cast (bf16/fp16 caches), the split kernel, and with
+        more than one split a single combine over all of them; the Gluon kernel is one launch
+        (it casts the queries and merges the splits itself). ``impl``: "auto" uses the Gluon split kernel
+        where it applies (Hopper, bf16/fp16, 512 + 64, pages a multiple of 64; see mla_gluon.py)
+        and the Triton one elsewhere; "gluon" / "triton" force one (benchmarks, tests).
         """
         B, nq, H, L = q_lat.shape
         R = q_pe.shape[-1]
@@ -392,6 +396,10 @@ class TritonKernels(ReferenceKernels):
         low = cache.dtype in (torch.bfloat16, torch.float16)
         block_m = block_m or (64 if low else min(64, _pow2(M)))
         block_n = block_n or (64 if low else 32)
+        if impl == "gluon" and not gluon_applies(cache, L, R, block_n):
+            raise ValueError("mla_decode: the Gluon kernel needs a Hopper GPU, a 16-bit cache, L = 512, R = 64 "
+                             "and pages a multiple of 64")
+        use_gluon = impl == "gluon" or (impl == "auto" and block_m == 64 and gluon_applies(cache, L, R, block_n))
         num_warps = num_warps or (8 if low else 4)
         num_stages = num_stages or (2 if low else 1)
         mtiles = triton.cdiv(M, block_m)
@@ -409,6 +417,18 @@ class TritonKernels(ReferenceKernels):
             tma = (cache.is_cuda and page % block_n == 0 and L == 2 * half and R == _pow2(R)
                    and max(half, R, block_n) <= 256 and cache.is_contiguous() and cache.data_ptr() % 16 == 0
                    and (L + R) * cache.element_size() % 16 == 0)
+        table = block_table.to(dev, torch.int64).contiguous()
+        lens = seq_lens.to(dev, torch.int64)
+        scale_log2 = float(scale) * 1.4426950408889634
+        if use_gluon:  # casts the queries itself; merges a few splits in its last program
+            o = o_part[0] if num_splits == 1 else self._out((B, M, L), torch.float32, dev)
+            lse = lse_part[0] if num_splits == 1 else self._out((B, M), torch.float32, dev)
+            merged = launch_gluon_split(q_lat.reshape(B, M, L).contiguous(), q_pe.reshape(B, M, R).contiguous(),
+                                        cache, table, lens, o_part, lse_part, o, lse, M, H, nq, per, scale_log2,
+                                        num_splits, block_n=block_n, num_stages=num_stages)
+            if num_splits > 1 and not merged:
+                self._combine(o_part, lse_part, o, lse, B * M, num_splits, L)
+            return o.view(B, nq, H, L), lse.view(B, nq, H)
         # queries in the cache's precision: loaded straight into shared memory as matrix-unit
         # operands (a conversion inside the kernel would keep them in registers, which spills)
         qdt = cache.dtype if low else torch.float32
@@ -418,19 +438,22 @@ class TritonKernels(ReferenceKernels):
             kv_desc = TensorDescriptor.from_tensor(flat, block_shape=[block_n, half])
             kr_desc = TensorDescriptor.from_tensor(flat, block_shape=[block_n, R])
         _mla_split_kernel[(mtiles, num_splits, B)](
-            q_lat.to(qdt).contiguous(), q_pe.to(qdt).contiguous(), cache, kv_desc, kr_desc,
-            block_table.to(dev, torch.int64).contiguous(), seq_lens.to(dev, torch.int64), o_part, lse_part,
-            M, H, nq, block_table.shape[1], per, float(scale) * 1.4426950408889634,
+            q_lat.to(qdt).contiguous(), q_pe.to(qdt).contiguous(), cache, kv_desc, kr_desc, table, lens,
+            o_part, lse_part, M, H, nq, block_table.shape[1], per, scale_log2,
             L=L, R=R, PAGE=page, HALF=half, BLOCK_R=_pow2(R), BLOCK_M=block_m,
             BLOCK_N=block_n, LOW_PRECISION=low, NUM_STAGES=num_stages, TMA=bool(tma), num_warps=num_warps)
         if num_splits == 1:
             return o_part[0].view(B, nq, H, L), lse_part[0].view(B, nq, H)
         o = self._out((B, M, L), torch.float32, dev)
         lse = self._out((B, M), torch.float32, dev)
-        rows = 4
-        _mla_combine_kernel[(triton.cdiv(B * M, rows),)](o_part, lse_part, o, lse, B * M, num_splits, L=L,
-                                                         BLOCK_L=_pow2(L), ROWS=rows, num_warps=4)
+        self._combine(o_part, lse_part, o, lse, B * M, num_splits, L)
         return o.view(B, nq, H, L), lse.view(B, nq, H)
+
+    @staticmethod
+    def _combine(o_part, lse_part, o, lse, n_rows, num_splits, L):
+        rows = 4
+        _mla_combine_kernel[(triton.cdiv(n_rows, rows),)](o_part, lse_part, o, lse, n_rows, num_splits, L=L,
+                                                          BLOCK_L=_pow2(L), ROWS=rows, num_warps=4)
 
 
 __all__ = ["TritonKernels", "fused_state_copy"]

@@ -1,0 +1,289 @@
+"""MLA decode split kernel for Hopper, written in Gluon (Triton's explicit-layout dialect).
+
+Why a second kernel: the Triton version computes every logit twice. Triton lays out the
+logit product of an attention loop with all 8 warps along the rows, so with 64 rows both
+warp groups compute the same 64 x 64 logits, and nothing in the Triton language changes
+that choice without a barrier that disables its loop pipeliner (bench/RESULTS.md, session 3).
+Here the layouts, shared buffers and barriers are explicit:
+
+* one program: 64 (query token, head) rows of one request over one key split, 8 warps;
+* the queries are read in their own precision and cast into shared memory (64 x 576) by the
+  kernel itself while the first latent tiles are in flight; latent tiles of 64 keys (64 x 576)
+  arrive by TMA into a ring of NUM_STAGES buffers, each used as K and as V;
+* logits S = Q K^T are split by key columns across the two warp groups (warps [4, 2]):
+  each group computes half of them, none twice; the row max is combined across the groups
+  every tile, the row sums only once at the end (they are kept per column until then);
+* P goes to shared memory (bf16) and both groups read all of it for P V, each for its half
+  of the 512 output columns (warps [4, 2] on the accumulator, 128 registers a thread);
+* the last partial tile has the rows past the sequence end zeroed in shared memory
+  (unused cache rows may hold anything, NaN included), as the Triton kernel does;
+* with 2 splits, the second program of a row tile to finish merges both partials (read back
+  from L2) into the output, so there is no combine launch; more splits use the combine kernel.
+
+Same contract and outputs as ``_mla_split_kernel`` (partials per split, lse in natural log,
+0 and -inf for a split with no visible key, bottom-right causal mask). Used only where it
+applies: Hopper, 16-bit cache, L = 512 (two 256 halves), R = 64, pages a multiple of 64.
+"""
+
+from __future__ import annotations
+
+try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel is used
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                  warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    HAVE_GLUON = True
+except Exception:  # pragma: no cover - depends on the installed Triton
+    HAVE_GLUON = False
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _mla_gluon_split_kernel(q_lat, q_pe, kv_desc, kr_desc, block_table, seq_lens, o_part, lse_part,
+                                o_out, lse_out, counters, n_qrows, M, H, nq, max_blocks, keys_per_split,
+                                num_splits, merge_here, qk_scale_log2,
+                                L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr, HALF: gl.constexpr,
+                                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+        gl.static_assert(L == 2 * HALF)
+        gl.static_assert(PAGE % BLOCK_N == 0)
+        # ---- layouts: 8 warps = two warp groups, split along columns for every product
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                           instr_shape=[16, BLOCK_N // 2, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                           instr_shape=[16, HALF // 2, 16])
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+        fix_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+        row_layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [8, 1], [1, 0])  # 512 B a warp a row
+        row_r: gl.constexpr = gl.SliceLayout(1, row_layout)
+        col_r: gl.constexpr = gl.SliceLayout(0, row_layout)
+        dt: gl.constexpr = kv_desc.dtype
+
+        mt = gl.program_id(0)
+        sp = gl.program_id(1)
+        b = gl.program_id(2).to(gl.int64)
+        num_b = gl.num_programs(2)
+        seq_len = gl.load(seq_lens + b).to(gl.int32)
+        k_start = sp * keys_per_split
+        k_end = gl.minimum(k_start + keys_per_split, seq_len)
+        n_tiles = gl.cdiv(gl.maximum(k_end - k_start, 0), BLOCK_N)
+        table = block_table + b * max_blocks
+
+        # ---- shared memory: queries once, a ring of latent tiles, P, barriers
+        q_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], dt)
+        qr_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, R], dt)
+        q_lo = gl.allocate_shared_memory(dt, [BLOCK_M, HALF], q_lay)
+        q_hi = gl.allocate_shared_memory(dt, [BLOCK_M, HALF], q_lay)
+        q_r = gl.allocate_shared_memory(dt, [BLOCK_M, R], qr_lay)
+        kv_lo = gl.allocate_shared_memory(dt, [NUM_STAGES, BLOCK_N, HALF], kv_desc.layout)
+        kv_hi = gl.allocate_shared_memory(dt, [NUM_STAGES, BLOCK_N, HALF], kv_desc.layout)
+        k_r = gl.allocate_shared_memory(dt, [NUM_STAGES, BLOCK_N, R], kr_desc.layout)
+        p_smem = gl.allocate_shared_memory(dt, [BLOCK_M, BLOCK_N],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dt))
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(NUM_STAGES):
+            mbarrier.init(ready.index(s), count=1)
+
+        tile_bytes: gl.constexpr = 2 * kv_desc.block_type.nbytes + kr_desc.block_type.nbytes
+        for s in gl.static_range(NUM_STAGES):  # prologue: the first tiles in flight
+            n0 = k_start + s * BLOCK_N
+            live = s < n_tiles
+            row = (gl.load(table + n0 // PAGE, mask=live, other=0).to(gl.int32) * PAGE + n0 % PAGE)
+            mbarrier.expect(ready.index(s), tile_bytes, pred=live)
+            tma.async_copy_global_to_shared(kv_desc, [row, 0], ready.index(s), kv_lo.index(s), pred=live)
+            tma.async_copy_global_to_shared(kv_desc, [row, HALF], ready.index(s), kv_hi.index(s), pred=live)
+            tma.async_copy_global_to_shared(kr_desc, [row, L], ready.index(s), k_r.index(s), pred=live)
+
+        # queries: read in their own precision (fp32 from the model), cast to the cache's dtype
+        # into shared memory while the first latent tiles are in flight (no separate cast launch)
+        qrows = b * M + mt * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_r).to(gl.int64)
+        qmask = gl.expand_dims(qrows < n_qrows, 1)
+        c_h = gl.arange(0, HALF, layout=col_r)
+        c_r = gl.arange(0, R, layout=col_r)
+        q_lo.store(gl.load(q_lat + gl.expand_dims(qrows, 1) * L + gl.expand_dims(c_h, 0), mask=qmask, other=0.0).to(dt))
+        q_hi.store(gl.load(q_lat + gl.expand_dims(qrows, 1) * L + HALF + gl.expand_dims(c_h, 0), mask=qmask,
+                           other=0.0).to(dt))
+        q_r.store(gl.load(q_pe + gl.expand_dims(qrows, 1) * R + gl.expand_dims(c_r, 0), mask=qmask, other=0.0).to(dt))
+        fence_async_shared()
+        gl.thread_barrier()
+
+        rows_s = mt * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
+        qpos = seq_len - nq + rows_s // H
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
+        l_cols = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+        # keys below this position are visible to every query row of the tile (bottom-right
+        # causal mask; rows past M count as the last query token) and inside the sequence
+        first_masked = gl.minimum(seq_len - nq + 1, k_end)
+        acc_lo = gl.zeros([BLOCK_M, HALF], gl.float32, layout=o_layout)
+        acc_hi = gl.zeros([BLOCK_M, HALF], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+
+        for i in range(n_tiles):
+            st = i % NUM_STAGES
+            n0 = k_start + i * BLOCK_N
+            mbarrier.wait(ready.index(st), (i // NUM_STAGES) & 1)
+            klo = kv_lo.index(st)
+            khi = kv_hi.index(st)
+            kr = k_r.index(st)
+            if n0 + BLOCK_N > k_end:  # the partial last tile: zero the rows past the end
+                keep = gl.expand_dims(n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, fix_layout)) < k_end, 1)
+                klo.store(gl.where(keep, klo.load(fix_layout), 0.0).to(dt))
+                khi.store(gl.where(keep, khi.load(fix_layout), 0.0).to(dt))
+                kr.store(gl.where(keep, kr.load(fix_layout), 0.0).to(dt))
+                fence_async_shared()
+                gl.thread_barrier()
+            # logits: each warp group computes its half of the key columns
+            s_acc = warpgroup_mma(q_lo, klo.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s_acc = warpgroup_mma(q_hi, khi.permute((1, 0)), s_acc, is_async=True)
+            s_acc = warpgroup_mma(q_r, kr.permute((1, 0)), s_acc, is_async=True)
+            s_acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc,))
+            if n0 + BLOCK_N > first_masked:  # a tile past the end or under the causal mask
+                kpos = n0 + gl.arange(0, BLOCK_N, layout=col_s)
+                visible = (gl.expand_dims(kpos, 0) <= gl.expand_dims(qpos, 1)) & gl.expand_dims(kpos < k_end, 0)
+                s_val = gl.where(visible, s_acc * qk_scale_log2, float("-inf"))
+            else:
+                s_val = s_acc * qk_scale_log2
+            m_new = gl.maximum(m_i, gl.max(s_val, 1))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(s_val - gl.expand_dims(m_safe, 1))
+            # row sums stay per column until the end: no cross-warp-group reduction per tile
+            l_cols = l_cols * gl.expand_dims(alpha, 1) + p
+            m_i = m_new
+            p_smem.store(p.to(dt))
+            fence_async_shared()
+            gl.thread_barrier()  # both halves of P written before either group reads it
+            a_o = gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            acc_lo = warpgroup_mma(p_smem, klo, acc_lo * a_o, is_async=True)
+            acc_hi = warpgroup_mma(p_smem, khi, acc_hi * a_o, is_async=True)
+            acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo, acc_hi))
+            gl.thread_barrier()  # every group is done with this stage and with P
+            nxt = i + NUM_STAGES
+            live = nxt < n_tiles
+            n1 = k_start + nxt * BLOCK_N
+            row = (gl.load(table + n1 // PAGE, mask=live, other=0).to(gl.int32) * PAGE + n1 % PAGE)
+            mbarrier.expect(ready.index(st), tile_bytes, pred=live)
+            tma.async_copy_global_to_shared(kv_desc, [row, 0], ready.index(st), kv_lo.index(st), pred=live)
+            tma.async_copy_global_to_shared(kv_desc, [row, HALF], ready.index(st), kv_hi.index(st), pred=live)
+            tma.async_copy_global_to_shared(kr_desc, [row, L], ready.index(st), k_r.index(st), pred=live)
+
+        for s in gl.static_range(NUM_STAGES):
+            mbarrier.invalidate(ready.index(s))
+
+        l_i = gl.sum(l_cols, 1)
+        empty = l_i == 0.0
+        inv = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_i))
+        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        rows_o = mt * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
+        orow = (sp.to(gl.int64) * num_b + b) * M + rows_o.to(gl.int64)
+        cols = gl.arange(0, HALF, layout=col_o)
+        optr = o_part + gl.expand_dims(orow, 1) * L + gl.expand_dims(cols, 0)
+        omask = gl.expand_dims(rows_o < M, 1)
+        inv_o = gl.expand_dims(gl.convert_layout(inv, row_o), 1)
+        gl.store(optr, acc_lo * inv_o, mask=omask)
+        gl.store(optr + HALF, acc_hi * inv_o, mask=omask)
+        gl.store(lse_part + orow, gl.convert_layout(lse, row_o), mask=rows_o < M)
+        if merge_here:
+            # the last split of this row tile to finish merges all of them (reading the others'
+            # partials from L2) instead of a separate combine launch; it resets the counter.
+            # Only for a few splits: one program reads every split's partial of its rows
+            gl.thread_barrier()
+            cidx = b * gl.num_programs(0) + mt
+            arrived = gl.atomic_add(counters + cidx, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                _merge_splits(o_part, lse_part, o_out, lse_out, b * M + mt * BLOCK_M, M - mt * BLOCK_M,
+                              n_qrows, num_splits, L, HALF, BLOCK_M, row_layout)
+                gl.store(counters + cidx, 0)
+
+    @gluon.jit
+    def _merge_splits(o_part, lse_part, o_out, lse_out, row0, n_rows, n_qrows, num_splits,
+                      L: gl.constexpr, HALF: gl.constexpr, BLOCK_M: gl.constexpr, layout: gl.constexpr):
+        """Rows row0 .. row0+n_rows of every split's partial into the output: weights
+        exp(lse_s - max); a split with lse -inf weighs 0; a row empty everywhere gives 0 and -inf."""
+        r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        rmask = r < n_rows
+        rows = row0 + r.to(gl.int64)
+        mx = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, layout))
+        for sp in range(num_splits):
+            mx = gl.maximum(mx, gl.load(lse_part + sp * n_qrows + rows, mask=rmask, other=float("-inf"),
+                                        cache_modifier=".cg"))
+        m_safe = gl.where(mx == float("-inf"), 0.0, mx)
+        wsum = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, layout))
+        for sp in range(num_splits):
+            wsum += gl.exp(gl.load(lse_part + sp * n_qrows + rows, mask=rmask, other=float("-inf"),
+                                   cache_modifier=".cg") - m_safe)
+        empty = wsum == 0.0
+        inv = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, wsum))
+        cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
+        m2 = gl.expand_dims(rmask, 1)
+        for h in gl.static_range(2):
+            acc = gl.zeros([BLOCK_M, HALF], gl.float32, layout=layout)
+            for sp in range(num_splits):
+                w = gl.exp(gl.load(lse_part + sp * n_qrows + rows, mask=rmask, other=float("-inf"),
+                                   cache_modifier=".cg") - m_safe)
+                o = gl.load(o_part + gl.expand_dims(sp * n_qrows + rows, 1) * L + h * HALF + gl.expand_dims(cols, 0),
+                            mask=m2, other=0.0, cache_modifier=".cg")
+                acc += gl.expand_dims(w, 1) * o
+            gl.store(o_out + gl.expand_dims(rows, 1) * L + h * HALF + gl.expand_dims(cols, 0),
+                     acc * gl.expand_dims(inv, 1), mask=m2)
+        gl.store(lse_out + rows, gl.where(empty, float("-inf"), m_safe + gl.log(gl.where(empty, 1.0, wsum))),
+                 mask=rmask)
+
+
+def gluon_applies(cache, L: int, R: int, block_n: int) -> bool:
+    """Where the Gluon kernel is used: Hopper, 16-bit cache laid out for TMA, DeepSeek-style dims."""
+    if not HAVE_GLUON or not cache.is_cuda:
+        return False
+    import torch
+
+    if torch.cuda.get_device_capability(cache.device)[0] != 9:
+        return False
+    page = cache.shape[1]
+    return (cache.dtype in (torch.bfloat16, torch.float16) and L == 512 and R == 64 and page % block_n == 0
+            and cache.is_contiguous() and cache.data_ptr() % 16 == 0)
+
+
+_COUNTERS: dict = {}
+
+
+def _counters(dev, n: int):
+    """Per-row-tile arrival counters, zero between launches (the merging program resets its own).
+    One buffer per device: launches on one stream (as the executor makes them) never overlap."""
+    import torch
+
+    buf = _COUNTERS.get(dev)
+    if buf is None or buf.numel() < n:
+        buf = _COUNTERS[dev] = torch.zeros(max(n, 1024), dtype=torch.int32, device=dev)
+    return buf
+
+
+MERGE_IN_KERNEL_MAX_SPLITS = 2
+
+
+def launch_gluon_split(q_lat, q_pe, cache, block_table, seq_lens, o_part, lse_part, o_out, lse_out, M, H, nq,
+                       per, qk_scale_log2, num_splits, block_m=64, block_n=64, num_stages=2) -> bool:
+    """Launch the split kernel. q_lat (B, M, L) and q_pe (B, M, R), contiguous, any float dtype
+    (cast inside). With one split o_part[0] / lse_part[0] is the result; with 2 to
+    MERGE_IN_KERNEL_MAX_SPLITS the last program of each row tile merges the splits into
+    o_out (B, M, L) / lse_out (B, M). Returns whether the splits were merged (else the caller
+    runs the combine kernel over o_part / lse_part)."""
+    B = q_lat.shape[0]
+    L, R = q_lat.shape[-1], q_pe.shape[-1]
+    half = L // 2
+    page = cache.shape[1]
+    dt = gl.bfloat16 if str(cache.dtype) == "torch.bfloat16" else gl.float16
+    flat = cache.view(-1, L + R)
+    kv_desc = GluonDescriptor.from_tensor(flat, [block_n, half], gl.NVMMASharedLayout.get_default_for([block_n, half], dt))
+    kr_desc = GluonDescriptor.from_tensor(flat, [block_n, R], gl.NVMMASharedLayout.get_default_for([block_n, R], dt))
+    mtiles = (M + block_m - 1) // block_m
+    counters = _counters(cache.device, B * mtiles)
+    merge = 1 < num_splits <= MERGE_IN_KERNEL_MAX_SPLITS
+    _mla_gluon_split_kernel[(mtiles, num_splits, B)](
+        q_lat, q_pe, kv_desc, kr_desc, block_table, seq_lens, o_part, lse_part, o_out, lse_out, counters,
+        B * M, M, H, nq, block_table.shape[1], per, num_splits, int(merge), qk_scale_log2,
+        L=L, R=R, PAGE=page, HALF=half, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, num_warps=8)
+    return merge
