@@ -171,14 +171,12 @@ class Scheduler:
                 if req.cruising:
                     self._land(req, False)
             # the bulk rows are only exact if no row can be cut short by the budget
-            order = []
+            order = [req for req in running if not req.cruising]
             demand = len(cruise)
-            for req in running:
-                if not req.cruising:
-                    order.append(req)
-                    want = len(req.token_ids) + len(req.spec_token_ids) - req.num_computed_tokens
-                    if want > 0:
-                        demand += want
+            for req in order:
+                want = len(req.token_ids) + len(req.spec_token_ids) - req.num_computed_tokens
+                if want > 0:
+                    demand += want
             if demand > budget:
                 self._wake_all()
                 order = running
@@ -186,7 +184,7 @@ class Scheduler:
                 budget -= len(cruise)
         if order is running:
             order = list(running)
-        before = list(running) if cruise else None
+        before = None  # the running order before this pass's first preemption (bulk mode only)
 
         append = scheduled.append
         stopped = None
@@ -232,6 +230,8 @@ class Scheduler:
                 if new_blocks is not None:
                     break
                 victim = self._pick_victim()
+                if cruise and before is None:
+                    before = list(running)
                 running.remove(victim)
                 self._preempt(victim)
                 preempted.append(victim)
@@ -253,6 +253,8 @@ class Scheduler:
             if stopped is not None:
                 # the pass stopped at a request that could not get blocks even by preempting
                 # itself: no request after it gets a row this step
+                if before is None:
+                    before = running
                 for req in before[before.index(stopped) + 1:]:
                     if req.cruising:
                         self._land(req, False)

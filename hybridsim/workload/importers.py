@@ -21,7 +21,7 @@ from ..config import StepsArrival, TimestampArrival, TraceWorkload
 from ..errors import InputError
 from .base import Workload, WorkloadRequest
 from .synthetic import arrival_steps
-from .tokens import combine, token_block, token_rows
+from .tokens import combine, combine_many, token_block, token_rows
 
 
 class _Row:
@@ -138,7 +138,7 @@ def _hash_token_rows(rows: list[_Row], seed: int, per_hash: int, vocab: int):
     ids = sorted({h for r in rows if r.hash_ids is not None for h in r.hash_ids})
     if not ids:
         return None
-    seeds = np.array([combine(seed, 0x4D, h) for h in ids], dtype=np.uint64)
+    seeds = combine_many((seed, 0x4D), np.array([h & 0xFFFFFFFFFFFFFFFF for h in ids], dtype=np.uint64))
     return token_rows(seeds, per_hash, vocab), {h: k for k, h in enumerate(ids)}
 
 

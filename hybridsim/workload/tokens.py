@@ -29,6 +29,18 @@ def combine(*parts: int) -> int:
     return h
 
 
+def combine_many(prefix: tuple[int, ...], last: np.ndarray) -> np.ndarray:
+    """``combine(*prefix, x)`` for every x of ``last`` (non-negative integers) in one vectorised pass."""
+    h = 0x243F6A8885A308D3
+    for p in prefix:
+        h = mix(h ^ (p & _M))
+    with np.errstate(over="ignore"):
+        z = (last.astype(np.uint64) ^ np.uint64(h)) + np.uint64(_GOLDEN)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
 def token_block(seed: int, n: int, vocab: int, start: int = 0) -> np.ndarray:
     """Tokens ``start .. start+n`` of the stream named by ``seed``, in [1, vocab)."""
     with np.errstate(over="ignore"):
