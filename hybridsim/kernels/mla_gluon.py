@@ -17,8 +17,9 @@ Here the layouts, shared buffers and barriers are explicit:
   of the 512 output columns (warps [4, 2] on the accumulator, 128 registers a thread);
 * the last partial tile has the rows past the sequence end zeroed in shared memory
   (unused cache rows may hold anything, NaN included), as the Triton kernel does;
-* with 2 splits, the second program of a row tile to finish merges both partials (read back
-  from L2) into the output, so there is no combine launch; more splits use the combine kernel.
+* with 2 splits, the second program of a row tile to finish merges the other's partial (read
+  back from L2) with its own result, still in registers, into the output: no combine launch
+  and no partial written by the merging program; more splits use the combine kernel.
 
 Same contract and outputs as ``_mla_split_kernel`` (partials per split, lse in natural log,
 0 and -inf for a split with no visible key, bottom-right causal mask). Used only where it
@@ -66,7 +67,6 @@ if HAVE_GLUON:
         mt = gl.program_id(0)
         sp = gl.program_id(1)
         b = gl.program_id(2).to(gl.int64)
-        num_b = gl.num_programs(2)
         seq_len = gl.load(seq_lens + b).to(gl.int32)
         k_start = sp * keys_per_split
         k_end = gl.minimum(k_start + keys_per_split, seq_len)
@@ -179,58 +179,68 @@ if HAVE_GLUON:
         inv = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_i))
         lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
         rows_o = mt * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
-        orow = (sp.to(gl.int64) * num_b + b) * M + rows_o.to(gl.int64)
-        cols = gl.arange(0, HALF, layout=col_o)
-        optr = o_part + gl.expand_dims(orow, 1) * L + gl.expand_dims(cols, 0)
-        omask = gl.expand_dims(rows_o < M, 1)
+        rmask = rows_o < M
+        grow = b * M + rows_o.to(gl.int64)  # query row in (B * M)
+        cols = gl.expand_dims(gl.arange(0, HALF, layout=col_o), 0)
         inv_o = gl.expand_dims(gl.convert_layout(inv, row_o), 1)
-        gl.store(optr, acc_lo * inv_o, mask=omask)
-        gl.store(optr + HALF, acc_hi * inv_o, mask=omask)
-        gl.store(lse_part + orow, gl.convert_layout(lse, row_o), mask=rows_o < M)
+        own_lo = acc_lo * inv_o
+        own_hi = acc_hi * inv_o
+        own_lse = gl.convert_layout(lse, row_o)
         if merge_here:
-            # the last split of this row tile to finish merges all of them (reading the others'
-            # partials from L2) instead of a separate combine launch; it resets the counter.
-            # Only for a few splits: one program reads every split's partial of its rows
-            gl.thread_barrier()
-            cidx = b * gl.num_programs(0) + mt
-            arrived = gl.atomic_add(counters + cidx, 1, sem="acq_rel", scope="gpu")
+            # Two splits of a row tile (merge_here is only set for two): the second to get here
+            # merges (its own result from registers, the other's partial from L2) and writes
+            # the output; the first only writes its partial. Waiting for that partial is safe:
+            # a program that has arrived is resident and finishes it without waiting on anything.
+            arrive = counters + 2 * (b * gl.num_programs(0) + mt)
+            arrived = gl.atomic_add(arrive, 1, sem="relaxed", scope="gpu")
             if arrived == num_splits - 1:
-                _merge_splits(o_part, lse_part, o_out, lse_out, b * M + mt * BLOCK_M, M - mt * BLOCK_M,
-                              n_qrows, num_splits, L, HALF, BLOCK_M, row_layout)
-                gl.store(counters + cidx, 0)
+                seen = gl.atomic_add(arrive + 1, 0, sem="acquire", scope="gpu")
+                while seen < num_splits - 1:
+                    seen = gl.atomic_add(arrive + 1, 0, sem="acquire", scope="gpu")
+                gl.thread_barrier()
+                _merge_with_partials(own_lo, own_hi, own_lse, o_part, lse_part, o_out, lse_out, grow, rmask, cols,
+                                     sp, n_qrows, L, HALF)
+                gl.store(arrive, 0)  # both counters back to zero for the next launch
+                gl.store(arrive + 1, 0)
+            else:
+                _store_rows(o_part, lse_part, sp * n_qrows + grow, rmask, cols, own_lo, own_hi, own_lse, L, HALF)
+                gl.thread_barrier()
+                gl.atomic_add(arrive + 1, 1, sem="release", scope="gpu")
+        else:  # one split (o_part[0] is the result) or many (the combine kernel merges them)
+            _store_rows(o_part, lse_part, sp * n_qrows + grow, rmask, cols, own_lo, own_hi, own_lse, L, HALF)
 
     @gluon.jit
-    def _merge_splits(o_part, lse_part, o_out, lse_out, row0, n_rows, n_qrows, num_splits,
-                      L: gl.constexpr, HALF: gl.constexpr, BLOCK_M: gl.constexpr, layout: gl.constexpr):
-        """Rows row0 .. row0+n_rows of every split's partial into the output: weights
-        exp(lse_s - max); a split with lse -inf weighs 0; a row empty everywhere gives 0 and -inf."""
-        r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-        rmask = r < n_rows
-        rows = row0 + r.to(gl.int64)
-        mx = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, layout))
-        for sp in range(num_splits):
-            mx = gl.maximum(mx, gl.load(lse_part + sp * n_qrows + rows, mask=rmask, other=float("-inf"),
-                                        cache_modifier=".cg"))
+    def _store_rows(o_ptr, lse_ptr, rows, rmask, cols, o_lo, o_hi, lse, L: gl.constexpr, HALF: gl.constexpr):
+        optr = o_ptr + gl.expand_dims(rows, 1) * L + cols
+        m2 = gl.expand_dims(rmask, 1)
+        gl.store(optr, o_lo, mask=m2)
+        gl.store(optr + HALF, o_hi, mask=m2)
+        gl.store(lse_ptr + rows, lse, mask=rmask)
+
+    @gluon.jit
+    def _merge_with_partials(own_lo, own_hi, own_lse, o_part, lse_part, o_out, lse_out, grow, rmask, cols, sp,
+                             n_qrows, L: gl.constexpr, HALF: gl.constexpr):
+        """Two splits: this program's normalised result and the other split's partial into the
+        output, weights exp(lse_s - max); a split with lse -inf weighs 0; a row empty in both
+        gives 0 and -inf. Each half is stored as soon as it is merged (register pressure)."""
+        orow = (1 - sp) * n_qrows + grow
+        other_lse = gl.load(lse_part + orow, mask=rmask, other=float("-inf"), cache_modifier=".cg")
+        mx = gl.maximum(own_lse, other_lse)
         m_safe = gl.where(mx == float("-inf"), 0.0, mx)
-        wsum = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, layout))
-        for sp in range(num_splits):
-            wsum += gl.exp(gl.load(lse_part + sp * n_qrows + rows, mask=rmask, other=float("-inf"),
-                                   cache_modifier=".cg") - m_safe)
+        w = gl.exp(own_lse - m_safe)
+        w2 = gl.exp(other_lse - m_safe)
+        wsum = w + w2
         empty = wsum == 0.0
         inv = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, wsum))
-        cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
+        a = gl.expand_dims(w * inv, 1)
+        a2 = gl.expand_dims(w2 * inv, 1)
         m2 = gl.expand_dims(rmask, 1)
-        for h in gl.static_range(2):
-            acc = gl.zeros([BLOCK_M, HALF], gl.float32, layout=layout)
-            for sp in range(num_splits):
-                w = gl.exp(gl.load(lse_part + sp * n_qrows + rows, mask=rmask, other=float("-inf"),
-                                   cache_modifier=".cg") - m_safe)
-                o = gl.load(o_part + gl.expand_dims(sp * n_qrows + rows, 1) * L + h * HALF + gl.expand_dims(cols, 0),
-                            mask=m2, other=0.0, cache_modifier=".cg")
-                acc += gl.expand_dims(w, 1) * o
-            gl.store(o_out + gl.expand_dims(rows, 1) * L + h * HALF + gl.expand_dims(cols, 0),
-                     acc * gl.expand_dims(inv, 1), mask=m2)
-        gl.store(lse_out + rows, gl.where(empty, float("-inf"), m_safe + gl.log(gl.where(empty, 1.0, wsum))),
+        src = o_part + gl.expand_dims(orow, 1) * L + cols
+        dst = o_out + gl.expand_dims(grow, 1) * L + cols
+        gl.store(dst, own_lo * a + a2 * gl.load(src, mask=m2, other=0.0, cache_modifier=".cg"), mask=m2)
+        gl.store(dst + HALF, own_hi * a + a2 * gl.load(src + HALF, mask=m2, other=0.0, cache_modifier=".cg"),
+                 mask=m2)
+        gl.store(lse_out + grow, gl.where(empty, float("-inf"), m_safe + gl.log(gl.where(empty, 1.0, wsum))),
                  mask=rmask)
 
 
@@ -251,7 +261,8 @@ _COUNTERS: dict = {}
 
 
 def _counters(dev, n: int):
-    """Per-row-tile arrival counters, zero between launches (the merging program resets its own).
+    """Per-row-tile counters (arrived, partial written), zero between launches (the merging
+    program resets its own).
     One buffer per device: launches on one stream (as the executor makes them) never overlap."""
     import torch
 
@@ -261,27 +272,25 @@ def _counters(dev, n: int):
     return buf
 
 
-MERGE_IN_KERNEL_MAX_SPLITS = 2
-
-
 def launch_gluon_split(q_lat, q_pe, cache, block_table, seq_lens, o_part, lse_part, o_out, lse_out, M, H, nq,
                        per, qk_scale_log2, num_splits, block_m=64, block_n=64, num_stages=2) -> bool:
     """Launch the split kernel. q_lat (B, M, L) and q_pe (B, M, R), contiguous, any float dtype
-    (cast inside). With one split o_part[0] / lse_part[0] is the result; with 2 to
-    MERGE_IN_KERNEL_MAX_SPLITS the last program of each row tile merges the splits into
-    o_out (B, M, L) / lse_out (B, M). Returns whether the splits were merged (else the caller
-    runs the combine kernel over o_part / lse_part)."""
+    (cast inside). With one split o_part[0] / lse_part[0] is the result; with two, the second
+    program of each row tile to finish merges both into o_out (B, M, L) / lse_out (B, M).
+    Returns whether the splits were merged (else the caller runs the combine kernel over
+    o_part / lse_part)."""
     B = q_lat.shape[0]
     L, R = q_lat.shape[-1], q_pe.shape[-1]
     half = L // 2
     page = cache.shape[1]
     dt = gl.bfloat16 if str(cache.dtype) == "torch.bfloat16" else gl.float16
     flat = cache.view(-1, L + R)
-    kv_desc = GluonDescriptor.from_tensor(flat, [block_n, half], gl.NVMMASharedLayout.get_default_for([block_n, half], dt))
-    kr_desc = GluonDescriptor.from_tensor(flat, [block_n, R], gl.NVMMASharedLayout.get_default_for([block_n, R], dt))
+    shared = gl.NVMMASharedLayout.get_default_for
+    kv_desc = GluonDescriptor.from_tensor(flat, [block_n, half], shared([block_n, half], dt))
+    kr_desc = GluonDescriptor.from_tensor(flat, [block_n, R], shared([block_n, R], dt))
     mtiles = (M + block_m - 1) // block_m
-    counters = _counters(cache.device, B * mtiles)
-    merge = 1 < num_splits <= MERGE_IN_KERNEL_MAX_SPLITS
+    counters = _counters(cache.device, 2 * B * mtiles)
+    merge = num_splits == 2
     _mla_gluon_split_kernel[(mtiles, num_splits, B)](
         q_lat, q_pe, kv_desc, kr_desc, block_table, seq_lens, o_part, lse_part, o_out, lse_out, counters,
         B * M, M, H, nq, block_table.shape[1], per, num_splits, int(merge), qk_scale_log2,
