@@ -28,7 +28,7 @@ class BlockPool:
         self.block_key: list[Hashable | None] = [None] * num_blocks
         self.cached: dict[Hashable, int] = {}  # key -> the holder a hit gets (earliest cached)
         self.dups: dict[Hashable, list[int]] = {}  # key -> further holders, in caching order
-        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self.evictions = 0
         self.cached_this_step: set[Hashable] = set()
 
