@@ -48,6 +48,7 @@ class RunResult:
     timings: list[dict] = field(default_factory=list)
     steps: list[StepRecord] = field(default_factory=list)
     kernel_timings: Optional[dict] = None  # GPU runs: per-kernel CUDA-event timings
+    executed: bool = False  # steps executed and/or checked: wall_s is not planning alone
 
     @property
     def failed(self) -> bool:
@@ -135,7 +136,8 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
     if writer is not None:
         writer.close()
     sim.stats.notes.extend(notes)
-    res = RunResult(s.name, sim.stats, checks, wall, sim.schedule_s, sim.update_s, wl, record, steps=records)
+    res = RunResult(s.name, sim.stats, checks, wall, sim.schedule_s, sim.update_s, wl, record, steps=records,
+                    executed=executor is not None or check != "off")
     if executor is not None:
         res.timings = [{"phase": k, "total_s": round(v, 6)} for k, v in executor.timings.items()]
         if executor.kernel_timer is not None:

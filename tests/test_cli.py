@@ -22,6 +22,7 @@ def test_quickstart_runs_records_and_validates(tmp_path):
     r = hs("run", "scenarios/quickstart.yaml", "--check", "off", "--record", trace, "--json", js)
     assert r.returncode == 0, r.stderr
     assert "run summary" in r.stdout and "preemptions" in r.stdout
+    assert "planning wall time" in r.stdout and "execute" not in r.stdout  # --check off: planning alone
     d = json.loads(js.read_text())
     assert d["summary"]["steps"] > 0 and d["summary"]["finished"] == d["summary"]["requests"]
     v = hs("validate", trace)
@@ -176,3 +177,20 @@ def test_kernel_timings_table_renders_every_kernel_row():
     assert "Test GPU" in text and "3.00 TB/s" in text
     assert "state_copy" in text and "92.4%" in text and "76.3 µs" in text and "1.6 GiB" in text
     assert "mla_decode" in text and "untimed" in text
+
+
+def test_checked_run_labels_its_wall_time_as_the_whole_loop():
+    """With checks the loop also executes and checks every step: the summary says so and gives
+    the planning part separately (it used to call the whole loop "planning wall time")."""
+    from rich.console import Console
+
+    from hybridsim.config import parse_scenario
+    from hybridsim.report import summary_table
+    from hybridsim.runner import plan_scenario
+
+    res = plan_scenario(parse_scenario((REPO / "scenarios/quickstart.yaml").read_text(), "q.yaml"), check="full")
+    console = Console(width=200, record=True)
+    console.print(summary_table(res))
+    text = console.export_text()
+    assert "wall time (plan + execute + check)" in text and "of which planning (schedule + update)" in text
+    assert "planning wall time" not in text

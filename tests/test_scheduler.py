@@ -130,3 +130,20 @@ def test_priority_policy_admits_lower_value_first():
     prios = {r.req_id: r.priority for r in sim.requests}
     admitted = sorted(prios[r] for r in first)
     assert admitted == sorted(prios.values())[: len(first)]
+
+
+def test_priority_victim_scheduled_earlier_in_the_pass_is_unscheduled():
+    """Priority policy: the victim (lowest priority, r0) comes before r1 in the running order,
+    so it already has its row when r1 cannot get a block. As upstream, its row is dropped and
+    its tokens go back to the budget: no request is both scheduled and preempted in a step."""
+    from hybridsim.workload.base import Workload, WorkloadRequest
+
+    reqs = [WorkloadRequest("r0", 0, tuple(token_block(1, 40, 32000).tolist()), 200, 2, 1000),
+            WorkloadRequest("r1", 1, tuple(token_block(2, 40, 32000).tolist()), 200, 0, 1001)]
+    text = tiny_scenario(blocks=22, seqs=4).replace("max_num_seqs: 4", "max_num_seqs: 4, policy: priority")
+    sim, recs = simulate(text, Workload(reqs, 32000, "manual"))
+    steps = [p for p, _ in recs if "r0" in p.preempted]
+    assert steps, "the case must preempt r0 while r1 decodes"
+    for p in steps:
+        assert "r0" not in {s.req_id for s in p.scheduled} and "r1" in {s.req_id for s in p.scheduled}
+    assert sim.checks.tallies["sched.invariants"].failures == 0

@@ -44,6 +44,13 @@ class InvariantChecker:
             self._fail(step, None, f"{len(s.running)} running, max_num_seqs {cfg.max_num_seqs}")
         else:
             ok += 1
+        # a victim of this step's pass gets no row in it (a request preempted by a fault
+        # before the pass may be admitted again in the same step)
+        both = {r.req_id for r in plan.scheduled}.intersection(s.pass_preempted)
+        if both:
+            self._fail(step, min(both), f"{len(both)} request(s) both scheduled and preempted by this step's pass")
+        else:
+            ok += 1
         bs = s.bs
         S = cfg.num_speculative_tokens
         for r in plan.scheduled:

@@ -67,6 +67,14 @@ class _PriorityQueue:
         return iter(self._items)
 
 
+def _unschedule(scheduled: list[ScheduledRequest], req_id: str) -> int:
+    """Drop ``req_id``'s row from this pass, if it has one; returns its token count."""
+    for k in range(len(scheduled) - 1, -1, -1):
+        if scheduled[k][0] == req_id:
+            return scheduled.pop(k)[2]
+    return 0
+
+
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager):
         self.cfg = cfg
@@ -77,6 +85,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_since_last: list[str] = []
         self._pending_preempted: list[str] = []
+        self.pass_preempted: tuple[str, ...] = ()  # victims of the last schedule pass (not faults)
         self.num_preemptions = 0
         # Bulk decode ("cruise"): a request that will decode one token a step for the next J
         # steps without touching a block is advanced without per-step work; its rows and
@@ -233,6 +242,12 @@ class Scheduler:
                 if cruise and before is None:
                     before = list(running)
                 running.remove(victim)
+                if victim.cruising:
+                    budget += 1  # its bulk row was prepaid
+                elif victim is not req:
+                    # priority policy: the victim may already have its row in this pass; as
+                    # upstream, it is unscheduled and its tokens go back to the budget
+                    budget += _unschedule(scheduled, victim.req_id)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
@@ -265,7 +280,8 @@ class Scheduler:
         if not preempted:
             self._schedule_waiting(scheduled, budget)
 
-        preempted_ids = tuple(self._pending_preempted) + tuple(r.req_id for r in preempted)
+        self.pass_preempted = tuple(r.req_id for r in preempted)  # for sched.invariants
+        preempted_ids = tuple(self._pending_preempted) + self.pass_preempted
         self._pending_preempted = []
         self.num_preemptions += len(preempted)
         finished = tuple(self._finished_since_last)
