@@ -30,12 +30,14 @@ def combine(*parts: int) -> int:
 
 
 def combine_many(prefix: tuple[int, ...], last: np.ndarray) -> np.ndarray:
-    """``combine(*prefix, x)`` for every x of ``last`` (non-negative integers) in one vectorised pass."""
-    h = 0x243F6A8885A308D3
-    for p in prefix:
-        h = mix(h ^ (p & _M))
+    """``combine(*prefix, x)`` for every x of ``last`` (uint64) in one vectorised pass."""
     with np.errstate(over="ignore"):
-        z = (last.astype(np.uint64) ^ np.uint64(h)) + np.uint64(_GOLDEN)
+        return _finalize((last.astype(np.uint64) ^ np.uint64(combine(*prefix))) + np.uint64(_GOLDEN))
+
+
+def _finalize(z: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser on a uint64 array (``mix`` without its increment)."""
+    with np.errstate(over="ignore"):
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         return z ^ (z >> np.uint64(31))
@@ -44,21 +46,15 @@ def combine_many(prefix: tuple[int, ...], last: np.ndarray) -> np.ndarray:
 def token_block(seed: int, n: int, vocab: int, start: int = 0) -> np.ndarray:
     """Tokens ``start .. start+n`` of the stream named by ``seed``, in [1, vocab)."""
     with np.errstate(over="ignore"):
-        z = np.arange(start, start + n, dtype=np.uint64) * np.uint64(_GOLDEN) + np.uint64(seed & _M)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
+        z = _finalize(np.arange(start, start + n, dtype=np.uint64) * np.uint64(_GOLDEN) + np.uint64(seed & _M))
     return (z % np.uint64(vocab - 1) + np.uint64(1)).astype(np.int64)
 
 
 def token_rows(seeds: np.ndarray, n: int, vocab: int) -> np.ndarray:
     """``token_block(seed, n, vocab)`` for many seeds at once: one row per seed."""
     with np.errstate(over="ignore"):
-        z = (np.arange(n, dtype=np.uint64)[None, :] * np.uint64(_GOLDEN)
-             + (seeds.astype(np.uint64) & np.uint64(_M))[:, None])
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
+        z = _finalize(np.arange(n, dtype=np.uint64)[None, :] * np.uint64(_GOLDEN)
+                      + (seeds.astype(np.uint64) & np.uint64(_M))[:, None])
     return (z % np.uint64(vocab - 1) + np.uint64(1)).astype(np.int64)
 
 
