@@ -28,6 +28,8 @@ applies: Hopper, 16-bit cache, L = 512 (two 256 halves), R = 64, pages a multipl
 
 from __future__ import annotations
 
+import functools
+
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel is used
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -244,14 +246,19 @@ if HAVE_GLUON:
                  mask=rmask)
 
 
+@functools.lru_cache(maxsize=None)
+def _is_hopper(device) -> bool:
+    import torch
+
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
 def gluon_applies(cache, L: int, R: int, block_n: int) -> bool:
     """Where the Gluon kernel is used: Hopper, 16-bit cache laid out for TMA, DeepSeek-style dims."""
-    if not HAVE_GLUON or not cache.is_cuda:
+    if not HAVE_GLUON or not cache.is_cuda or not _is_hopper(cache.device):
         return False
     import torch
 
-    if torch.cuda.get_device_capability(cache.device)[0] != 9:
-        return False
     page = cache.shape[1]
     return (cache.dtype in (torch.bfloat16, torch.float16) and L == 512 and R == 64 and page % block_n == 0
             and cache.is_contiguous() and cache.data_ptr() % 16 == 0)

@@ -383,10 +383,11 @@ class TritonKernels(ReferenceKernels):
         0 picks the split count so that batch x head tiles x splits fills the multiprocessors
         about once; ``max_seq_len`` (if the caller knows it) avoids a device-to-host sync.
         Launches (Triton kernel): the query cast (bf16/fp16 caches), the split kernel, and with
-        more than one split a single combine over all of them; the Gluon kernel is one launch
-        (it casts the queries and merges the splits itself). ``impl``: "auto" uses the Gluon split kernel
-        where it applies (Hopper, bf16/fp16, 512 + 64, pages a multiple of 64; see mla_gluon.py)
-        and the Triton one elsewhere; "gluon" / "triton" force one (benchmarks, tests).
+        more than one split a single combine over all of them. The Gluon kernel casts the
+        queries itself and merges two splits itself (more go through the combine launch).
+        ``impl``: "auto" uses the Gluon split kernel where it applies (Hopper, bf16/fp16,
+        512 + 64, pages a multiple of 64; see mla_gluon.py) and the Triton one elsewhere;
+        "gluon" / "triton" force one (benchmarks, tests).
         """
         B, nq, H, L = q_lat.shape
         R = q_pe.shape[-1]
@@ -420,7 +421,7 @@ class TritonKernels(ReferenceKernels):
         table = block_table.to(dev, torch.int64).contiguous()
         lens = seq_lens.to(dev, torch.int64)
         scale_log2 = float(scale) * 1.4426950408889634
-        if use_gluon:  # casts the queries itself; merges a few splits in its last program
+        if use_gluon:
             o = o_part[0] if num_splits == 1 else self._out((B, M, L), torch.float32, dev)
             lse = lse_part[0] if num_splits == 1 else self._out((B, M), torch.float32, dev)
             merged = launch_gluon_split(q_lat.reshape(B, M, L).contiguous(), q_pe.reshape(B, M, R).contiguous(),
