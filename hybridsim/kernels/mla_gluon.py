@@ -90,26 +90,25 @@ if HAVE_GLUON:
         for s in gl.static_range(NUM_STAGES):
             mbarrier.init(ready.index(s), count=1)
 
-        tile_bytes: gl.constexpr = 2 * kv_desc.block_type.nbytes + kr_desc.block_type.nbytes
-        for s in gl.static_range(NUM_STAGES):  # prologue: the first tiles in flight
-            n0 = k_start + s * BLOCK_N
-            live = s < n_tiles
-            row = (gl.load(table + n0 // PAGE, mask=live, other=0).to(gl.int32) * PAGE + n0 % PAGE)
-            mbarrier.expect(ready.index(s), tile_bytes, pred=live)
-            tma.async_copy_global_to_shared(kv_desc, [row, 0], ready.index(s), kv_lo.index(s), pred=live)
-            tma.async_copy_global_to_shared(kv_desc, [row, HALF], ready.index(s), kv_hi.index(s), pred=live)
-            tma.async_copy_global_to_shared(kr_desc, [row, L], ready.index(s), k_r.index(s), pred=live)
-
+        # the first tile, then the queries, then the rest of the prologue: the queries are needed
+        # as early as the first tile, and the second tile would only compete with them for bandwidth
+        _load_tile(kv_desc, kr_desc, table, ready.index(0), kv_lo.index(0), kv_hi.index(0), k_r.index(0),
+                   k_start, 0 < n_tiles, PAGE, HALF, L)
         # queries: read in their own precision (fp32 from the model), cast to the cache's dtype
         # into shared memory while the first latent tiles are in flight (no separate cast launch)
         qrows = b * M + mt * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_r).to(gl.int64)
         qmask = gl.expand_dims(qrows < n_qrows, 1)
         c_h = gl.arange(0, HALF, layout=col_r)
         c_r = gl.arange(0, R, layout=col_r)
-        q_lo.store(gl.load(q_lat + gl.expand_dims(qrows, 1) * L + gl.expand_dims(c_h, 0), mask=qmask, other=0.0).to(dt))
-        q_hi.store(gl.load(q_lat + gl.expand_dims(qrows, 1) * L + HALF + gl.expand_dims(c_h, 0), mask=qmask,
-                           other=0.0).to(dt))
-        q_r.store(gl.load(q_pe + gl.expand_dims(qrows, 1) * R + gl.expand_dims(c_r, 0), mask=qmask, other=0.0).to(dt))
+        qa = gl.load(q_lat + gl.expand_dims(qrows, 1) * L + gl.expand_dims(c_h, 0), mask=qmask, other=0.0)
+        qb = gl.load(q_lat + gl.expand_dims(qrows, 1) * L + HALF + gl.expand_dims(c_h, 0), mask=qmask, other=0.0)
+        qc = gl.load(q_pe + gl.expand_dims(qrows, 1) * R + gl.expand_dims(c_r, 0), mask=qmask, other=0.0)
+        for s in gl.static_range(1, NUM_STAGES):
+            _load_tile(kv_desc, kr_desc, table, ready.index(s), kv_lo.index(s), kv_hi.index(s), k_r.index(s),
+                       k_start + s * BLOCK_N, s < n_tiles, PAGE, HALF, L)
+        q_lo.store(qa.to(dt))
+        q_hi.store(qb.to(dt))
+        q_r.store(qc.to(dt))
         fence_async_shared()
         gl.thread_barrier()
 
@@ -165,13 +164,8 @@ if HAVE_GLUON:
             acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo, acc_hi))
             gl.thread_barrier()  # every group is done with this stage and with P
             nxt = i + NUM_STAGES
-            live = nxt < n_tiles
-            n1 = k_start + nxt * BLOCK_N
-            row = (gl.load(table + n1 // PAGE, mask=live, other=0).to(gl.int32) * PAGE + n1 % PAGE)
-            mbarrier.expect(ready.index(st), tile_bytes, pred=live)
-            tma.async_copy_global_to_shared(kv_desc, [row, 0], ready.index(st), kv_lo.index(st), pred=live)
-            tma.async_copy_global_to_shared(kv_desc, [row, HALF], ready.index(st), kv_hi.index(st), pred=live)
-            tma.async_copy_global_to_shared(kr_desc, [row, L], ready.index(st), k_r.index(st), pred=live)
+            _load_tile(kv_desc, kr_desc, table, ready.index(st), kv_lo.index(st), kv_hi.index(st), k_r.index(st),
+                       k_start + nxt * BLOCK_N, nxt < n_tiles, PAGE, HALF, L)
 
         for s in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(ready.index(s))
@@ -210,6 +204,16 @@ if HAVE_GLUON:
                 gl.atomic_add(arrive + 1, 1, sem="release", scope="gpu")
         else:  # one split (o_part[0] is the result) or many (the combine kernel merges them)
             _store_rows(o_part, lse_part, sp * n_qrows + grow, rmask, cols, own_lo, own_hi, own_lse, L, HALF)
+
+    @gluon.jit
+    def _load_tile(kv_desc, kr_desc, table, bar, lo, hi, r, n0, live, PAGE: gl.constexpr, HALF: gl.constexpr,
+                   L: gl.constexpr):
+        """Start the TMA copies of the latent tile at key n0 (one page slice) into a stage."""
+        row = gl.load(table + n0 // PAGE, mask=live, other=0).to(gl.int32) * PAGE + n0 % PAGE
+        mbarrier.expect(bar, 2 * kv_desc.block_type.nbytes + kr_desc.block_type.nbytes, pred=live)
+        tma.async_copy_global_to_shared(kv_desc, [row, 0], bar, lo, pred=live)
+        tma.async_copy_global_to_shared(kv_desc, [row, HALF], bar, hi, pred=live)
+        tma.async_copy_global_to_shared(kr_desc, [row, L], bar, r, pred=live)
 
     @gluon.jit
     def _store_rows(o_ptr, lse_ptr, rows, rmask, cols, o_lo, o_hi, lse, L: gl.constexpr, HALF: gl.constexpr):
