@@ -284,12 +284,11 @@ def _counters(dev, n: int):
 
 
 def launch_gluon_split(q_lat, q_pe, cache, block_table, seq_lens, o_part, lse_part, o_out, lse_out, M, H, nq,
-                       per, qk_scale_log2, num_splits, block_m=64, block_n=64, num_stages=2) -> bool:
+                       per, qk_scale_log2, num_splits, block_m=64, block_n=64, num_stages=2) -> None:
     """Launch the split kernel. q_lat (B, M, L) and q_pe (B, M, R), contiguous, any float dtype
     (cast inside). With one split o_part[0] / lse_part[0] is the result; with two, the second
-    program of each row tile to finish merges both into o_out (B, M, L) / lse_out (B, M).
-    Returns whether the splits were merged (else the caller runs the combine kernel over
-    o_part / lse_part)."""
+    program of each row tile to finish merges both into o_out (B, M, L) / lse_out (B, M); with
+    more, the caller merges o_part / lse_part (the combine kernel)."""
     B = q_lat.shape[0]
     L, R = q_lat.shape[-1], q_pe.shape[-1]
     half = L // 2
@@ -301,9 +300,7 @@ def launch_gluon_split(q_lat, q_pe, cache, block_table, seq_lens, o_part, lse_pa
     kr_desc = GluonDescriptor.from_tensor(flat, [block_n, R], shared([block_n, R], dt))
     mtiles = (M + block_m - 1) // block_m
     counters = _counters(cache.device, 2 * B * mtiles)
-    merge = num_splits == 2
     _mla_gluon_split_kernel[(mtiles, num_splits, B)](
         q_lat, q_pe, kv_desc, kr_desc, block_table, seq_lens, o_part, lse_part, o_out, lse_out, counters,
-        B * M, M, H, nq, block_table.shape[1], per, num_splits, int(merge), qk_scale_log2,
+        B * M, M, H, nq, block_table.shape[1], per, num_splits, int(num_splits == 2), qk_scale_log2,
         L=L, R=R, PAGE=page, HALF=half, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, num_warps=8)
-    return merge

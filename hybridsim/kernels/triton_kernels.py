@@ -413,48 +413,45 @@ class TritonKernels(ReferenceKernels):
         num_splits = max(1, triton.cdiv(max_len, per))
         o_part = self._out((num_splits, B, M, L), torch.float32, dev)
         lse_part = self._out((num_splits, B, M), torch.float32, dev)
-        half = max(16, _pow2((L + 1) // 2))
-        if tma is None:  # the copy engine needs whole page slices, exact column splits, aligned rows
-            tma = (cache.is_cuda and page % block_n == 0 and L == 2 * half and R == _pow2(R)
-                   and max(half, R, block_n) <= 256 and cache.is_contiguous() and cache.data_ptr() % 16 == 0
-                   and (L + R) * cache.element_size() % 16 == 0)
         table = block_table.to(dev, torch.int64).contiguous()
         lens = seq_lens.to(dev, torch.int64)
         scale_log2 = float(scale) * 1.4426950408889634
-        if use_gluon:
-            o = o_part[0] if num_splits == 1 else self._out((B, M, L), torch.float32, dev)
-            lse = lse_part[0] if num_splits == 1 else self._out((B, M), torch.float32, dev)
-            merged = launch_gluon_split(q_lat.reshape(B, M, L).contiguous(), q_pe.reshape(B, M, R).contiguous(),
-                                        cache, table, lens, o_part, lse_part, o, lse, M, H, nq, per, scale_log2,
-                                        num_splits, block_n=block_n, num_stages=num_stages)
-            if num_splits > 1 and not merged:
-                self._combine(o_part, lse_part, o, lse, B * M, num_splits, L)
-            return o.view(B, nq, H, L), lse.view(B, nq, H)
-        # queries in the cache's precision: loaded straight into shared memory as matrix-unit
-        # operands (a conversion inside the kernel would keep them in registers, which spills)
-        qdt = cache.dtype if low else torch.float32
-        kv_desc = kr_desc = None
-        if tma:
-            flat = cache.view(-1, L + R)
-            kv_desc = TensorDescriptor.from_tensor(flat, block_shape=[block_n, half])
-            kr_desc = TensorDescriptor.from_tensor(flat, block_shape=[block_n, R])
-        _mla_split_kernel[(mtiles, num_splits, B)](
-            q_lat.to(qdt).contiguous(), q_pe.to(qdt).contiguous(), cache, kv_desc, kr_desc, table, lens,
-            o_part, lse_part, M, H, nq, block_table.shape[1], per, scale_log2,
-            L=L, R=R, PAGE=page, HALF=half, BLOCK_R=_pow2(R), BLOCK_M=block_m,
-            BLOCK_N=block_n, LOW_PRECISION=low, NUM_STAGES=num_stages, TMA=bool(tma), num_warps=num_warps)
+        if use_gluon:  # it casts the queries itself, and merges two splits itself
+            two = num_splits == 2
+            o = self._out((B, M, L), torch.float32, dev) if two else o_part[0]
+            lse = self._out((B, M), torch.float32, dev) if two else lse_part[0]
+            launch_gluon_split(q_lat.reshape(B, M, L).contiguous(), q_pe.reshape(B, M, R).contiguous(), cache, table,
+                               lens, o_part, lse_part, o, lse, M, H, nq, per, scale_log2, num_splits,
+                               block_n=block_n, num_stages=num_stages)
+            if two:
+                return o.view(B, nq, H, L), lse.view(B, nq, H)
+        else:
+            half = max(16, _pow2((L + 1) // 2))
+            if tma is None:  # the copy engine needs whole page slices, exact column splits, aligned rows
+                tma = (cache.is_cuda and page % block_n == 0 and L == 2 * half and R == _pow2(R)
+                       and max(half, R, block_n) <= 256 and cache.is_contiguous() and cache.data_ptr() % 16 == 0
+                       and (L + R) * cache.element_size() % 16 == 0)
+            # queries in the cache's precision: loaded straight into shared memory as matrix-unit
+            # operands (a conversion inside the kernel would keep them in registers, which spills)
+            qdt = cache.dtype if low else torch.float32
+            kv_desc = kr_desc = None
+            if tma:
+                flat = cache.view(-1, L + R)
+                kv_desc = TensorDescriptor.from_tensor(flat, block_shape=[block_n, half])
+                kr_desc = TensorDescriptor.from_tensor(flat, block_shape=[block_n, R])
+            _mla_split_kernel[(mtiles, num_splits, B)](
+                q_lat.to(qdt).contiguous(), q_pe.to(qdt).contiguous(), cache, kv_desc, kr_desc, table, lens,
+                o_part, lse_part, M, H, nq, block_table.shape[1], per, scale_log2,
+                L=L, R=R, PAGE=page, HALF=half, BLOCK_R=_pow2(R), BLOCK_M=block_m,
+                BLOCK_N=block_n, LOW_PRECISION=low, NUM_STAGES=num_stages, TMA=bool(tma), num_warps=num_warps)
         if num_splits == 1:
             return o_part[0].view(B, nq, H, L), lse_part[0].view(B, nq, H)
         o = self._out((B, M, L), torch.float32, dev)
         lse = self._out((B, M), torch.float32, dev)
-        self._combine(o_part, lse_part, o, lse, B * M, num_splits, L)
-        return o.view(B, nq, H, L), lse.view(B, nq, H)
-
-    @staticmethod
-    def _combine(o_part, lse_part, o, lse, n_rows, num_splits, L):
         rows = 4
-        _mla_combine_kernel[(triton.cdiv(n_rows, rows),)](o_part, lse_part, o, lse, n_rows, num_splits, L=L,
-                                                          BLOCK_L=_pow2(L), ROWS=rows, num_warps=4)
+        _mla_combine_kernel[(triton.cdiv(B * M, rows),)](o_part, lse_part, o, lse, B * M, num_splits, L=L,
+                                                         BLOCK_L=_pow2(L), ROWS=rows, num_warps=4)
+        return o.view(B, nq, H, L), lse.view(B, nq, H)
 
 
 __all__ = ["TritonKernels", "fused_state_copy"]
