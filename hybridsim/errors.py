@@ -22,6 +22,13 @@ class InputError(Exception):
         return f"{self.where}: {self.message}" if self.where else self.message
 
 
+def not_json(e, where: str) -> InputError:
+    """A JSON decoding error as an InputError; some decoder messages end in "at"
+    ("Unterminated string starting at"), so the column follows them once."""
+    what = e.msg[:-3] if e.msg.endswith(" at") else e.msg
+    return InputError(f"not valid JSON ({what} at column {e.colno})", where)
+
+
 class EnvironmentProblem(Exception):
     """The machine cannot do what was asked (e.g. ``--device cuda`` without a GPU)."""
 

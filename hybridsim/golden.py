@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import InputError
+from .errors import InputError, not_json
 from .replay import ReplayResult, replay_trace
 
 
@@ -78,7 +78,7 @@ def check_folder(folder: Path, update: bool = False, **replay_kw) -> list[Golden
         try:
             want = json.loads(exp_path.read_text())
         except json.JSONDecodeError as e:
-            raise InputError(f"not valid JSON ({e.msg})", f"{exp_path}:{e.lineno}") from None
+            raise not_json(e, f"{exp_path}:{e.lineno}") from None
         diffs = _diff(want, got)
         failed = [f"{t.name}: {t.failures} failures" for t in res.checks.tallies.values() if t.failures]
         rows.append(GoldenRow(trace.name, res.steps, comparisons, "FAIL" if diffs or failed else "pass",

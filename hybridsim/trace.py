@@ -29,7 +29,7 @@ import json
 from pathlib import Path
 from typing import IO, Iterator
 
-from .errors import InputError
+from .errors import InputError, not_json
 from .sched.groups import GroupSpec
 from .sched.plan import ScheduledRequest, StepOutcome, StepPlan
 from .workload.base import WorkloadRequest
@@ -179,7 +179,7 @@ def _lines(path: Path) -> Iterator[tuple[int, dict]]:
             try:
                 d = json.loads(line)
             except json.JSONDecodeError as e:
-                raise InputError(f"not valid JSON ({e.msg} at column {e.colno})", f"{path}:{ln}") from None
+                raise not_json(e, f"{path}:{ln}") from None
             if not isinstance(d, dict):
                 raise InputError("each line is a JSON object", f"{path}:{ln}")
             yield ln, d

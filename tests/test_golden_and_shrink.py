@@ -57,6 +57,17 @@ def test_missing_expected_file_fails_the_gate(tmp_path):
     assert r.returncode == 1 and "no expected file" in r.stdout
 
 
+def test_corrupt_expected_file_is_bad_input(tmp_path):
+    """A cut expected file: one message naming the file, line and column, exit 2."""
+    d = _copy_golden(tmp_path)
+    exp = d / "spec_decode.expected.json"
+    exp.write_text(exp.read_text()[:40])
+    r = hs("replay", d, "--check")
+    assert r.returncode == 2 and "Traceback" not in r.stdout + r.stderr
+    err = r.stderr.replace("\n", "")  # the console wraps long paths
+    assert f"{exp}:3: not valid JSON (Expecting value at column " in err
+
+
 def test_csv_and_plot_exports(tmp_path):
     png, csv = tmp_path / "t.png", tmp_path / "csv"
     r = hs("run", "scenarios/spec_decode.yaml", "-q", "--plot", png, "--csv", csv)

@@ -79,6 +79,15 @@ def test_not_json_rejected(trace_file):
     assert ei.value.where == f"{trace_file}:4" and "not valid JSON" in ei.value.message
 
 
+def test_not_json_message_reads_once(tmp_path):
+    """A line cut inside a string: the decoder's message ends in "at"; the column follows it once."""
+    p = tmp_path / "cut.jsonl"
+    p.write_text('{"format": "hybridsim-trace", "scenar')
+    with pytest.raises(InputError) as ei:
+        read_trace(p)
+    assert ei.value.message == "not valid JSON (Unterminated string starting at column 31)"
+
+
 def test_missing_header_rejected(tmp_path):
     p = tmp_path / "x.jsonl"
     p.write_text('{"step": 0, "sched": []}\n')
