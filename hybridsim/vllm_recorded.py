@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import Scenario
-from .errors import InputError
+from .errors import InputError, not_json
 from .outputs import RecordedContinuation, RecordedDrafts
 from .workload.base import Workload, WorkloadRequest
 
@@ -80,7 +80,7 @@ def load_recording(path: str | Path) -> Recording:
         try:
             parsed.append((i, json.loads(line)))
         except json.JSONDecodeError as e:
-            raise InputError(f"not JSON ({e.msg})", f"{p}:{i}") from None
+            raise not_json(e, f"{p}:{i}") from None
     if len(parsed) < 2 or parsed[0][1].get("type") != "config" or parsed[1][1].get("type") != "requests":
         raise InputError("not a vLLM recording: line 1 must be the config and line 2 the requests",
                          f"{p}:1")

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from hybridsim.convert import convert_recording
+from hybridsim.errors import InputError
 from hybridsim.fidelity import run_fidelity
 from hybridsim.trace import read_trace
+from hybridsim.vllm_recorded import load_recording
 
 from .conftest import RECORDINGS, need_shared
 
@@ -33,3 +35,13 @@ def test_recording_converts_to_a_consistent_trace(rec, tmp_path):
     tr = read_trace(out)  # raises on any accounting inconsistency
     assert len(tr.steps) == n > 0
     assert tr.header["groups"][0]["kind"] == "mamba"
+
+
+def test_cut_recording_is_bad_input(tmp_path):
+    """A recording cut inside a string: file, line and column, the decoder's message said once."""
+    p = tmp_path / "cut.jsonl"
+    p.write_text('{"type": "config", "mod')
+    with pytest.raises(InputError) as ei:
+        load_recording(p)
+    assert ei.value.where == f"{p}:1"
+    assert ei.value.message == "not valid JSON (Unterminated string starting at column 20)"
