@@ -243,6 +243,39 @@ def test_gpu_mla_decode_both_split_kernels(impl, nq, H, lens, splits):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("halves", [True, False], ids=["halves", "whole"])
+@pytest.mark.parametrize("H,lens", [(128, [1000, 64, 3, 0, 700]), (40, [513, 1, 1024]),
+                                    (128, [300] * 70 + [4000, 1])])
+def test_gpu_mla_gluon_two_split_merge(monkeypatch, halves, H, lens):
+    """The Gluon kernel's in-kernel merge of two splits, both ways (each split merging half the
+    columns, or the second to finish merging all), twice in a row (its counters must return to
+    zero): requests whose second split is empty, 40 heads (rows past the last head masked), and
+    a grid of several waves (where the kernel merges whole even with halves allowed)."""
+    from hybridsim.kernels import mla_gluon
+
+    gen = torch.Generator().manual_seed(H + len(lens) + halves)
+    q_lat, q_pe, cache, table = _mla_case(len(lens), 1, H, 512, 64, 64, [max(1, n) for n in lens],
+                                          torch.bfloat16, gen)
+    if not mla_gluon.gluon_applies(cache, 512, 64, 64):
+        pytest.skip("the Gluon kernel needs a Hopper GPU")
+    monkeypatch.setattr(mla_gluon, "MERGE_HALVES", halves)
+    for _ in range(2):
+        o, lse = TRI.mla_decode(q_lat, q_pe, cache, table, torch.tensor(lens), 512, 0.1352338, num_splits=2,
+                                impl="gluon")
+        assert int(mla_gluon._counters(cache.device, 1).abs().sum()) == 0
+        for b, n in enumerate(lens):
+            if n == 0:
+                assert torch.equal(o[b].cpu(), torch.zeros_like(o[b].cpu())) and torch.isneginf(lse[b].cpu()).all()
+                continue
+            ro, rl = REF.mla_decode_one(q_lat[b].cpu(), q_pe[b].cpu(), cache.cpu().float(), table[b].cpu(), n, 512,
+                                        0.1352338)
+            rel = float((o[b].cpu() - ro).abs().max() / ro.abs().max())
+            assert rel < 2e-2 and cos_diff(o[b].cpu(), ro) < 1e-4, (b, rel)
+            assert same_specials(lse[b].cpu(), rl)
+            assert bool(((lse[b].cpu() - rl).abs() <= 2e-2 * rl.abs().clamp(min=1)).all())
+
+
+@pytest.mark.gpu
 def test_gpu_state_copy_past_2gib():
     """A temporal cache larger than 2^31 bytes: block id x stride must not wrap in 32 bits."""
     pages = 600

@@ -17,9 +17,11 @@ Here the layouts, shared buffers and barriers are explicit:
   of the 512 output columns (warps [4, 2] on the accumulator, 128 registers a thread);
 * the last partial tile has the rows past the sequence end zeroed in shared memory
   (unused cache rows may hold anything, NaN included), as the Triton kernel does;
-* with 2 splits, the second program of a row tile to finish merges the other's partial (read
-  back from L2) with its own result, still in registers, into the output: no combine launch
-  and no partial written by the merging program; more splits use the combine kernel.
+* the normalised result leaves through shared memory (the latent ring, free by then) as whole
+  512-byte rows: the accumulator's own layout makes global accesses 4x as costly per byte;
+* with 2 splits the pair merges itself, no combine launch: in a one-wave grid each program
+  writes the half of its result that the other merges and merges the other half; otherwise
+  the second to finish merges the other's whole partial; more splits use the combine kernel.
 
 Same contract and outputs as ``_mla_split_kernel`` (partials per split, lse in natural log,
 0 and -inf for a split with no visible key, bottom-right causal mask). Used only where it
@@ -46,7 +48,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _mla_gluon_split_kernel(q_lat, q_pe, kv_desc, kr_desc, block_table, seq_lens, o_part, lse_part,
                                 o_out, lse_out, counters, n_qrows, M, H, nq, max_blocks, keys_per_split,
-                                num_splits, merge_here, qk_scale_log2,
+                                num_splits, merge_here, halves, qk_scale_log2,
                                 L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr, HALF: gl.constexpr,
                                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
         gl.static_assert(L == 2 * HALF)
@@ -59,7 +61,6 @@ if HAVE_GLUON:
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
         fix_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
         row_layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [8, 1], [1, 0])  # 512 B a warp a row
         row_r: gl.constexpr = gl.SliceLayout(1, row_layout)
@@ -74,6 +75,9 @@ if HAVE_GLUON:
         k_end = gl.minimum(k_start + keys_per_split, seq_len)
         n_tiles = gl.cdiv(gl.maximum(k_end - k_start, 0), BLOCK_N)
         table = block_table + b * max_blocks
+        pair = counters + 4 * (b * gl.num_programs(0) + mt)  # this row tile's counters (two splits)
+        if merge_here:
+            gl.atomic_add(pair + 3, 1, sem="relaxed", scope="gpu")  # "resident": see the merge below
 
         # ---- shared memory: queries once, a ring of latent tiles, P, barriers
         q_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], dt)
@@ -174,36 +178,75 @@ if HAVE_GLUON:
         empty = l_i == 0.0
         inv = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_i))
         lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-        rows_o = mt * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
-        rmask = rows_o < M
-        grow = b * M + rows_o.to(gl.int64)  # query row in (B * M)
-        cols = gl.expand_dims(gl.arange(0, HALF, layout=col_o), 0)
+        # The normalised result goes out through shared memory: the accumulator's own layout
+        # (8-byte pieces of 8 rows per warp access) makes global loads and stores 4x as costly
+        # per byte as whole 512-byte rows, and the epilogue and merge move 128 KB a program.
+        # The latent ring is free now (no copy in flight: every started tile was waited for);
+        # each half of the output (64 x 256 fp32) fits in one half of the ring.
+        gl.static_assert(NUM_STAGES * BLOCK_N >= 2 * BLOCK_M)
+        stage_lay: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=4, order=[1, 0])
+        out_lo = kv_lo._reinterpret(gl.float32, [BLOCK_M, HALF], stage_lay)
+        out_hi = kv_hi._reinterpret(gl.float32, [BLOCK_M, HALF], stage_lay)
         inv_o = gl.expand_dims(gl.convert_layout(inv, row_o), 1)
-        own_lo = acc_lo * inv_o
-        own_hi = acc_hi * inv_o
-        own_lse = gl.convert_layout(lse, row_o)
+        out_lo.store(acc_lo * inv_o)
+        out_hi.store(acc_hi * inv_o)
+        gl.thread_barrier()
+        rows_r = mt * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_r)
+        rmask = rows_r < M
+        grow = b * M + rows_r.to(gl.int64)  # query row in (B * M)
+        cols = gl.expand_dims(gl.arange(0, HALF, layout=col_r), 0)
+        own_lse = gl.convert_layout(lse, row_r)
         if merge_here:
-            # Two splits of a row tile (merge_here is only set for two): the second to get here
-            # merges (its own result from registers, the other's partial from L2) and writes
-            # the output; the first only writes its partial. Waiting for that partial is safe:
-            # a program that has arrived is resident and finishes it without waiting on anything.
-            arrive = counters + 2 * (b * gl.num_programs(0) + mt)
-            arrived = gl.atomic_add(arrive, 1, sem="relaxed", scope="gpu")
-            if arrived == num_splits - 1:
-                seen = gl.atomic_add(arrive + 1, 0, sem="acquire", scope="gpu")
-                while seen < num_splits - 1:
-                    seen = gl.atomic_add(arrive + 1, 0, sem="acquire", scope="gpu")
-                gl.thread_barrier()
-                _merge_with_partials(own_lo, own_hi, own_lse, o_part, lse_part, o_out, lse_out, grow, rmask, cols,
-                                     sp, n_qrows, L, HALF)
-                gl.store(arrive, 0)  # both counters back to zero for the next launch
-                gl.store(arrive + 1, 0)
+            # Two splits of a row tile (merge_here is only set for two). If the other program had
+            # started when this one arrives first, the two merge one half of the columns each
+            # (each writes the half the other merges, then waits for the other's): half the
+            # bytes on the critical path. Waiting is safe because the other program is resident
+            # and reaches its own write without waiting on anything. Otherwise the second to
+            # arrive merges everything, waiting only for a program that has already arrived.
+            # Counters: [arrived, first's partial written (1 whole, 2 half), second's half
+            # written, programs started]; each goes back to zero once read for the last time.
+            prow = sp * n_qrows + grow
+            orow = (1 - sp) * n_qrows + grow
+            started = gl.atomic_add(pair + 3, 0, sem="relaxed", scope="gpu") * halves  # read before arriving
+            arrived = gl.atomic_add(pair, 1, sem="acq_rel", scope="gpu")
+            if arrived == 0:
+                if started == 2:
+                    _give_half(o_part, lse_part, prow, rmask, cols, out_lo, out_hi, own_lse, sp, L, HALF, row_layout)
+                    gl.thread_barrier()
+                    gl.atomic_add(pair + 1, 2, sem="release", scope="gpu")
+                    seen = gl.atomic_add(pair + 2, 0, sem="acquire", scope="gpu")
+                    while seen == 0:
+                        seen = gl.atomic_add(pair + 2, 0, sem="acquire", scope="gpu")
+                    gl.thread_barrier()
+                    gl.store(pair + 2, 0)
+                    _merge_own_half(out_lo, out_hi, own_lse, o_part, lse_part, o_out, lse_out, grow, orow, rmask,
+                                    cols, sp, L, HALF, row_layout)
+                else:
+                    _store_rows(o_part, lse_part, prow, rmask, cols, out_lo, out_hi, own_lse, L, HALF, row_layout)
+                    gl.thread_barrier()
+                    gl.atomic_add(pair + 1, 1, sem="release", scope="gpu")
             else:
-                _store_rows(o_part, lse_part, sp * n_qrows + grow, rmask, cols, own_lo, own_hi, own_lse, L, HALF)
+                gl.store(pair + 3, 0)  # the first read it before arriving
+                mode = gl.atomic_add(pair + 1, 0, sem="acquire", scope="gpu")
+                while mode == 0:
+                    mode = gl.atomic_add(pair + 1, 0, sem="acquire", scope="gpu")
                 gl.thread_barrier()
-                gl.atomic_add(arrive + 1, 1, sem="release", scope="gpu")
+                if mode == 2:
+                    _give_half(o_part, lse_part, prow, rmask, cols, out_lo, out_hi, own_lse, sp, L, HALF,
+                               row_layout)
+                    gl.thread_barrier()
+                    gl.atomic_add(pair + 2, 1, sem="release", scope="gpu")
+                    _merge_own_half(out_lo, out_hi, own_lse, o_part, lse_part, o_out, lse_out, grow, orow, rmask,
+                                    cols, sp, L, HALF, row_layout)
+                else:
+                    a, a2 = _merge_weights(own_lse, lse_part, lse_out, grow, orow, rmask, True)
+                    _merge_cols(out_lo, 0, a, a2, o_part, o_out, orow, grow, rmask, cols, L, row_layout)
+                    _merge_cols(out_hi, HALF, a, a2, o_part, o_out, orow, grow, rmask, cols, L, row_layout)
+                gl.store(pair, 0)
+                gl.store(pair + 1, 0)
         else:  # one split (o_part[0] is the result) or many (the combine kernel merges them)
-            _store_rows(o_part, lse_part, sp * n_qrows + grow, rmask, cols, own_lo, own_hi, own_lse, L, HALF)
+            _store_rows(o_part, lse_part, sp * n_qrows + grow, rmask, cols, out_lo, out_hi, own_lse, L, HALF,
+                        row_layout)
 
     @gluon.jit
     def _load_tile(kv_desc, kr_desc, table, bar, lo, hi, r, n0, live, PAGE: gl.constexpr, HALF: gl.constexpr,
@@ -216,20 +259,19 @@ if HAVE_GLUON:
         tma.async_copy_global_to_shared(kr_desc, [row, L], bar, r, pred=live)
 
     @gluon.jit
-    def _store_rows(o_ptr, lse_ptr, rows, rmask, cols, o_lo, o_hi, lse, L: gl.constexpr, HALF: gl.constexpr):
+    def _store_rows(o_ptr, lse_ptr, rows, rmask, cols, o_lo, o_hi, lse, L: gl.constexpr, HALF: gl.constexpr,
+                    layout: gl.constexpr):
+        """Both halves of a normalised result, staged in shared memory, as whole rows."""
         optr = o_ptr + gl.expand_dims(rows, 1) * L + cols
         m2 = gl.expand_dims(rmask, 1)
-        gl.store(optr, o_lo, mask=m2)
-        gl.store(optr + HALF, o_hi, mask=m2)
+        gl.store(optr, o_lo.load(layout), mask=m2)
+        gl.store(optr + HALF, o_hi.load(layout), mask=m2)
         gl.store(lse_ptr + rows, lse, mask=rmask)
 
     @gluon.jit
-    def _merge_with_partials(own_lo, own_hi, own_lse, o_part, lse_part, o_out, lse_out, grow, rmask, cols, sp,
-                             n_qrows, L: gl.constexpr, HALF: gl.constexpr):
-        """Two splits: this program's normalised result and the other split's partial into the
-        output, weights exp(lse_s - max); a split with lse -inf weighs 0; a row empty in both
-        gives 0 and -inf. Each half is stored as soon as it is merged (register pressure)."""
-        orow = (1 - sp) * n_qrows + grow
+    def _merge_weights(own_lse, lse_part, lse_out, grow, orow, rmask, write_lse):
+        """Weights of this split's and the other's normalised results, exp(lse_s - max); a split
+        with lse -inf weighs 0; a row empty in both gives 0 and -inf (written if write_lse)."""
         other_lse = gl.load(lse_part + orow, mask=rmask, other=float("-inf"), cache_modifier=".cg")
         mx = gl.maximum(own_lse, other_lse)
         m_safe = gl.where(mx == float("-inf"), 0.0, mx)
@@ -238,16 +280,38 @@ if HAVE_GLUON:
         wsum = w + w2
         empty = wsum == 0.0
         inv = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, wsum))
-        a = gl.expand_dims(w * inv, 1)
-        a2 = gl.expand_dims(w2 * inv, 1)
-        m2 = gl.expand_dims(rmask, 1)
-        src = o_part + gl.expand_dims(orow, 1) * L + cols
-        dst = o_out + gl.expand_dims(grow, 1) * L + cols
-        gl.store(dst, own_lo * a + a2 * gl.load(src, mask=m2, other=0.0, cache_modifier=".cg"), mask=m2)
-        gl.store(dst + HALF, own_hi * a + a2 * gl.load(src + HALF, mask=m2, other=0.0, cache_modifier=".cg"),
-                 mask=m2)
         gl.store(lse_out + grow, gl.where(empty, float("-inf"), m_safe + gl.log(gl.where(empty, 1.0, wsum))),
-                 mask=rmask)
+                 mask=rmask & write_lse)
+        return w * inv, w2 * inv
+
+    @gluon.jit
+    def _merge_cols(own, off, a, a2, o_part, o_out, orow, grow, rmask, cols, L: gl.constexpr, layout: gl.constexpr):
+        """Columns [off, off + HALF): own (staged in shared memory) * a + the other's partial * a2."""
+        m2 = gl.expand_dims(rmask, 1)
+        other = gl.load(o_part + gl.expand_dims(orow, 1) * L + off + cols, mask=m2, other=0.0, cache_modifier=".cg")
+        gl.store(o_out + gl.expand_dims(grow, 1) * L + off + cols,
+                 own.load(layout) * gl.expand_dims(a, 1) + gl.expand_dims(a2, 1) * other, mask=m2)
+
+    @gluon.jit
+    def _give_half(o_part, lse_part, prow, rmask, cols, own_lo, own_hi, own_lse, sp, L: gl.constexpr,
+                   HALF: gl.constexpr, layout: gl.constexpr):
+        """Write the half of this split's result that the other split merges (split s merges half s)."""
+        m2 = gl.expand_dims(rmask, 1)
+        optr = o_part + gl.expand_dims(prow, 1) * L + cols
+        if sp == 0:
+            gl.store(optr + HALF, own_hi.load(layout), mask=m2)
+        else:
+            gl.store(optr, own_lo.load(layout), mask=m2)
+        gl.store(lse_part + prow, own_lse, mask=rmask)
+
+    @gluon.jit
+    def _merge_own_half(own_lo, own_hi, own_lse, o_part, lse_part, o_out, lse_out, grow, orow, rmask, cols, sp,
+                        L: gl.constexpr, HALF: gl.constexpr, layout: gl.constexpr):
+        a, a2 = _merge_weights(own_lse, lse_part, lse_out, grow, orow, rmask, sp == 0)  # one writes the lse
+        if sp == 0:
+            _merge_cols(own_lo, 0, a, a2, o_part, o_out, orow, grow, rmask, cols, L, layout)
+        else:
+            _merge_cols(own_hi, HALF, a, a2, o_part, o_out, orow, grow, rmask, cols, L, layout)
 
 
 @functools.lru_cache(maxsize=None)
@@ -269,6 +333,17 @@ def gluon_applies(cache, L: int, R: int, block_n: int) -> bool:
 
 
 _COUNTERS: dict = {}
+# Two splits merge half the columns each when the grid is one wave and both are resident (False:
+# the second to finish always merges everything; tests force each way). Not with several waves:
+# a program waiting for its partner would hold a multiprocessor that a waiting program could use.
+MERGE_HALVES = True
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _counters(dev, n: int):
@@ -299,8 +374,10 @@ def launch_gluon_split(q_lat, q_pe, cache, block_table, seq_lens, o_part, lse_pa
     kv_desc = GluonDescriptor.from_tensor(flat, [block_n, half], shared([block_n, half], dt))
     kr_desc = GluonDescriptor.from_tensor(flat, [block_n, R], shared([block_n, R], dt))
     mtiles = (M + block_m - 1) // block_m
-    counters = _counters(cache.device, 2 * B * mtiles)
+    counters = _counters(cache.device, 4 * B * mtiles)
+    halves = MERGE_HALVES and mtiles * num_splits * B <= _sm_count(cache.device)
     _mla_gluon_split_kernel[(mtiles, num_splits, B)](
         q_lat, q_pe, kv_desc, kr_desc, block_table, seq_lens, o_part, lse_part, o_out, lse_out, counters,
-        B * M, M, H, nq, block_table.shape[1], per, num_splits, int(num_splits == 2), qk_scale_log2,
+        B * M, M, H, nq, block_table.shape[1], per, num_splits, int(num_splits == 2), int(halves),
+        qk_scale_log2,
         L=L, R=R, PAGE=page, HALF=half, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, num_warps=8)

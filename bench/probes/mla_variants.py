@@ -1,0 +1,69 @@
+"""Timing probes of the Gluon MLA split kernel at B=32 (where fixed costs matter): variants made by
+editing the module's source in memory (never used for results, only to see what a stage costs).
+    python bench/probes/mla_variants.py"""
+import importlib.util
+import statistics
+import sys
+import types
+
+import torch
+import triton
+
+sys.path.insert(0, ".")
+import hybridsim.kernels.triton_kernels as tk  # noqa: E402
+
+SRC = open("hybridsim/kernels/mla_gluon.py").read()
+TILE1 = """        for s in gl.static_range(1, NUM_STAGES):
+            _load_tile(kv_desc, kr_desc, table, ready.index(s), kv_lo.index(s), kv_hi.index(s), k_r.index(s),
+                       k_start + s * BLOCK_N, s < n_tiles, PAGE, HALF, L)
+"""
+QSTORE = """        q_r.store(qc.to(dt))
+"""
+EDITS = {  # name: (source edits, module attributes)
+    "as is": ([], {}),
+    "whole merge (second merges all)": ([], {"MERGE_HALVES": False}),
+    "no merge (both write partials)": ([("int(num_splits == 2)", "0")], {}),
+    "tile 1 issued after the queries land": ([(TILE1, ""), (QSTORE, QSTORE + TILE1)], {}),
+}
+
+
+def variant(name, edits, attrs):
+    src = SRC
+    for a, b in edits:
+        assert a in src, (name, a)
+        src = src.replace(a, b)
+    path = f"/tmp/mla_variant_{abs(hash(name))}.py"
+    open(path, "w").write(src)
+    spec = importlib.util.spec_from_file_location(f"mla_variant_{abs(hash(name))}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for k, v in attrs.items():
+        setattr(mod, k, v)
+    return mod
+
+
+mods = {name: variant(name, *e) for name, e in EDITS.items()}
+T = tk.TritonKernels()
+H, L, R, page = 128, 512, 64, 64
+for B, ctx in ((32, 1024), (32, 4096)):
+    blocks = ctx // page
+    cache = torch.randn(B * blocks + 1, page, L + R, dtype=torch.bfloat16, device="cuda")
+    table = (torch.randperm(B * blocks, device="cuda") + 1).view(B, blocks)
+    lens = torch.full((B,), ctx, device="cuda")
+    q32 = (torch.randn(B, 1, H, L, device="cuda"), torch.randn(B, 1, H, R, device="cuda"))
+    q16 = tuple(x.bfloat16() for x in q32)
+    cases = [(n, m, q32) for n, m in mods.items()] + [("as is, queries in bf16", mods["as is"], q16)]
+    times = {n: [] for n, _, _ in cases}
+    for rnd in range(3):
+        for name, mod, (ql, qp) in cases:
+            tk.launch_gluon_split = mod.launch_gluon_split
+
+            def f():
+                return T.mla_decode(ql, qp, cache, table, lens, L, 0.1352338, max_seq_len=ctx, impl="gluon")
+            f()
+            times[name].append(triton.testing.do_bench_cudagraph(f, rep=100, return_mode="median") * 1e3)
+    for name in times:
+        print(f"B={B} ctx={ctx}  {name:40s} {statistics.median(times[name]):7.1f} us  "
+              f"{[round(t, 1) for t in times[name]]}", flush=True)
+    del cache
+    torch.cuda.empty_cache()
