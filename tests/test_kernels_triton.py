@@ -243,17 +243,17 @@ def test_gpu_mla_decode_both_split_kernels(impl, nq, H, lens, splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("halves", [True, False], ids=["halves", "whole"])
+@pytest.mark.parametrize("halves", [True, "first-whole", False], ids=["halves", "first-whole", "whole"])
 @pytest.mark.parametrize("H,lens", [(128, [1000, 64, 3, 0, 700]), (40, [513, 1, 1024]),
                                     (128, [300] * 70 + [4000, 1])])
 def test_gpu_mla_gluon_two_split_merge(monkeypatch, halves, H, lens):
-    """The Gluon kernel's in-kernel merge of two splits, both ways (each split merging half the
-    columns, or the second to finish merging all), twice in a row (its counters must return to
-    zero): requests whose second split is empty, 40 heads (rows past the last head masked), and
+    """The Gluon kernel's in-kernel merge of two splits, every way (each split merging half the
+    columns; the first to start writing its whole partial and the second merging all; the second
+    to finish merging all), twice in a row (its counters must return to zero): requests whose second split is empty, 40 heads (rows past the last head masked), and
     a grid of several waves (where the kernel merges whole even with halves allowed)."""
     from hybridsim.kernels import mla_gluon
 
-    gen = torch.Generator().manual_seed(H + len(lens) + halves)
+    gen = torch.Generator().manual_seed(H + len(lens))
     q_lat, q_pe, cache, table = _mla_case(len(lens), 1, H, 512, 64, 64, [max(1, n) for n in lens],
                                           torch.bfloat16, gen)
     if not mla_gluon.gluon_applies(cache, 512, 64, 64):

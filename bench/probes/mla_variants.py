@@ -19,11 +19,14 @@ TILE1 = """        for s in gl.static_range(1, NUM_STAGES):
 """
 QSTORE = """        q_r.store(qc.to(dt))
 """
+QC = """        qc = gl.load(q_pe + gl.expand_dims(qrows, 1) * R + gl.expand_dims(c_r, 0), mask=qmask, other=0.0)
+"""
 EDITS = {  # name: (source edits, module attributes)
     "as is": ([], {}),
     "whole merge (second merges all)": ([], {"MERGE_HALVES": False}),
+    "first to start writes whole, second merges": ([], {"MERGE_HALVES": "first-whole"}),
     "no merge (both write partials)": ([("int(num_splits == 2)", "0")], {}),
-    "tile 1 issued after the queries land": ([(TILE1, ""), (QSTORE, QSTORE + TILE1)], {}),
+    "tile 1 issued before the queries land": ([(QSTORE + TILE1, QSTORE), (QC, QC + TILE1)], {}),
 }
 
 

@@ -76,8 +76,6 @@ if HAVE_GLUON:
         n_tiles = gl.cdiv(gl.maximum(k_end - k_start, 0), BLOCK_N)
         table = block_table + b * max_blocks
         pair = counters + 4 * (b * gl.num_programs(0) + mt)  # this row tile's counters (two splits)
-        if merge_here:
-            gl.atomic_add(pair + 3, 1, sem="relaxed", scope="gpu")  # "resident": see the merge below
 
         # ---- shared memory: queries once, a ring of latent tiles, P, barriers
         q_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], dt)
@@ -94,8 +92,10 @@ if HAVE_GLUON:
         for s in gl.static_range(NUM_STAGES):
             mbarrier.init(ready.index(s), count=1)
 
-        # the first tile, then the queries, then the rest of the prologue: the queries are needed
-        # as early as the first tile, and the second tile would only compete with them for bandwidth
+        # the first tile, then the queries, then (once the queries have landed) the rest of the
+        # prologue: the queries are needed as early as the first tile, and the second tile would
+        # only compete with them for bandwidth (measured: 1 us less at B=32 ctx 1k than issuing
+        # it before the queries land)
         _load_tile(kv_desc, kr_desc, table, ready.index(0), kv_lo.index(0), kv_hi.index(0), k_r.index(0),
                    k_start, 0 < n_tiles, PAGE, HALF, L)
         # queries: read in their own precision (fp32 from the model), cast to the cache's dtype
@@ -107,12 +107,16 @@ if HAVE_GLUON:
         qa = gl.load(q_lat + gl.expand_dims(qrows, 1) * L + gl.expand_dims(c_h, 0), mask=qmask, other=0.0)
         qb = gl.load(q_lat + gl.expand_dims(qrows, 1) * L + HALF + gl.expand_dims(c_h, 0), mask=qmask, other=0.0)
         qc = gl.load(q_pe + gl.expand_dims(qrows, 1) * R + gl.expand_dims(c_r, 0), mask=qmask, other=0.0)
-        for s in gl.static_range(1, NUM_STAGES):
-            _load_tile(kv_desc, kr_desc, table, ready.index(s), kv_lo.index(s), kv_hi.index(s), k_r.index(s),
-                       k_start + s * BLOCK_N, s < n_tiles, PAGE, HALF, L)
+        on_start = mt * 0  # the pair's word 0 as this program found it when it started (see the merge)
+        if merge_here:
+            if halves:  # its round trip hides under the loads above
+                on_start = gl.atomic_add(pair, 1, sem="relaxed", scope="gpu")
         q_lo.store(qa.to(dt))
         q_hi.store(qb.to(dt))
         q_r.store(qc.to(dt))
+        for s in gl.static_range(1, NUM_STAGES):
+            _load_tile(kv_desc, kr_desc, table, ready.index(s), kv_lo.index(s), kv_hi.index(s), k_r.index(s),
+                       k_start + s * BLOCK_N, s < n_tiles, PAGE, HALF, L)
         fence_async_shared()
         gl.thread_barrier()
 
@@ -196,57 +200,96 @@ if HAVE_GLUON:
         grow = b * M + rows_r.to(gl.int64)  # query row in (B * M)
         cols = gl.expand_dims(gl.arange(0, HALF, layout=col_r), 0)
         own_lse = gl.convert_layout(lse, row_r)
-        if merge_here:
-            # Two splits of a row tile (merge_here is only set for two). If the other program had
-            # started when this one arrives first, the two merge one half of the columns each
-            # (each writes the half the other merges, then waits for the other's): half the
-            # bytes on the critical path. Waiting is safe because the other program is resident
-            # and reaches its own write without waiting on anything. Otherwise the second to
-            # arrive merges everything, waiting only for a program that has already arrived.
-            # Counters: [arrived, first's partial written (1 whole, 2 half), second's half
-            # written, programs started]; each goes back to zero once read for the last time.
-            prow = sp * n_qrows + grow
-            orow = (1 - sp) * n_qrows + grow
-            started = gl.atomic_add(pair + 3, 0, sem="relaxed", scope="gpu") * halves  # read before arriving
-            arrived = gl.atomic_add(pair, 1, sem="acq_rel", scope="gpu")
-            if arrived == 0:
-                if started == 2:
-                    _give_half(o_part, lse_part, prow, rmask, cols, out_lo, out_hi, own_lse, sp, L, HALF, row_layout)
-                    gl.thread_barrier()
-                    gl.atomic_add(pair + 1, 2, sem="release", scope="gpu")
-                    seen = gl.atomic_add(pair + 2, 0, sem="acquire", scope="gpu")
-                    while seen == 0:
-                        seen = gl.atomic_add(pair + 2, 0, sem="acquire", scope="gpu")
-                    gl.thread_barrier()
-                    gl.store(pair + 2, 0)
-                    _merge_own_half(out_lo, out_hi, own_lse, o_part, lse_part, o_out, lse_out, grow, orow, rmask,
-                                    cols, sp, L, HALF, row_layout)
-                else:
-                    _store_rows(o_part, lse_part, prow, rmask, cols, out_lo, out_hi, own_lse, L, HALF, row_layout)
-                    gl.thread_barrier()
-                    gl.atomic_add(pair + 1, 1, sem="release", scope="gpu")
+        prow = sp * n_qrows + grow  # this split's partial rows
+        orow = (1 - sp) * n_qrows + grow  # the other split's (two splits)
+        if merge_here:  # two splits: the pair merges itself
+            if halves:
+                _merge_pair_halves(pair, on_start, halves, sp, out_lo, out_hi, own_lse, o_part, lse_part, o_out,
+                                   lse_out, grow, prow, orow, rmask, cols, L, HALF, row_layout)
             else:
-                gl.store(pair + 3, 0)  # the first read it before arriving
-                mode = gl.atomic_add(pair + 1, 0, sem="acquire", scope="gpu")
-                while mode == 0:
-                    mode = gl.atomic_add(pair + 1, 0, sem="acquire", scope="gpu")
-                gl.thread_barrier()
-                if mode == 2:
-                    _give_half(o_part, lse_part, prow, rmask, cols, out_lo, out_hi, own_lse, sp, L, HALF,
-                               row_layout)
-                    gl.thread_barrier()
-                    gl.atomic_add(pair + 2, 1, sem="release", scope="gpu")
-                    _merge_own_half(out_lo, out_hi, own_lse, o_part, lse_part, o_out, lse_out, grow, orow, rmask,
-                                    cols, sp, L, HALF, row_layout)
-                else:
-                    a, a2 = _merge_weights(own_lse, lse_part, lse_out, grow, orow, rmask, True)
-                    _merge_cols(out_lo, 0, a, a2, o_part, o_out, orow, grow, rmask, cols, L, row_layout)
-                    _merge_cols(out_hi, HALF, a, a2, o_part, o_out, orow, grow, rmask, cols, L, row_layout)
-                gl.store(pair, 0)
-                gl.store(pair + 1, 0)
+                _merge_pair_whole(pair, out_lo, out_hi, own_lse, o_part, lse_part, o_out, lse_out, grow, prow,
+                                  orow, rmask, cols, L, HALF, row_layout)
         else:  # one split (o_part[0] is the result) or many (the combine kernel merges them)
-            _store_rows(o_part, lse_part, sp * n_qrows + grow, rmask, cols, out_lo, out_hi, own_lse, L, HALF,
-                        row_layout)
+            _store_rows(o_part, lse_part, prow, rmask, cols, out_lo, out_hi, own_lse, L, HALF, row_layout)
+
+    @gluon.jit
+    def _merge_pair_halves(pair, on_start, halves, sp, out_lo, out_hi, own_lse, o_part, lse_part, o_out, lse_out,
+                           grow, prow, orow, rmask, cols, L: gl.constexpr, HALF: gl.constexpr,
+                           layout: gl.constexpr):
+        """Two splits of a one-wave grid merge half the columns each: each writes the half of its
+        result that the other merges, then merges the other's (half the bytes on the critical
+        path, both halves written at once). Roles are fixed without a round trip at the end for
+        the second program to start: word 0 of ``pair`` counts starts (low 4 bits, ``on_start``
+        is its value before this program's) and the first starter's commit (+16, made when it
+        finishes). The first starter commits to halves only if the other had started by then, so
+        is resident and reaches its own write without waiting: waiting for it is safe. Otherwise
+        it writes its whole partial and leaves, and the second merges everything. The second
+        knows from ``on_start`` whether the first had committed; if not, the first will see it
+        started and commit to halves. Words 1 and 2: split 0's and split 1's "written" (2 a half,
+        1 the whole partial). Each word goes back to zero once both are past their last read."""
+        mine = pair + 1 + sp
+        theirs = pair + 2 - sp
+        if on_start % 16 == 0:  # the first to start
+            commit = gl.atomic_add(pair, 16, sem="relaxed", scope="gpu")
+            if (commit % 16 == 2) & (halves != 2):  # halves == 2: tests force the whole path
+                _give_half(o_part, lse_part, prow, rmask, cols, out_lo, out_hi, own_lse, sp, L, HALF, layout)
+                gl.thread_barrier()
+                gl.atomic_add(mine, 2, sem="release", scope="gpu")
+                _wait_nonzero(theirs)
+                gl.store(theirs, 0)
+                gl.store(pair, 0)
+                _merge_own_half(out_lo, out_hi, own_lse, o_part, lse_part, o_out, lse_out, grow, orow, rmask, cols,
+                                sp, L, HALF, layout)
+            else:
+                _store_rows(o_part, lse_part, prow, rmask, cols, out_lo, out_hi, own_lse, L, HALF, layout)
+                gl.thread_barrier()
+                gl.atomic_add(mine, 1, sem="release", scope="gpu")
+        else:  # the second to start: the first is resident (or done)
+            gave = on_start < 16  # the first had not committed: it will commit to halves
+            if gave:
+                _give_half(o_part, lse_part, prow, rmask, cols, out_lo, out_hi, own_lse, sp, L, HALF, layout)
+                gl.thread_barrier()
+                gl.atomic_add(mine, 2, sem="release", scope="gpu")
+            seen = _wait_nonzero(theirs)
+            gl.store(theirs, 0)
+            gl.store(pair, 0)
+            if seen == 2:
+                _merge_own_half(out_lo, out_hi, own_lse, o_part, lse_part, o_out, lse_out, grow, orow, rmask, cols,
+                                sp, L, HALF, layout)
+            else:  # the first wrote its whole partial and left without reading ours
+                if gave:
+                    gl.store(mine, 0)
+                a, a2 = _merge_weights(own_lse, lse_part, lse_out, grow, orow, rmask, True)
+                _merge_cols(out_lo, 0, a, a2, o_part, o_out, orow, grow, rmask, cols, L, layout)
+                _merge_cols(out_hi, HALF, a, a2, o_part, o_out, orow, grow, rmask, cols, L, layout)
+
+    @gluon.jit
+    def _merge_pair_whole(pair, out_lo, out_hi, own_lse, o_part, lse_part, o_out, lse_out, grow, prow, orow, rmask,
+                          cols, L: gl.constexpr, HALF: gl.constexpr, layout: gl.constexpr):
+        """Several waves: the second program of the pair to finish merges the other's whole
+        partial, waiting only for a program that has arrived (so is resident). Word 0 counts
+        arrivals, word 1 says the first's partial is written."""
+        arrived = gl.atomic_add(pair, 1, sem="relaxed", scope="gpu")
+        if arrived == 1:
+            _wait_nonzero(pair + 1)
+            a, a2 = _merge_weights(own_lse, lse_part, lse_out, grow, orow, rmask, True)
+            _merge_cols(out_lo, 0, a, a2, o_part, o_out, orow, grow, rmask, cols, L, layout)
+            _merge_cols(out_hi, HALF, a, a2, o_part, o_out, orow, grow, rmask, cols, L, layout)
+            gl.store(pair, 0)
+            gl.store(pair + 1, 0)
+        else:
+            _store_rows(o_part, lse_part, prow, rmask, cols, out_lo, out_hi, own_lse, L, HALF, layout)
+            gl.thread_barrier()
+            gl.atomic_add(pair + 1, 1, sem="release", scope="gpu")
+
+    @gluon.jit
+    def _wait_nonzero(flag):
+        """Spin until the other program of the pair releases ``flag``; returns its value."""
+        seen = gl.atomic_add(flag, 0, sem="acquire", scope="gpu")
+        while seen == 0:
+            seen = gl.atomic_add(flag, 0, sem="acquire", scope="gpu")
+        gl.thread_barrier()
+        return seen
 
     @gluon.jit
     def _load_tile(kv_desc, kr_desc, table, bar, lo, hi, r, n0, live, PAGE: gl.constexpr, HALF: gl.constexpr,
@@ -334,8 +377,9 @@ def gluon_applies(cache, L: int, R: int, block_n: int) -> bool:
 
 _COUNTERS: dict = {}
 # Two splits merge half the columns each when the grid is one wave and both are resident (False:
-# the second to finish always merges everything; tests force each way). Not with several waves:
-# a program waiting for its partner would hold a multiprocessor that a waiting program could use.
+# the second to finish always merges everything). Not with several waves: a program waiting for
+# its partner would hold a multiprocessor that a waiting program could use. Tests force each way,
+# and "first-whole" (the first to start always writes its whole partial).
 MERGE_HALVES = True
 
 
@@ -375,9 +419,11 @@ def launch_gluon_split(q_lat, q_pe, cache, block_table, seq_lens, o_part, lse_pa
     kr_desc = GluonDescriptor.from_tensor(flat, [block_n, R], shared([block_n, R], dt))
     mtiles = (M + block_m - 1) // block_m
     counters = _counters(cache.device, 4 * B * mtiles)
-    halves = MERGE_HALVES and mtiles * num_splits * B <= _sm_count(cache.device)
+    halves = 0
+    if MERGE_HALVES and mtiles * num_splits * B <= _sm_count(cache.device):
+        halves = 2 if MERGE_HALVES == "first-whole" else 1
     _mla_gluon_split_kernel[(mtiles, num_splits, B)](
         q_lat, q_pe, kv_desc, kr_desc, block_table, seq_lens, o_part, lse_part, o_out, lse_out, counters,
-        B * M, M, H, nq, block_table.shape[1], per, num_splits, int(num_splits == 2), int(halves),
+        B * M, M, H, nq, block_table.shape[1], per, num_splits, int(num_splits == 2), halves,
         qk_scale_log2,
         L=L, R=R, PAGE=page, HALF=half, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, num_warps=8)
