@@ -391,8 +391,8 @@ def _sm_count(device) -> int:
 
 
 def _counters(dev, n: int):
-    """Per-row-tile counters (arrived, partial written), zero between launches (the merging
-    program resets its own).
+    """Four words per row tile for the two-split merge (see ``_merge_pair_halves`` and
+    ``_merge_pair_whole``), zero between launches (the programs reset them before they exit).
     One buffer per device: launches on one stream (as the executor makes them) never overlap."""
     import torch
 
