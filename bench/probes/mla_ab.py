@@ -2,7 +2,6 @@
 replayed as a CUDA graph, alternating A and B rounds; also says whether both give identical bits.
     python bench/probes/mla_ab.py REV_OR_FILE   (A: hybridsim/kernels/mla_gluon.py at a git revision,
                                                  or a copy of it; B: the working tree's)"""
-import importlib.util
 import os
 import statistics
 import subprocess
@@ -14,6 +13,7 @@ import triton
 
 sys.path.insert(0, ".")
 import hybridsim.kernels.triton_kernels as tk  # noqa: E402
+from bench.probes.mla_common import L, SCALE, deepseek_inputs, load_module  # noqa: E402
 
 path = sys.argv[1]
 if not os.path.isfile(path):
@@ -21,26 +21,19 @@ if not os.path.isfile(path):
                          text=True).stdout
     path = os.path.join(tempfile.mkdtemp(), "mla_gluon_a.py")
     open(path, "w").write(src)
-spec = importlib.util.spec_from_file_location("old_mla_gluon", path)
-old = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(old)
+old = load_module(path, "old_mla_gluon")
 new_launch = tk.launch_gluon_split
 T = tk.TritonKernels()
-H, L, R, page = 128, 512, 64, 64
 for B, ctx in ((32, 1024), (32, 4096), (32, 16384), (128, 1024), (128, 4096), (128, 16384), (1, 1024)):
-    blocks = ctx // page
-    cache = torch.randn(B * blocks + 1, page, L + R, dtype=torch.bfloat16, device="cuda")
-    table = (torch.randperm(B * blocks, device="cuda") + 1).view(B, blocks)
-    lens = torch.full((B,), ctx, device="cuda")
-    q_lat, q_pe = torch.randn(B, 1, H, L, device="cuda"), torch.randn(B, 1, H, R, device="cuda")
+    q_lat, q_pe, cache, table, lens = deepseek_inputs(B, ctx)
     times = {"A": [], "B": []}
     outs = {}
-    for rnd in range(3):
+    for _ in range(3):
         for name, launch in (("A", old.launch_gluon_split), ("B", new_launch)):
             tk.launch_gluon_split = launch
 
             def f():
-                return T.mla_decode(q_lat, q_pe, cache, table, lens, L, 0.1352338, max_seq_len=ctx, impl="gluon")
+                return T.mla_decode(q_lat, q_pe, cache, table, lens, L, SCALE, max_seq_len=ctx, impl="gluon")
             outs[name] = [x.clone() for x in f()]
             times[name].append(triton.testing.do_bench_cudagraph(f, rep=100, return_mode="median") * 1e3)
     same = all(torch.equal(a, b) for a, b in zip(outs["A"], outs["B"]))

@@ -6,16 +6,12 @@ import sys
 import torch
 
 sys.path.insert(0, ".")
+from bench.probes.mla_common import L, SCALE, deepseek_inputs  # noqa: E402
 from hybridsim.kernels.triton_kernels import TritonKernels  # noqa: E402
 
 T = TritonKernels()
-H, L, R, page = 128, 512, 64, 64
 for B, ctx in ((32, 1024), (32, 16384)):
-    blocks = ctx // page
-    cache = torch.randn(B * blocks + 1, page, L + R, dtype=torch.bfloat16, device="cuda")
-    table = (torch.randperm(B * blocks, device="cuda") + 1).view(B, blocks)
-    lens = torch.full((B,), ctx, device="cuda")
-    q_lat, q_pe = torch.randn(B, 1, H, L, device="cuda"), torch.randn(B, 1, H, R, device="cuda")
-    T.mla_decode(q_lat, q_pe, cache, table, lens, L, 0.1352338, max_seq_len=ctx, impl="gluon")
+    q_lat, q_pe, cache, table, lens = deepseek_inputs(B, ctx)
+    T.mla_decode(q_lat, q_pe, cache, table, lens, L, SCALE, max_seq_len=ctx, impl="gluon")
     torch.cuda.synchronize()
     del cache

@@ -6,21 +6,17 @@ import torch
 import triton
 
 sys.path.insert(0, ".")
+from bench.probes.mla_common import L, SCALE, deepseek_inputs  # noqa: E402
 from hybridsim.kernels.triton_kernels import TritonKernels  # noqa: E402
 
 T = TritonKernels()
-H, L, R, page = 128, 512, 64, 64
 for B, ctx in ((32, 1024), (32, 4096), (128, 1024)):
-    blocks = ctx // page
-    cache = torch.randn(B * blocks + 1, page, L + R, dtype=torch.bfloat16, device="cuda")
-    table = (torch.randperm(B * blocks, device="cuda") + 1).view(B, blocks)
-    lens = torch.full((B,), ctx, device="cuda")
-    q_lat, q_pe = torch.randn(B, 1, H, L, device="cuda"), torch.randn(B, 1, H, R, device="cuda")
+    q_lat, q_pe, cache, table, lens = deepseek_inputs(B, ctx)
     for impl in ("gluon", "triton"):
         line = []
         for sp in (0, 1, 2, 3, 4):
             def f():
-                return T.mla_decode(q_lat, q_pe, cache, table, lens, L, 0.1352338, num_splits=sp,
+                return T.mla_decode(q_lat, q_pe, cache, table, lens, L, SCALE, num_splits=sp,
                                     max_seq_len=ctx, impl=impl)
             f()
             line.append(f"{sp or 'auto'}: {triton.testing.do_bench_cudagraph(f, rep=100, return_mode='median') * 1e3:.1f}")

@@ -1,16 +1,15 @@
 """Timing probes of the Gluon MLA split kernel at B=32 (where fixed costs matter): variants made by
 editing the module's source in memory (never used for results, only to see what a stage costs).
     python bench/probes/mla_variants.py"""
-import importlib.util
 import statistics
 import sys
-import types
 
 import torch
 import triton
 
 sys.path.insert(0, ".")
 import hybridsim.kernels.triton_kernels as tk  # noqa: E402
+from bench.probes.mla_common import L, SCALE, deepseek_inputs, load_module  # noqa: E402
 
 SRC = open("hybridsim/kernels/mla_gluon.py").read()
 TILE1 = """        for s in gl.static_range(1, NUM_STAGES):
@@ -37,9 +36,7 @@ def variant(name, edits, attrs):
         src = src.replace(a, b)
     path = f"/tmp/mla_variant_{abs(hash(name))}.py"
     open(path, "w").write(src)
-    spec = importlib.util.spec_from_file_location(f"mla_variant_{abs(hash(name))}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_module(path, f"mla_variant_{abs(hash(name))}")
     for k, v in attrs.items():
         setattr(mod, k, v)
     return mod
@@ -47,22 +44,17 @@ def variant(name, edits, attrs):
 
 mods = {name: variant(name, *e) for name, e in EDITS.items()}
 T = tk.TritonKernels()
-H, L, R, page = 128, 512, 64, 64
 for B, ctx in ((32, 1024), (32, 4096)):
-    blocks = ctx // page
-    cache = torch.randn(B * blocks + 1, page, L + R, dtype=torch.bfloat16, device="cuda")
-    table = (torch.randperm(B * blocks, device="cuda") + 1).view(B, blocks)
-    lens = torch.full((B,), ctx, device="cuda")
-    q32 = (torch.randn(B, 1, H, L, device="cuda"), torch.randn(B, 1, H, R, device="cuda"))
+    *q32, cache, table, lens = deepseek_inputs(B, ctx)
     q16 = tuple(x.bfloat16() for x in q32)
     cases = [(n, m, q32) for n, m in mods.items()] + [("as is, queries in bf16", mods["as is"], q16)]
     times = {n: [] for n, _, _ in cases}
-    for rnd in range(3):
+    for _ in range(3):
         for name, mod, (ql, qp) in cases:
             tk.launch_gluon_split = mod.launch_gluon_split
 
             def f():
-                return T.mla_decode(ql, qp, cache, table, lens, L, 0.1352338, max_seq_len=ctx, impl="gluon")
+                return T.mla_decode(ql, qp, cache, table, lens, L, SCALE, max_seq_len=ctx, impl="gluon")
             f()
             times[name].append(triton.testing.do_bench_cudagraph(f, rep=100, return_mode="median") * 1e3)
     for name in times:

@@ -232,24 +232,18 @@ if HAVE_GLUON:
         if on_start % 16 == 0:  # the first to start
             commit = gl.atomic_add(pair, 16, sem="relaxed", scope="gpu")
             if (commit % 16 == 2) & (halves != 2):  # halves == 2: tests force the whole path
-                _give_half(o_part, lse_part, prow, rmask, cols, out_lo, out_hi, own_lse, sp, L, HALF, layout)
-                gl.thread_barrier()
-                gl.atomic_add(mine, 2, sem="release", scope="gpu")
+                _give_half(mine, o_part, lse_part, prow, rmask, cols, out_lo, out_hi, own_lse, sp, L, HALF, layout)
                 _wait_nonzero(theirs)
                 gl.store(theirs, 0)
                 gl.store(pair, 0)
                 _merge_own_half(out_lo, out_hi, own_lse, o_part, lse_part, o_out, lse_out, grow, orow, rmask, cols,
                                 sp, L, HALF, layout)
             else:
-                _store_rows(o_part, lse_part, prow, rmask, cols, out_lo, out_hi, own_lse, L, HALF, layout)
-                gl.thread_barrier()
-                gl.atomic_add(mine, 1, sem="release", scope="gpu")
+                _give_whole(mine, o_part, lse_part, prow, rmask, cols, out_lo, out_hi, own_lse, L, HALF, layout)
         else:  # the second to start: the first is resident (or done)
             gave = on_start < 16  # the first had not committed: it will commit to halves
             if gave:
-                _give_half(o_part, lse_part, prow, rmask, cols, out_lo, out_hi, own_lse, sp, L, HALF, layout)
-                gl.thread_barrier()
-                gl.atomic_add(mine, 2, sem="release", scope="gpu")
+                _give_half(mine, o_part, lse_part, prow, rmask, cols, out_lo, out_hi, own_lse, sp, L, HALF, layout)
             seen = _wait_nonzero(theirs)
             gl.store(theirs, 0)
             gl.store(pair, 0)
@@ -259,9 +253,8 @@ if HAVE_GLUON:
             else:  # the first wrote its whole partial and left without reading ours
                 if gave:
                     gl.store(mine, 0)
-                a, a2 = _merge_weights(own_lse, lse_part, lse_out, grow, orow, rmask, True)
-                _merge_cols(out_lo, 0, a, a2, o_part, o_out, orow, grow, rmask, cols, L, layout)
-                _merge_cols(out_hi, HALF, a, a2, o_part, o_out, orow, grow, rmask, cols, L, layout)
+                _merge_whole(out_lo, out_hi, own_lse, o_part, lse_part, o_out, lse_out, grow, orow, rmask, cols, L,
+                             HALF, layout)
 
     @gluon.jit
     def _merge_pair_whole(pair, out_lo, out_hi, own_lse, o_part, lse_part, o_out, lse_out, grow, prow, orow, rmask,
@@ -272,15 +265,12 @@ if HAVE_GLUON:
         arrived = gl.atomic_add(pair, 1, sem="relaxed", scope="gpu")
         if arrived == 1:
             _wait_nonzero(pair + 1)
-            a, a2 = _merge_weights(own_lse, lse_part, lse_out, grow, orow, rmask, True)
-            _merge_cols(out_lo, 0, a, a2, o_part, o_out, orow, grow, rmask, cols, L, layout)
-            _merge_cols(out_hi, HALF, a, a2, o_part, o_out, orow, grow, rmask, cols, L, layout)
+            _merge_whole(out_lo, out_hi, own_lse, o_part, lse_part, o_out, lse_out, grow, orow, rmask, cols, L, HALF,
+                         layout)
             gl.store(pair, 0)
             gl.store(pair + 1, 0)
         else:
-            _store_rows(o_part, lse_part, prow, rmask, cols, out_lo, out_hi, own_lse, L, HALF, layout)
-            gl.thread_barrier()
-            gl.atomic_add(pair + 1, 1, sem="release", scope="gpu")
+            _give_whole(pair + 1, o_part, lse_part, prow, rmask, cols, out_lo, out_hi, own_lse, L, HALF, layout)
 
     @gluon.jit
     def _wait_nonzero(flag):
@@ -336,9 +326,10 @@ if HAVE_GLUON:
                  own.load(layout) * gl.expand_dims(a, 1) + gl.expand_dims(a2, 1) * other, mask=m2)
 
     @gluon.jit
-    def _give_half(o_part, lse_part, prow, rmask, cols, own_lo, own_hi, own_lse, sp, L: gl.constexpr,
+    def _give_half(flag, o_part, lse_part, prow, rmask, cols, own_lo, own_hi, own_lse, sp, L: gl.constexpr,
                    HALF: gl.constexpr, layout: gl.constexpr):
-        """Write the half of this split's result that the other split merges (split s merges half s)."""
+        """Write the half of this split's result that the other split merges (split s merges half s)
+        and its lse, then release ``flag`` = 2."""
         m2 = gl.expand_dims(rmask, 1)
         optr = o_part + gl.expand_dims(prow, 1) * L + cols
         if sp == 0:
@@ -346,6 +337,24 @@ if HAVE_GLUON:
         else:
             gl.store(optr, own_lo.load(layout), mask=m2)
         gl.store(lse_part + prow, own_lse, mask=rmask)
+        gl.thread_barrier()
+        gl.atomic_add(flag, 2, sem="release", scope="gpu")
+
+    @gluon.jit
+    def _give_whole(flag, o_part, lse_part, prow, rmask, cols, own_lo, own_hi, own_lse, L: gl.constexpr,
+                    HALF: gl.constexpr, layout: gl.constexpr):
+        """Write this split's whole partial and lse for the other to merge, then release ``flag`` = 1."""
+        _store_rows(o_part, lse_part, prow, rmask, cols, own_lo, own_hi, own_lse, L, HALF, layout)
+        gl.thread_barrier()
+        gl.atomic_add(flag, 1, sem="release", scope="gpu")
+
+    @gluon.jit
+    def _merge_whole(own_lo, own_hi, own_lse, o_part, lse_part, o_out, lse_out, grow, orow, rmask, cols,
+                     L: gl.constexpr, HALF: gl.constexpr, layout: gl.constexpr):
+        """All columns: this split's result with the other's whole partial; writes the lse."""
+        a, a2 = _merge_weights(own_lse, lse_part, lse_out, grow, orow, rmask, True)
+        _merge_cols(own_lo, 0, a, a2, o_part, o_out, orow, grow, rmask, cols, L, layout)
+        _merge_cols(own_hi, HALF, a, a2, o_part, o_out, orow, grow, rmask, cols, L, layout)
 
     @gluon.jit
     def _merge_own_half(own_lo, own_hi, own_lse, o_part, lse_part, o_out, lse_out, grow, orow, rmask, cols, sp,
