@@ -128,7 +128,6 @@ class Simulation:
         drafter = self.drafter
         reqs = self.requests
         usable = pool.num_blocks - 1
-        free_queue = pool.free_queue
         nxt = 0
         step = 0
         idle_since_progress = 0
@@ -153,7 +152,7 @@ class Simulation:
             if checking:
                 self.checker.after_schedule(plan)
             sampled, accepted = self._model_step(plan)
-            in_use = usable - len(free_queue)
+            in_use = usable - pool.num_free
             if in_use > stats.peak_blocks_in_use:
                 stats.peak_blocks_in_use = in_use
             t2 = perf_counter()

@@ -6,36 +6,69 @@ hash go back to the *front* as one group (reused first), freed blocks that
 carry a hash go to the *tail*, so cached blocks are evicted least recently
 freed first. Taking a hit on a free cached block removes it from the queue.
 Several blocks may hold the same prefix; evicting one keeps the others.
+
+The queue is kept in three parts, front to back, so that no operation walks
+it block by block: ``front`` (a stack of blocks freed without a hash, its end
+is the queue's front), the never-used blocks ``next_fresh .. num_blocks-1``
+(a range, so a pool of any size costs nothing to build), and ``tail`` (blocks
+freed with a hash, in freeing order). A block only gets a hash while it is in
+use, so every hashed free block is in the tail: only tail blocks are ever
+evicted by allocation or taken back by a hit.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Hashable, Iterable
+from typing import Hashable, Iterable, Iterator
 
 NULL_BLOCK = 0
 
 
+class FreeQueue:
+    """Read-only view of the pool's free queue, front to back (tests, invariants)."""
+
+    __slots__ = ("_pool",)
+
+    def __init__(self, pool: "BlockPool"):
+        self._pool = pool
+
+    def __len__(self) -> int:
+        return self._pool.num_free
+
+    def __iter__(self) -> Iterator[int]:
+        p = self._pool
+        yield from reversed(p.front)
+        yield from range(p.next_fresh, p.num_blocks)
+        yield from p.tail
+
+    def __contains__(self, b: int) -> bool:
+        p = self._pool
+        return b in p.tail or p.next_fresh <= b < p.num_blocks or b in p.front
+
+
 class BlockPool:
-    __slots__ = ("num_blocks", "ref_cnt", "block_key", "cached", "dups", "free_queue", "evictions",
-                 "cached_this_step")
+    __slots__ = ("num_blocks", "ref_cnt", "block_key", "cached", "dups", "front", "next_fresh", "tail",
+                 "evictions", "cached_this_step", "free_queue")
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self.ref_cnt = [0] * num_blocks
         self.ref_cnt[NULL_BLOCK] = 1  # never freed
-        # key = (group_id, block_hash) for a block holding a cached prefix
+        # key = block_hash << 6 | group_id for a block holding a cached prefix
         self.block_key: list[Hashable | None] = [None] * num_blocks
         self.cached: dict[Hashable, int] = {}  # key -> the holder a hit gets (earliest cached)
         self.dups: dict[Hashable, list[int]] = {}  # key -> further holders, in caching order
-        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self.front: list[int] = []  # freed without a hash; front[-1] is the queue's front
+        self.next_fresh = 1  # blocks next_fresh .. num_blocks-1 were never used
+        self.tail: OrderedDict[int, None] = OrderedDict()  # freed with a hash, oldest first
         self.evictions = 0
         self.cached_this_step: set[Hashable] = set()
+        self.free_queue = FreeQueue(self)
 
     # ------------------------------------------------------------------ queries
     @property
     def num_free(self) -> int:
-        return len(self.free_queue)
+        return len(self.front) + (self.num_blocks - self.next_fresh) + len(self.tail)
 
     def lookup(self, key: Hashable) -> int | None:
         return self.cached.get(key)
@@ -43,26 +76,43 @@ class BlockPool:
     # ------------------------------------------------------------------ allocation
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` blocks from the front of the free queue (caller checked num_free)."""
-        if n == 1:  # the decode hot path
-            b, _ = self.free_queue.popitem(last=False)
-            key = self.block_key[b]
-            if key is not None:
-                self.block_key[b] = None
-                self._unindex(key, b)
-                self.evictions += 1
-            self.ref_cnt[b] = 1
+        front = self.front
+        ref = self.ref_cnt
+        if n == 1 and front:  # the decode hot path
+            b = front.pop()
+            ref[b] = 1
             return [b]
-        out = []
-        popitem = self.free_queue.popitem
-        for _ in range(n):
-            b, _ = popitem(last=False)
-            key = self.block_key[b]
-            if key is not None:  # evict the cached prefix it held
-                self.block_key[b] = None
-                self._unindex(key, b)
-                self.evictions += 1
-            self.ref_cnt[b] = 1
-            out.append(b)
+        out: list[int] = []
+        if front:
+            k = n if n < len(front) else len(front)
+            out = front[-k:]
+            out.reverse()
+            del front[-k:]
+            for b in out:
+                ref[b] = 1
+            n -= k
+        if n:
+            lo = self.next_fresh
+            k = self.num_blocks - lo
+            if k > n:
+                k = n
+            if k:
+                out.extend(range(lo, lo + k))
+                ref[lo:lo + k] = [1] * k
+                self.next_fresh = lo + k
+                n -= k
+        if n:
+            popitem = self.tail.popitem
+            keys = self.block_key
+            for _ in range(n):
+                b, _ = popitem(last=False)
+                key = keys[b]
+                if key is not None:  # evict the cached prefix it held
+                    keys[b] = None
+                    self._unindex(key, b)
+                    self.evictions += 1
+                ref[b] = 1
+                out.append(b)
         return out
 
     def _unindex(self, key: Hashable, b: int) -> None:
@@ -83,13 +133,22 @@ class BlockPool:
     def touch(self, blocks: Iterable[int]) -> None:
         """A request takes a reference on (cached) blocks it hit."""
         ref = self.ref_cnt
-        fq = self.free_queue
         for b in blocks:
             if b == NULL_BLOCK:
                 continue
             if ref[b] == 0:
-                del fq[b]
+                self._unqueue(b)
             ref[b] += 1
+
+    def _unqueue(self, b: int) -> None:
+        """Take free block ``b`` out of the queue (a hit on it): it is hashed, so in the tail."""
+        tail = self.tail
+        if b in tail:
+            del tail[b]
+        elif b in self.front:  # pragma: no cover - a hashed block is never freed to the front
+            self.front.remove(b)
+        else:  # pragma: no cover - never-used blocks hold no prefix
+            raise AssertionError(f"block {b} is free but not where a cached block can be")
 
     def free(self, blocks: Iterable[int]) -> None:
         """Drop one reference from each block, in the order given.
@@ -98,7 +157,6 @@ class BlockPool:
         group, in the order given; hashed ones are appended to the tail.
         """
         ref = self.ref_cnt
-        fq = self.free_queue
         keys = self.block_key
         if type(blocks) is list and len(blocks) == 1:  # the decode hot path
             b = blocks[0]
@@ -106,13 +164,15 @@ class BlockPool:
                 r = ref[b] - 1
                 ref[b] = r
                 if r == 0:
-                    fq[b] = None
                     if keys[b] is None:
-                        fq.move_to_end(b, last=False)
+                        self.front.append(b)
+                    else:
+                        self.tail[b] = None
                 elif r < 0:  # pragma: no cover - caught by sched.invariants
                     raise AssertionError(f"block {b} freed more often than taken")
             return
-        front = []
+        group = []
+        tail = self.tail
         for b in blocks:
             if b == NULL_BLOCK:
                 continue
@@ -120,14 +180,14 @@ class BlockPool:
             ref[b] = r
             if r == 0:
                 if keys[b] is None:
-                    front.append(b)
+                    group.append(b)
                 else:
-                    fq[b] = None
+                    tail[b] = None
             elif r < 0:  # pragma: no cover - caught by sched.invariants
                 raise AssertionError(f"block {b} freed more often than taken")
-        for b in reversed(front):
-            fq[b] = None
-            fq.move_to_end(b, last=False)
+        if group:
+            group.reverse()
+            self.front.extend(group)
 
     # ------------------------------------------------------------------ prefix cache
     def cache(self, block: int, key: Hashable, mark_step: bool = False) -> None:
@@ -145,12 +205,27 @@ class BlockPool:
         if mark_step:
             self.cached_this_step.add(key)
 
+    def cache_row(self, row: list[int], hashes: list[int], start: int, stop: int, gid: int) -> None:
+        """``cache(row[i], hashes[i] << 6 | gid)`` for i in start .. stop-1 (attention rows)."""
+        keys = self.block_key
+        cached = self.cached
+        for i in range(start, stop):
+            b = row[i]
+            if b == NULL_BLOCK or keys[b] is not None:
+                continue
+            key = hashes[i] << 6 | gid
+            keys[b] = key
+            if key not in cached:
+                cached[key] = b
+            else:
+                self.dups.setdefault(key, []).append(b)
+
     def new_step(self) -> None:
         self.cached_this_step.clear()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; only possible when no block is in use."""
-        if len(self.free_queue) != self.num_blocks - 1:
+        if self.num_free != self.num_blocks - 1:
             return False
         self.cached.clear()
         self.dups.clear()

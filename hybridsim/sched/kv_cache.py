@@ -165,7 +165,7 @@ class KVCacheManager:
                 active.append(m)
             j += 1
         pool = self.pool
-        if need and need > len(pool.free_queue):
+        if need and need > pool.num_free:
             return None
         changed = None
         for m in active:

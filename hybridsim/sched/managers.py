@@ -152,12 +152,7 @@ class AttentionManager(KVManager):
         full = (total if total < ntok else ntok) // self.bs
         if full <= done:
             return
-        row = self.rows[idx]
-        hashes = req.block_hashes
-        gid = self.gid
-        cache = self.pool.cache
-        for i in range(done, full):
-            cache(row[i], hashes[i] << 6 | gid)
+        self.pool.cache_row(self.rows[idx], req.block_hashes, done, full, self.gid)
         self.num_cached[idx] = full
 
     def free(self, req):
@@ -184,11 +179,7 @@ class AttentionManager(KVManager):
         num_cached = self.num_cached
         done = num_cached.get(idx, 0)
         if full > done:
-            hashes = req.block_hashes
-            gid = self.gid
-            cache = self.pool.cache
-            for i in range(done, full):
-                cache(row[i], hashes[i] << 6 | gid)
+            self.pool.cache_row(row, req.block_hashes, done, full, self.gid)
             num_cached[idx] = done = full
         qt = len(row) * bs
         qp = (done + 1) * bs - 1
