@@ -13,7 +13,7 @@ from typing import Optional, Protocol
 
 from .config import BernoulliAcceptance, NoAcceptance, PatternAcceptance
 from .sched.request import Request
-from .workload.tokens import combine, mix, stream_token, token_block
+from .workload.tokens import combine, mix, stream_token, token_block, token_segments
 
 
 class Continuation(Protocol):
@@ -34,6 +34,10 @@ class SeededContinuation:
 
     def stream(self, req: Request, length: int) -> list[int]:
         return token_block(req.output_seed, length, self.vocab).tolist()
+
+    def streams(self, reqs: list[Request], lengths: list[int]) -> list[list[int]]:
+        """``stream`` for several requests in one vectorised pass."""
+        return token_segments([r.output_seed for r in reqs], lengths, self.vocab)
 
 
 class RecordedContinuation:

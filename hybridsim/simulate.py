@@ -80,6 +80,9 @@ def kv_groups(s: Scenario) -> list[GroupSpec]:
                        s.cache.resolved_mode(), s.spec_decode.num_speculative_tokens)
 
 
+_STREAM_BATCH_TOKENS = 1 << 16
+
+
 class Simulation:
     """Iterate over ``(plan, outcome)``; ``stats`` fills in as it goes."""
 
@@ -89,13 +92,13 @@ class Simulation:
                  groups: Optional[list[GroupSpec]] = None,
                  sched_cfg: Optional[SchedulerConfig] = None,
                  num_blocks: Optional[int] = None,
-                 checker=None, check_every: int = 1, bulk_decode: bool = True):
+                 checker=None, check_every: int = 1, bulk_decode: bool = True, fused_events: bool = True):
         self.scenario = scenario
         self.workload = workload
         self.groups = groups or kv_groups(scenario)
         cfg = sched_cfg or scheduler_config(scenario)
         self.kv = KVCacheManager(self.groups, num_blocks or scenario.cache.num_blocks,
-                                 scenario.cache.enable_prefix_caching)
+                                 scenario.cache.enable_prefix_caching, fused_events)
         self.scheduler = Scheduler(cfg, self.kv)
         if bulk_decode:  # steady decodes advanced in bulk (same plans; see Scheduler.enable_cruise)
             self.scheduler.enable_cruise(self._output_tokens)
@@ -250,8 +253,28 @@ class Simulation:
         return stream[start:start + count]
 
     def _stream(self, req: Request) -> list[int]:
-        """The request's true continuation, long enough to verify drafts past max_tokens."""
-        req.out_stream = self.cont.stream(req, req.max_tokens + self.scheduler.cfg.num_speculative_tokens + 2)
+        """The request's true continuation, long enough to verify drafts past max_tokens.
+
+        A seeded continuation is generated for this and the following requests at once
+        (they usually start sampling soon after it), up to ~64k tokens a batch."""
+        extra = self.scheduler.cfg.num_speculative_tokens + 2
+        if not isinstance(self.cont, SeededContinuation):
+            req.out_stream = self.cont.stream(req, req.max_tokens + extra)
+            return req.out_stream
+        batch, lengths, total = [], [], 0
+        reqs = self.requests
+        for i in range(req.index, len(reqs)):
+            r = reqs[i]
+            if r.out_stream is not None:
+                break  # the batch that reached here already covers what follows
+            n = r.max_tokens + extra
+            if batch and total + n > _STREAM_BATCH_TOKENS:
+                break
+            batch.append(r)
+            lengths.append(n)
+            total += n
+        for r, s in zip(batch, self.cont.streams(batch, lengths)):
+            r.out_stream = s
         return req.out_stream
 
     def _apply_faults(self, step: int) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -53,7 +53,7 @@ def _run(text: str, bulk: bool, base_dir=None):
     from hybridsim.workload import build_workload
 
     loaded = parse_scenario(text, "t.yaml", base_dir)
-    sim = Simulation(loaded.scenario, build_workload(loaded), bulk_decode=bulk)
+    sim = Simulation(loaded.scenario, build_workload(loaded), bulk_decode=bulk, fused_events=bulk)
     steps = [(plan.step, plan.scheduled, plan.preempted, plan.finished, plan.forced_preempted,
               dict(out.sampled), dict(out.accepted), out.finished) for plan, out in sim]
     reqs = {r.req_id: (r.num_computed_tokens, tuple(r.token_ids), r.status, tuple(r.block_hashes))
@@ -62,6 +62,7 @@ def _run(text: str, bulk: bool, base_dir=None):
 
 
 def _assert_bulk_is_exact(text: str, base_dir=None):
+    """The fast paths (bulk decode, fused decode events) against the plain step-by-step path."""
     fast = _run(text, True, base_dir)
     slow = _run(text, False, base_dir)
     assert len(fast[0]) == len(slow[0])
@@ -74,7 +75,8 @@ def _assert_bulk_is_exact(text: str, base_dir=None):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_bulk_decode_plans_exactly_what_the_step_by_step_path_plans(text):
-    """Requests advanced in bulk give the same plans, outcomes, final requests and stats."""
+    """Requests advanced in bulk, with decode events taken by the fused path, give the same
+    plans, outcomes, final requests and stats."""
     _assert_bulk_is_exact(text)
 
 

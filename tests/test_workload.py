@@ -7,7 +7,7 @@ import pytest
 from hybridsim.config import parse_scenario
 from hybridsim.errors import InputError
 from hybridsim.workload import build_workload
-from hybridsim.workload.tokens import stream_token, token_block
+from hybridsim.workload.tokens import stream_token, token_block, token_segments
 
 from .conftest import need_shared, tiny_scenario
 
@@ -16,6 +16,13 @@ def test_token_stream_scalar_matches_vector():
     v = token_block(12345, 50, 1000, start=7)
     assert [stream_token(12345, 7 + i, 1000) for i in range(50)] == v.tolist()
     assert v.min() >= 1 and v.max() < 1000
+
+
+def test_token_segments_match_one_stream_at_a_time():
+    seeds = [3, (1 << 63) + 5, 77, -9]  # a negative seed is taken mod 2^64 as token_block does
+    lengths = [5, 1, 40, 12]
+    got = token_segments(seeds, lengths, 32000)
+    assert got == [token_block(s, n, 32000).tolist() for s, n in zip(seeds, lengths)]
 
 
 def test_shared_prefix_is_shared_and_rest_differs():

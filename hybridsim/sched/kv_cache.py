@@ -13,7 +13,7 @@ from typing import Optional
 
 from .block_pool import BlockPool
 from .groups import GroupSpec
-from .managers import AttentionManager, KVManager, make_manager
+from .managers import NULL_BLOCK, AttentionManager, KVManager, MambaAlignManager, make_manager
 from .request import Request
 
 
@@ -27,7 +27,7 @@ class PrefixHit:
 
 
 class KVCacheManager:
-    def __init__(self, groups: list[GroupSpec], num_blocks: int, enable_caching: bool):
+    def __init__(self, groups: list[GroupSpec], num_blocks: int, enable_caching: bool, fused_events: bool = True):
         self.groups = groups
         self.pool = BlockPool(num_blocks)
         self.managers: list[KVManager] = [make_manager(g, self.pool) for g in groups]
@@ -37,6 +37,10 @@ class KVCacheManager:
         self.block_size = min(g.block_size for g in groups)
         self._empty = [[] for _ in groups]
         self._unchanged: list = []  # allocate_running: no group changed
+        # decode events of attention and align-mode Mamba groups (every hybrid layout in
+        # align mode) go through one fused function; other layouts, group by group
+        self._fused = fused_events and all(type(m) in (AttentionManager, MambaAlignManager)
+                                           for m in self.managers)
 
     # ------------------------------------------------------------------ hits
     def attention_cached_blocks(self, req: Request) -> int:
@@ -137,6 +141,8 @@ class KVCacheManager:
         managers = self.managers
         quiet = req.quiet_by
         if quiet is not None and checkpoint is None and not publish_end:
+            if self._fused:
+                return self._fused_event(req, num_computed, total, quiet)
             return self._decode_event(req, num_computed, total, quiet)
         for m in self.mamba:
             m.remove_skipped(req, num_computed)
@@ -179,6 +185,116 @@ class KVCacheManager:
         if changed is None:
             return self._unchanged
         return [changed.get(m.gid, ()) for m in self.managers]
+
+    def _fused_event(self, req: Request, c: int, total: int, quiet: list) -> Optional[list]:
+        """``_decode_event`` for attention and align-mode Mamba groups, in one function.
+
+        The same decisions in the same order (each crossed Mamba group releases the
+        column left behind while needs are counted, then every crossed group takes its
+        blocks in group order), without the per-group method calls: the events of
+        decoding requests are most of the scheduler's work."""
+        idx = req.index
+        pool = self.pool
+        todo = []  # per crossed group: (gid, manager, is attention, fresh needed, layout)
+        need = 0
+        gid = 0
+        for q in quiet:
+            if total > q[0] or c > q[1]:
+                m = self.managers[gid]
+                bs = m.bs
+                row = m.rows[idx]
+                if m.spec.is_mamba:
+                    low_map = m.low
+                    low = low_map.get(idx, 0)
+                    if c > 0:  # release the columns left of the one holding the last computed token
+                        keep_from = (c - 1) // bs
+                        if keep_from > len(row):
+                            keep_from = len(row)
+                        if keep_from > low:
+                            free = [row[k] for k in range(keep_from - 1, low - 1, -1) if row[k] != NULL_BLOCK]
+                            for k in range(low, keep_from):
+                                row[k] = NULL_BLOCK
+                            low_map[idx] = keep_from
+                            if free:
+                                pool.free(free)
+                    S = m.spec.num_spec
+                    running = (total - 1) // bs
+                    new_len = running + 1 + S
+                    prev_len = len(row)
+                    k = 0
+                    movable = None
+                    if new_len > prev_len:
+                        k = 1
+                        if S:
+                            live = 0
+                            for t in range(running, prev_len):
+                                if row[t] != NULL_BLOCK:
+                                    live += 1
+                            movable = [j for j in range(max(prev_len - S, 0), min(prev_len, running))
+                                       if row[j] != NULL_BLOCK]
+                            empty = new_len - running - live
+                            if len(movable) > empty:
+                                del movable[empty:]
+                            k = empty - len(movable)
+                    todo.append((gid, m, False, k, (running, new_len, prev_len, movable) if new_len > prev_len
+                                 else None))
+                else:
+                    k = -(-total // bs) - len(row)
+                    if k < 0:
+                        k = 0
+                    todo.append((gid, m, True, k, None))
+                need += k
+            gid += 1
+        if need and need > pool.num_free:
+            return None
+        changed = None
+        for gid, m, is_attn, k, lay in todo:
+            bs = m.bs
+            row = m.rows[idx]
+            tail = ()
+            if is_attn:
+                if k:
+                    tail = pool.allocate(k)
+                    row.extend(tail)
+                ntok = len(req.token_ids)
+                full = (total if total < ntok else ntok) // bs
+                num_cached = m.num_cached
+                done = num_cached.get(idx, 0)
+                if full > done:
+                    pool.cache_row(row, req.block_hashes, done, full, gid)
+                    num_cached[idx] = done = full
+                quiet[gid] = (len(row) * bs, (done + 1) * bs - 2)
+            else:
+                S = m.spec.num_spec
+                if lay is not None:
+                    running, new_len, prev_len, movable = lay
+                    fresh = pool.allocate(k) if k else ()
+                    if S:
+                        row.extend([NULL_BLOCK] * (new_len - prev_len))
+                        supply = []
+                        for j in movable:  # old draft blocks are recycled into the new columns
+                            supply.append(row[j])
+                            row[j] = NULL_BLOCK
+                        supply.extend(fresh)
+                        j = 0
+                        for t in range(running, new_len):
+                            if row[t] == NULL_BLOCK:
+                                row[t] = supply[j]
+                                j += 1
+                    else:
+                        if running > prev_len:
+                            row.extend([NULL_BLOCK] * (running - prev_len))
+                        row.append(fresh[0])
+                    tail = row[prev_len:]
+                quiet[gid] = ((len(row) - S) * bs, (m.low.get(idx, 0) + 1) * bs)
+            if tail:
+                if changed is None:
+                    changed = {}
+                changed[gid] = tail
+        _publish_quiet(req, quiet)
+        if changed is None:
+            return self._unchanged
+        return [changed.get(g, ()) for g in range(len(quiet))]
 
     def _set_quiet(self, req: Request) -> None:
         """Record, per group and overall, how far the request can decode untouched."""

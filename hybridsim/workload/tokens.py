@@ -58,6 +58,19 @@ def token_rows(seeds: np.ndarray, n: int, vocab: int) -> np.ndarray:
     return (z % np.uint64(vocab - 1) + np.uint64(1)).astype(np.int64)
 
 
+def token_segments(seeds: list[int], lengths: list[int], vocab: int) -> list[list[int]]:
+    """``token_block(seed, n, vocab).tolist()`` for many (seed, n) pairs in one vectorised pass."""
+    lens = np.asarray(lengths, dtype=np.int64)
+    total = int(lens.sum())
+    starts = np.cumsum(lens) - lens
+    pos = np.arange(total, dtype=np.int64) - np.repeat(starts, lens)
+    seed_rep = np.repeat(np.asarray([s & _M for s in seeds], dtype=np.uint64), lens)
+    with np.errstate(over="ignore"):
+        z = _finalize(pos.astype(np.uint64) * np.uint64(_GOLDEN) + seed_rep)
+    flat = (z % np.uint64(vocab - 1) + np.uint64(1)).astype(np.int64).tolist()
+    return [flat[a:a + n] for a, n in zip(starts.tolist(), lengths)]
+
+
 def stream_token(seed: int, index: int, vocab: int) -> int:
     """Scalar twin of ``token_block`` (same value as ``token_block(seed, 1, vocab, index)[0]``)."""
     z = (index * _GOLDEN + seed) & _M
