@@ -21,7 +21,8 @@ class Request:
     __slots__ = ("req_id", "index", "arrival_step", "max_tokens", "priority", "token_ids",
                  "num_prompt_tokens", "num_computed_tokens", "spec_token_ids", "block_hashes",
                  "status", "num_preemptions", "resumed", "output_seed", "admitted_once",
-                 "hash_block_size", "draft_round", "junction", "quiet_total", "quiet_computed", "quiet_by", "out_stream", "cruising")
+                 "hash_block_size", "draft_round", "junction", "quiet_total", "quiet_computed", "quiet_by", "out_stream", "cruising",
+                 "seat", "cruise_run", "cruise_end")
 
     def __init__(self, req_id: str, index: int, arrival_step: int, prompt: list[int], max_tokens: int,
                  priority: int = 0, output_seed: int = 0, hash_block_size: int = 16):
@@ -49,6 +50,9 @@ class Request:
         self.quiet_by: list | None = None  # per KV group (max total, max computed)
         self.out_stream: list[int] | None = None  # true continuation, filled by the simulated model
         self.cruising = False  # advanced in bulk by the scheduler (its counters lag; see Scheduler._land)
+        self.seat = 0  # order of (re)entry into the running queue: the running queue is in seat order
+        self.cruise_run = -1  # which bulk run the request is in (side events of older runs are void)
+        self.cruise_end = -1  # the step its bulk run ends (it is woken then)
         self.update_hashes()
 
     @property

@@ -67,6 +67,10 @@ class _PriorityQueue:
         return iter(self._items)
 
 
+def _seat(req: Request) -> int:
+    return req.seat
+
+
 def _unschedule(scheduled: list[ScheduledRequest], req_id: str) -> int:
     """Drop ``req_id``'s row from this pass, if it has one; returns its token count."""
     for k in range(len(scheduled) - 1, -1, -1):
@@ -92,6 +96,13 @@ class Scheduler:
         # tokens are built when read. Needs the true continuation: see ``enable_cruise``.
         self._cruise: dict[Request, tuple[int, int]] = {}  # req -> (computed tokens, at step)
         self._wake_at: dict[int, list[Request]] = {}
+        # block events that add no block (publish a full block, release a Mamba column left
+        # behind) are run for a bulk request in its place in the pass, without waking it
+        self._side_at: dict[int, list[tuple[Request, int, int]]] = {}  # step -> (req, run, run end)
+        self._runs = 0
+        self._seats = 0
+        self.num_side_events = 0
+        self._awake: set[Request] = set()  # running requests not in bulk mode (the pass's own work)
         self._tokens = None  # callable(req, first output index, count) -> list of output tokens
         self._now = 0  # the step being scheduled, or the next one after an update
 
@@ -113,6 +124,7 @@ class Scheduler:
         else:
             del self._cruise[req]
             req.cruising = False
+            self._awake.add(req)
 
     def sync(self) -> None:
         """Make every cruising request's attributes current (for observers such as sched.invariants)."""
@@ -175,12 +187,14 @@ class Scheduler:
 
         cruise = self._cruise
         order = running
+        sides = False  # bulk requests with a block event in this pass
         if cruise:
             for req in self._wake_at.pop(step, ()):
                 if req.cruising:
                     self._land(req, False)
+            side = self._side_at.pop(step, None)
             # the bulk rows are only exact if no row can be cut short by the budget
-            order = [req for req in running if not req.cruising]
+            order = sorted(self._awake, key=_seat)  # = running requests not in bulk, in order
             demand = len(cruise)
             for req in order:
                 want = len(req.token_ids) + len(req.spec_token_ids) - req.num_computed_tokens
@@ -191,6 +205,11 @@ class Scheduler:
                 order = running
             else:
                 budget -= len(cruise)
+                if side:
+                    side = [req for req, run, _ in side if req.cruising and req.cruise_run == run]
+                    if side:
+                        order = sorted(order + side, key=_seat)
+                        sides = True
         if order is running:
             order = list(running)
         before = None  # the running order before this pass's first preemption (bulk mode only)
@@ -198,8 +217,13 @@ class Scheduler:
         append = scheduled.append
         stopped = None
         for req in order:
+            if sides and req.cruising:
+                self._side_event(req, step)
+                continue
             if budget <= 0:
                 # with bulk rows prepaid, every request left in this pass wants no token
+                if sides:
+                    continue  # (bulk requests further on may still have their block event)
                 break
             if req.status != Status.RUNNING:
                 continue  # preempted as a victim earlier in this pass
@@ -321,7 +345,10 @@ class Scheduler:
                 break
             waiting.popleft()
             req.junction = hit.attention_tokens
+            req.seat = self._seats
+            self._seats += 1
             self.running.append(req)
+            self._awake.add(req)
             req.status = Status.RUNNING
             first = not req.admitted_once
             req.admitted_once = True
@@ -373,6 +400,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         if req.cruising:
             self._land(req, False)
+        self._awake.discard(req)
         self.kv.free(req)
         req.status = Status.PREEMPTED
         req.num_computed_tokens = 0
@@ -414,6 +442,7 @@ class Scheduler:
                 steady.append(req)
         for req in finished:
             self.running.remove(req)
+            self._awake.discard(req)
             req.status = Status.FINISHED
             self.kv.free(req)
             self._finished_since_last.append(req.req_id)
@@ -422,8 +451,32 @@ class Scheduler:
             self._start_cruise(steady)
         return [r.req_id for r in finished]
 
+    def _side_event(self, req: Request, step: int) -> None:
+        """A bulk request's block event that takes no block, in its place in the pass.
+
+        Its computed tokens crossed a bound that only publishes a full block or releases
+        a Mamba column: the same call the step-by-step path makes, after which it stays
+        in bulk (its row shows no change) and the next such event of the run is booked."""
+        self._land(req, True)
+        self.num_side_events += 1
+        c = req.num_computed_tokens
+        got = self.kv.allocate_running(req, c, 1, None, False)
+        if got is None or got:  # pragma: no cover - the run ends before any allocation
+            raise AssertionError(f"{req.req_id}: a bulk block event changed its rows at step {step}")
+        self._book_side(req, c, step)
+
+    def _book_side(self, req: Request, c: int, step: int) -> None:
+        """Book the run's next block event: the first step whose computed tokens pass the
+        request's computed bound, if that is before the run's end."""
+        at = step + req.quiet_computed - c + 1
+        if at < step:
+            at = step
+        if at < req.cruise_end:
+            self._side_at.setdefault(at, []).append((req, req.cruise_run, req.cruise_end))
+
     def _start_cruise(self, reqs: list[Request]) -> None:
-        """Put decoding requests that have J >= 2 quiet, unfinished steps ahead into bulk mode."""
+        """Put decoding requests that have J >= 2 unfinished steps ahead that take no block
+        into bulk mode (block events that take none run as side events)."""
         max_len = self.cfg.max_model_len
         nxt = self._now
         for req in reqs:
@@ -433,12 +486,10 @@ class Scheduler:
             c = req.num_computed_tokens
             if c != ntok - 1 or c < req.num_prompt_tokens:
                 continue
-            # step j of the run schedules c + j (one token): inside the quiet bounds, and the
-            # request must not finish in it (the finishing step goes the normal way)
+            # step j of the run schedules c + j (one token): it must take no block (total
+            # tokens inside the rows' bound), and the request must not finish in it (the
+            # finishing step goes the normal way)
             j = req.quiet_total - c
-            k = req.quiet_computed - c + 1
-            if k < j:
-                j = k
             k = req.max_tokens - (ntok - req.num_prompt_tokens) - 1
             if k < j:
                 j = k
@@ -449,4 +500,9 @@ class Scheduler:
                 continue
             self._cruise[req] = (c, nxt)
             req.cruising = True
+            self._awake.discard(req)
+            req.cruise_run = self._runs
+            self._runs += 1
+            req.cruise_end = nxt + j
             self._wake_at.setdefault(nxt + j, []).append(req)
+            self._book_side(req, c, nxt)
