@@ -11,9 +11,14 @@ from __future__ import annotations
 
 from typing import Optional, Protocol
 
+import numpy as np
+
 from .config import BernoulliAcceptance, NoAcceptance, PatternAcceptance
 from .sched.request import Request
-from .workload.tokens import combine, mix, stream_token, token_block, token_segments
+from .workload.tokens import combine, mix, mix_many, stream_token, token_block, token_segments
+
+_M64 = (1 << 64) - 1
+_LANE_SHIFTS = np.array([0, 16, 32, 48], dtype=np.uint64)
 
 
 class Continuation(Protocol):
@@ -93,6 +98,25 @@ class BernoulliModel:
         return k
 
 
+    def accepted_many(self, reqs: list[Request], num_drafts: list[int]) -> list[int]:
+        """``accepted`` for many requests of one proposal round each, vectorised (up to
+        four drafts: one hash per request; more go one by one)."""
+        if max(num_drafts) > 4:
+            return [self.accepted(r, d) for r, d in zip(reqs, num_drafts)]
+        bases = self._base
+        seed = self.seed
+        xs = []
+        for r in reqs:
+            base = bases.get(r.index)
+            if base is None:
+                base = bases[r.index] = combine(seed, 0xACC, r.index)
+            xs.append((base + (r.draft_round << 8)) & _M64)
+        words = mix_many(np.array(xs, dtype=np.uint64))
+        lanes = (words[:, None] >> _LANE_SHIFTS[None, :]) & np.uint64(0xFFFF)
+        run = np.cumprod(lanes < np.uint64(self.threshold), axis=1).sum(axis=1)
+        return np.minimum(run, np.asarray(num_drafts)).tolist()
+
+
 class PatternModel:
     def __init__(self, pattern: list[int]):
         self.pattern = pattern
@@ -145,6 +169,35 @@ class ModelDrafts:
             true = drafts[k]
             drafts[k] = true % (self.vocab - 1) + 1  # a different, valid token: the divergence
         return drafts
+
+
+    def propose_many(self, reqs: list[Request]) -> list[list[int]]:
+        """``propose`` for every request sampled this step (the acceptance draws vectorised)."""
+        many = getattr(self.acc, "accepted_many", None)
+        if many is None or len(reqs) < 8:
+            return [self.propose(r) for r in reqs]
+        limit = self.max_model_len - 1
+        S = self.num_spec
+        ds = [min(S, limit - len(r.token_ids)) for r in reqs]
+        live = [i for i, d in enumerate(ds) if d > 0]
+        out: list[list[int]] = [[] for _ in reqs]
+        if not live:
+            return out
+        ks = many([reqs[i] for i in live], [ds[i] for i in live])
+        vocab1 = self.vocab - 1
+        token = self.cont.token
+        for i, k in zip(live, ks):
+            req = reqs[i]
+            d = ds[i]
+            req.draft_round += 1
+            o = len(req.token_ids) - req.num_prompt_tokens
+            stream = req.out_stream
+            drafts = stream[o:o + d] if stream is not None and o + d <= len(stream) else \
+                [token(req, o + j) for j in range(d)]
+            if k < d:
+                drafts[k] = drafts[k] % vocab1 + 1  # a different, valid token: the divergence
+            out[i] = drafts
+        return out
 
 
 class RecordedDrafts:

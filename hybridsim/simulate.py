@@ -168,10 +168,12 @@ class Simulation:
             stats.preemptions += len(plan.preempted)
             if drafter is not None:
                 byid = sched.requests
-                for rid in sampled:
-                    req = byid[rid]
-                    if req.status == Status.RUNNING:
-                        req.spec_token_ids = drafter.propose(req)
+                live = [req for req in map(byid.__getitem__, sampled) if req.status == Status.RUNNING]
+                if live:
+                    many = getattr(drafter, "propose_many", None)
+                    proposals = many(live) if many is not None else [drafter.propose(r) for r in live]
+                    for req, drafts in zip(live, proposals):
+                        req.spec_token_ids = drafts
             stats.steps += 1
             stats.last_step = step
             if plan.num_rows:

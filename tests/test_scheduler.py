@@ -147,3 +147,37 @@ def test_priority_victim_scheduled_earlier_in_the_pass_is_unscheduled():
     for p in steps:
         assert "r0" not in {s.req_id for s in p.scheduled} and "r1" in {s.req_id for s in p.scheduled}
     assert sim.checks.tallies["sched.invariants"].failures == 0
+
+
+def test_batched_drafts_equal_one_request_at_a_time():
+    """The drafter's vectorised round (all requests sampled in a step) proposes exactly what
+    proposing for each request on its own does, draft by draft, round after round."""
+    import random
+
+    from hybridsim.outputs import BernoulliModel, ModelDrafts, SeededContinuation
+    from hybridsim.sched.request import Request
+
+    rng = random.Random(7)
+    cont = SeededContinuation(32000)
+
+    def fleet():
+        reqs = []
+        for i in range(40):
+            r = Request(f"r{i}", i, 0, [rng.randrange(1, 32000) for _ in range(rng.randrange(1, 50))], 200)
+            r.token_ids.extend(cont.stream(r, rng.randrange(0, 30)))
+            r.out_stream = cont.stream(r, 260) if i % 3 else None
+            reqs.append(r)
+        return reqs
+
+    for num_spec, max_len in ((3, 90), (4, 60), (6, 4096)):
+        state = rng.getstate()
+        one, many = fleet(), None
+        rng.setstate(state)
+        many = fleet()
+        a = ModelDrafts(num_spec, cont, BernoulliModel(0.6, 11), 32000, max_len)
+        b = ModelDrafts(num_spec, cont, BernoulliModel(0.6, 11), 32000, max_len)
+        for _ in range(5):
+            assert b.propose_many(many) == [a.propose(r) for r in one]
+            assert [r.draft_round for r in many] == [r.draft_round for r in one]
+            for r, s in zip(one + many, (1, 2) * 40):
+                r.token_ids.extend(cont.stream(r, len(r.token_ids) - r.num_prompt_tokens + s)[-s:])

@@ -21,6 +21,12 @@ def mix(x: int) -> int:
     return z ^ (z >> 31)
 
 
+def mix_many(x: np.ndarray) -> np.ndarray:
+    """``mix`` of every element of a uint64 array."""
+    with np.errstate(over="ignore"):
+        return _finalize(x + np.uint64(_GOLDEN))
+
+
 def combine(*parts: int) -> int:
     """A seed derived from several integers (order matters)."""
     h = 0x243F6A8885A308D3
