@@ -173,6 +173,7 @@ def build_from_trace(wl: TraceWorkload, path: Path, seed: int, max_model_len: in
     scale = wl.length_scale
     per_hash = max(1, round(wl.hash_block_size * scale))
     hash_rows = _hash_token_rows(rows, seed, per_hash, vocab)
+    out_seeds = combine_many((seed, 0xB2), np.arange(len(rows), dtype=np.uint64)).tolist()  # combine(seed, 0xB2, i)
     clipped = 0
     reqs = []
     order = sorted(range(len(rows)), key=lambda i: (steps[i], i))
@@ -193,7 +194,7 @@ def build_from_trace(wl: TraceWorkload, path: Path, seed: int, max_model_len: in
         if len(prompt) >= max_model_len:
             prompt = prompt[: max_model_len - 1]
             clipped += 1
-        reqs.append(WorkloadRequest(r.req_id or f"r{i}", steps[i], tuple(prompt), olen, 0, combine(seed, 0xB2, i)))
+        reqs.append(WorkloadRequest(r.req_id or f"r{i}", steps[i], tuple(prompt), olen, 0, out_seeds[i]))
     if clipped:
         notes.append(f"{clipped} prompt(s) clipped to max_model_len - 1 = {max_model_len - 1} tokens")
     return Workload(reqs, vocab, f"{wl.format}:{path.name}", notes)
