@@ -11,7 +11,9 @@ The hybrid config is the one the vLLM recordings use (block 16, align mode,
 prefix caching, one Mamba group + one attention group). Steady-state
 workloads time only the steps after every request is decoding. Each result is
 the median of --repeat runs; the peer figures are vLLM 0.33's own scheduler on
-this machine class (issue 2 / SPEC §8).
+this machine class (issue 2 / SPEC §8). Each line also shows a calibration time
+(a fixed pure-Python loop, lower = faster machine phase) so that results taken in
+different phases of this shared machine can be told apart.
 """
 
 from __future__ import annotations
@@ -106,6 +108,28 @@ def time_whole(text: str) -> dict:
             "prefix_hit_tokens": stats.prefix_hit_tokens, "preemptions": stats.preemptions}
 
 
+def calibrate() -> float:
+    """Seconds for a fixed object-heavy pure-Python loop (scattered attribute, list and dict
+    accesses, like the planner's): this machine class has slow and fast phases, and this
+    figure, taken next to each measurement, tells which one a result came from."""
+    import random
+    import types
+
+    rnd = random.Random(0)
+    objs = [types.SimpleNamespace(a=i, b=[i] * 8, c={i: i}) for i in range(50_000)]
+    order = list(range(len(objs)))
+    rnd.shuffle(order)
+    t0 = time.perf_counter()
+    total = 0
+    for _ in range(4):
+        for i in order:
+            o = objs[i]
+            total += o.a + o.b[3] + o.c[o.a]
+            o.b.append(total & 7)
+            o.b.pop()
+    return time.perf_counter() - t0
+
+
 WORKLOADS = {
     "decode256": lambda: time_steady(decode_scenario(256, 0), 500),
     "decode64": lambda: time_steady(decode_scenario(64, 0), 500),
@@ -124,13 +148,17 @@ def main() -> None:
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
     results = {}
     for name in names:
+        cal = calibrate()
         reps = [WORKLOADS[name]() for _ in range(args.repeat if name != "mooncake_full" else 1)]
+        cal = min(cal, calibrate())
         key = "steps_per_s" if "steps_per_s" in reps[0] else "seconds"
         med = statistics.median(r[key] for r in reps)
         best = reps[0]
-        results[name] = {**best, key: med, "runs": [round(r[key], 3) for r in reps], "peer": PEER[name]}
+        results[name] = {**best, key: med, "runs": [round(r[key], 3) for r in reps], "peer": PEER[name],
+                         "calibration_ms": round(cal * 1e3, 1)}
         shown = f"{med:,.0f} steps/s" if key == "steps_per_s" else f"{med:.2f} s ({best['steps']} steps)"
-        print(f"{name:14s} {shown:>28s}   runs {results[name]['runs']}   peer vLLM: {PEER[name]}", flush=True)
+        print(f"{name:14s} {shown:>28s}   runs {results[name]['runs']}   calibration {cal * 1e3:.0f} ms   "
+              f"peer vLLM: {PEER[name]}", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"machine": platform.processor() or platform.machine(),
                                          "python": platform.python_version(), "results": results}, indent=2))

@@ -98,7 +98,7 @@ class Scheduler:
         self._wake_at: dict[int, list[Request]] = {}
         # block events that add no block (publish a full block, release a Mamba column left
         # behind) are run for a bulk request in its place in the pass, without waking it
-        self._side_at: dict[int, list[tuple[Request, int, int]]] = {}  # step -> (req, run, run end)
+        self._side_at: dict[int, list[tuple[Request, int]]] = {}  # step -> (req, its bulk run)
         self._runs = 0
         self._seats = 0
         self.num_side_events = 0
@@ -206,7 +206,7 @@ class Scheduler:
             else:
                 budget -= len(cruise)
                 if side:
-                    side = [req for req, run, _ in side if req.cruising and req.cruise_run == run]
+                    side = [req for req, run in side if req.cruising and req.cruise_run == run]
                     if side:
                         order = sorted(order + side, key=_seat)
                         sides = True
@@ -472,7 +472,7 @@ class Scheduler:
         if at < step:
             at = step
         if at < req.cruise_end:
-            self._side_at.setdefault(at, []).append((req, req.cruise_run, req.cruise_end))
+            self._side_at.setdefault(at, []).append((req, req.cruise_run))
 
     def _start_cruise(self, reqs: list[Request]) -> None:
         """Put decoding requests that have J >= 2 unfinished steps ahead that take no block
