@@ -181,3 +181,25 @@ def test_batched_drafts_equal_one_request_at_a_time():
             assert [r.draft_round for r in many] == [r.draft_round for r in one]
             for r, s in zip(one + many, (1, 2) * 40):
                 r.token_ids.extend(cont.stream(r, len(r.token_ids) - r.num_prompt_tokens + s)[-s:])
+
+
+def test_prefill_chunk_that_fills_a_block_publishes_it_in_that_step():
+    """A chunk that starts mid-block and ends on the boundary publishes the block it filled
+    at once (a request admitted later in the same pass can hit it), with or without the
+    scheduler's fast paths."""
+    from hybridsim.simulate import Simulation
+    from hybridsim.workload import build_workload
+
+    text = tiny_scenario(preset="tiny-mla", budget=20, n=1, per_step=1, pmin=32, pmax=32, omin=5, omax=5, frac=0.0)
+    loaded = parse_scenario(text, "t.yaml")
+    for fast in (True, False):
+        sim = Simulation(loaded.scenario, build_workload(loaded), bulk_decode=fast, fused_events=fast)
+        pool, attn = sim.kv.pool, sim.kv.managers[0]
+        for plan, _ in sim:
+            if plan.step == 1:
+                assert [(r.num_computed_tokens, r.num_scheduled_tokens) for r in plan.scheduled] == [(20, 12)]
+                row = attn.rows[sim.requests[0].index]
+                assert [pool.block_key[b] is not None for b in row] == [True, True]
+                break
+        else:
+            raise AssertionError("the run ended before step 1")

@@ -13,7 +13,7 @@ from typing import Optional
 
 from .block_pool import BlockPool
 from .groups import GroupSpec
-from .managers import NULL_BLOCK, AttentionManager, KVManager, MambaAlignManager, make_manager
+from .managers import _INF, NULL_BLOCK, AttentionManager, KVManager, MambaAlignManager, make_manager
 from .request import Request
 
 
@@ -263,7 +263,9 @@ class KVCacheManager:
                 if full > done:
                     pool.cache_row(row, req.block_hashes, done, full, gid)
                     num_cached[idx] = done = full
-                quiet[gid] = (len(row) * bs, (done + 1) * bs - 2)
+                qt = len(row) * bs
+                qp = (done + 1) * bs - 1
+                quiet[gid] = (qt if qt < qp else qp, _INF)
             else:
                 S = m.spec.num_spec
                 if lay is not None:

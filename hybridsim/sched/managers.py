@@ -181,15 +181,14 @@ class AttentionManager(KVManager):
         if full > done:
             self.pool.cache_row(row, req.block_hashes, done, full, self.gid)
             num_cached[idx] = done = full
-        return (fresh or ()), (len(row) * bs, (done + 1) * bs - 2)
+        qt = len(row) * bs
+        qp = (done + 1) * bs - 1
+        return (fresh or ()), (qt if qt < qp else qp, _INF)
 
     def quiet(self, req):
-        """A decoding request (computed = tokens - 1, or more) publishes its next full block
-        only once tokens reach (done + 1) * bs, i.e. computed >= (done + 1) * bs - 1; the
-        bound is on computed tokens so that drafts (which raise the total, not the
-        committed tokens) do not end the quiet stretch early."""
+        idx = req.index
         bs = self.bs
-        return len(self.rows[req.index]) * bs, (self.num_cached.get(req.index, 0) + 1) * bs - 2
+        return min(len(self.rows[idx]) * bs, (self.num_cached.get(idx, 0) + 1) * bs - 1), _INF
 
 
 def _no_change(fresh: list[int]) -> list[int]:
