@@ -30,12 +30,13 @@ class ScheduledRequest(NamedTuple):
 
 
 class Cruise(NamedTuple):
-    """Requests the scheduler advanced in bulk this step (one decode token each, no drafts,
-    no block change): their rows are built only when someone reads ``StepPlan.scheduled``."""
+    """Requests the scheduler advanced in bulk this step (one decode token each, no drafts):
+    their rows are built only when someone reads ``StepPlan.scheduled``."""
 
     running: tuple  # the running queue after the running pass (its order is the rows' order)
     explicit: tuple  # the rows the running pass built one by one, in its order
     bases: dict  # Request -> (computed tokens at base_step, base_step)
+    grown: dict = {}  # Request -> new block ids of a bulk row that took a block this step
 
 
 _new = tuple.__new__
@@ -84,6 +85,7 @@ class StepPlan:
         cr = self._cruise
         explicit = {r.req_id: r for r in cr.explicit}
         bases = cr.bases
+        grown = cr.grown
         step = self.step
         for req in cr.running:
             row = explicit.get(req.req_id)
@@ -92,8 +94,8 @@ class StepPlan:
                 continue
             base = bases.get(req)
             if base is not None:
-                yield _new(ScheduledRequest, (req.req_id, base[0] + step - base[1], 1, None, False, False, 0, (),
-                                              None, 0))
+                yield _new(ScheduledRequest, (req.req_id, base[0] + step - base[1], 1, grown.get(req), False, False,
+                                              0, (), None, 0))
 
     @property
     def explicit_rows(self):

@@ -96,9 +96,10 @@ class Scheduler:
         # tokens are built when read. Needs the true continuation: see ``enable_cruise``.
         self._cruise: dict[Request, tuple[int, int]] = {}  # req -> (computed tokens, at step)
         self._wake_at: dict[int, list[Request]] = {}
-        # block events that add no block (publish a full block, release a Mamba column left
-        # behind) are run for a bulk request in its place in the pass, without waking it
+        # a bulk request's block events (take a block, publish a full one, release the Mamba
+        # column left behind) run in its place in the pass, without waking it
         self._side_at: dict[int, list[tuple[Request, int]]] = {}  # step -> (req, its bulk run)
+        self._grown: dict[Request, tuple] = {}  # this step's bulk rows that took blocks
         self._runs = 0
         self._seats = 0
         self.num_side_events = 0
@@ -193,6 +194,7 @@ class Scheduler:
                 if req.cruising:
                     self._land(req, False)
             side = self._side_at.pop(step, None)
+            self._grown = {}
             # the bulk rows are only exact if no row can be cut short by the budget
             order = sorted(self._awake, key=_seat)  # = running requests not in bulk, in order
             demand = len(cruise)
@@ -218,8 +220,12 @@ class Scheduler:
         stopped = None
         for req in order:
             if sides and req.cruising:
-                self._side_event(req, step)
-                continue
+                if self._side_event(req, step):
+                    continue
+                # the pool is short: it takes this step the normal way (preempting as needed),
+                # its prepaid bulk row back in the budget
+                self._land(req, False)
+                budget += 1
             if budget <= 0:
                 # with bulk rows prepaid, every request left in this pass wants no token
                 if sides:
@@ -299,7 +305,7 @@ class Scheduler:
                         self._land(req, False)
                         budget += 1
             if cruise:
-                snapshot = (tuple(running), tuple(scheduled), dict(cruise))
+                snapshot = (tuple(running), tuple(scheduled), dict(cruise), self._grown)
 
         if not preempted:
             self._schedule_waiting(scheduled, budget)
@@ -451,32 +457,37 @@ class Scheduler:
             self._start_cruise(steady)
         return [r.req_id for r in finished]
 
-    def _side_event(self, req: Request, step: int) -> None:
-        """A bulk request's block event that takes no block, in its place in the pass.
-
-        Its computed tokens crossed a bound that only publishes a full block or releases
-        a Mamba column: the same call the step-by-step path makes, after which it stays
-        in bulk (its row shows no change) and the next such event of the run is booked."""
+    def _side_event(self, req: Request, step: int) -> bool:
+        """A bulk request's block event, in its place in the pass: the call the step-by-step
+        path makes for its one token, after which it stays in bulk (new blocks go into its
+        row of this step) and its next event is booked. False, with nothing taken, when
+        the pool is short (it must then take the step the normal way, which may preempt)."""
         self._land(req, True)
         self.num_side_events += 1
         c = req.num_computed_tokens
         got = self.kv.allocate_running(req, c, 1, None, False)
-        if got is None or got:  # pragma: no cover - the run ends before any allocation
-            raise AssertionError(f"{req.req_id}: a bulk block event changed its rows at step {step}")
+        if got is None:
+            return False
+        if got:
+            self._grown[req] = tuple(map(tuple, got))
         self._book_side(req, c, step)
+        return True
 
     def _book_side(self, req: Request, c: int, step: int) -> None:
-        """Book the run's next block event: the first step whose computed tokens pass the
-        request's computed bound, if that is before the run's end."""
+        """Book the run's next block event: the first step whose token passes one of the
+        request's quiet bounds (total or computed), if that is before the run's end."""
         at = step + req.quiet_computed - c + 1
+        k = step + req.quiet_total - c
+        if k < at:
+            at = k
         if at < step:
             at = step
         if at < req.cruise_end:
             self._side_at.setdefault(at, []).append((req, req.cruise_run))
 
     def _start_cruise(self, reqs: list[Request]) -> None:
-        """Put decoding requests that have J >= 2 unfinished steps ahead that take no block
-        into bulk mode (block events that take none run as side events)."""
+        """Put decoding requests that have J >= 2 unfinished steps ahead into bulk mode
+        (their block events run as side events in the pass)."""
         max_len = self.cfg.max_model_len
         nxt = self._now
         for req in reqs:
@@ -486,13 +497,9 @@ class Scheduler:
             c = req.num_computed_tokens
             if c != ntok - 1 or c < req.num_prompt_tokens:
                 continue
-            # step j of the run schedules c + j (one token): it must take no block (total
-            # tokens inside the rows' bound), and the request must not finish in it (the
-            # finishing step goes the normal way)
-            j = req.quiet_total - c
-            k = req.max_tokens - (ntok - req.num_prompt_tokens) - 1
-            if k < j:
-                j = k
+            # step j of the run schedules c + j (one token); the request must not finish in
+            # it (the finishing step goes the normal way)
+            j = req.max_tokens - (ntok - req.num_prompt_tokens) - 1
             k = max_len - ntok - 1
             if k < j:
                 j = k
