@@ -39,7 +39,7 @@ class KVCacheManager:
         self._unchanged: list = []  # allocate_running: no group changed
         # decode events of attention and align-mode Mamba groups (every hybrid layout in
         # align mode) go through one fused function; other layouts, group by group
-        self._fused = fused_events and all(type(m) in (AttentionManager, MambaAlignManager)
+        self.fused = fused_events and all(type(m) in (AttentionManager, MambaAlignManager)
                                            for m in self.managers)
 
     # ------------------------------------------------------------------ hits
@@ -141,8 +141,8 @@ class KVCacheManager:
         managers = self.managers
         quiet = req.quiet_by
         if quiet is not None and checkpoint is None and not publish_end:
-            if self._fused:
-                return self._fused_event(req, num_computed, total, quiet)
+            if self.fused:
+                return self._fused_event(req, num_computed, total, quiet, len(req.token_ids))
             return self._decode_event(req, num_computed, total, quiet)
         for m in self.mamba:
             m.remove_skipped(req, num_computed)
@@ -186,7 +186,13 @@ class KVCacheManager:
             return self._unchanged
         return [changed.get(m.gid, ()) for m in self.managers]
 
-    def _fused_event(self, req: Request, c: int, total: int, quiet: list) -> Optional[list]:
+    def bulk_event(self, req: Request, c: int) -> Optional[list]:
+        """``allocate_running(req, c, 1, None, False)`` for a decoding request whose token
+        list lags (bulk mode): it has ``c + 1`` committed tokens, and its block hashes
+        already cover their full blocks. Only with the fused layout (``self.fused``)."""
+        return self._fused_event(req, c, c + 1, req.quiet_by, c + 1)
+
+    def _fused_event(self, req: Request, c: int, total: int, quiet: list, ntok: int) -> Optional[list]:
         """``_decode_event`` for attention and align-mode Mamba groups, in one function.
 
         The same decisions in the same order (each crossed Mamba group releases the
@@ -256,7 +262,6 @@ class KVCacheManager:
                 if k:
                     tail = pool.allocate(k)
                     row.extend(tail)
-                ntok = len(req.token_ids)
                 full = (total if total < ntok else ntok) // bs
                 num_cached = m.num_cached
                 done = num_cached.get(idx, 0)

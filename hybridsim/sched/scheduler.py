@@ -462,10 +462,15 @@ class Scheduler:
         path makes for its one token, after which it stays in bulk (new blocks go into its
         row of this step) and its next event is booked. False, with nothing taken, when
         the pool is short (it must then take the step the normal way, which may preempt)."""
-        self._land(req, True)
         self.num_side_events += 1
-        c = req.num_computed_tokens
-        got = self.kv.allocate_running(req, c, 1, None, False)
+        base_c, base_step = self._cruise[req]
+        c = base_c + step - base_step
+        kv = self.kv
+        if kv.fused and (c + 1) // req.hash_block_size <= len(req.block_hashes):
+            got = kv.bulk_event(req, c)  # nothing to publish needs its lagging tokens
+        else:
+            self._land(req, True)  # its tokens and block hashes as of this step
+            got = kv.allocate_running(req, c, 1, None, False)
         if got is None:
             return False
         if got:
