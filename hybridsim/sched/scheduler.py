@@ -92,8 +92,9 @@ class Scheduler:
         self.pass_preempted: tuple[str, ...] = ()  # victims of the last schedule pass (not faults)
         self.num_preemptions = 0
         # Bulk decode ("cruise"): a request that will decode one token a step for the next J
-        # steps without touching a block is advanced without per-step work; its rows and
-        # tokens are built when read. Needs the true continuation: see ``enable_cruise``.
+        # steps (until the step it finishes) is advanced without per-step work; its rows and
+        # tokens are built when read, and its block events run as side events (below). Needs
+        # the true continuation: see ``enable_cruise``.
         self._cruise: dict[Request, tuple[int, int]] = {}  # req -> (computed tokens, at step)
         self._wake_at: dict[int, list[Request]] = {}
         # a bulk request's block events (take a block, publish a full one, release the Mamba
