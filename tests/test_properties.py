@@ -94,3 +94,21 @@ def test_bulk_decode_is_exact_on_every_shipped_scenario():
     for path in sorted(Path(__file__).resolve().parents[1].joinpath("scenarios").glob("*.yaml")):
         side_events += _assert_bulk_is_exact(path.read_text(), path.parent)
     assert side_events > 100  # bulk requests' block events (publish, release) were exercised
+
+
+@st.composite
+def priority_scenarios(draw):
+    """``scenarios`` under the priority policy (victims can sit anywhere in the pass, even
+    before the request being scheduled) and, at times, a long-prefill threshold."""
+    text = draw(scenarios())
+    extra = ", policy: priority"
+    if draw(st.booleans()):
+        extra += f", long_prefill_token_threshold: {draw(st.integers(8, 64))}"
+    text = text.replace("max_model_len: 1024}", "max_model_len: 1024" + extra + "}", 1)
+    return text.replace("  shared_prefix:", f"  priorities: {draw(st.integers(2, 4))}\n  shared_prefix:", 1)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(priority_scenarios())
+def test_bulk_decode_is_exact_under_the_priority_policy(text):
+    _assert_bulk_is_exact(text)
