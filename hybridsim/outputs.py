@@ -159,17 +159,18 @@ class ModelDrafts:
         d = min(self.num_spec, self.max_model_len - 1 - req.num_tokens)
         if d <= 0:
             return []
-        k = self.acc.accepted(req, d)
+        return self._round(req, d, self.acc.accepted(req, d))
+
+    def _round(self, req: Request, d: int, k: int) -> list[int]:
+        """One proposal round of ``d`` drafts of which the first ``k`` are right."""
         req.draft_round += 1
-        o = req.num_output_tokens
+        o = len(req.token_ids) - req.num_prompt_tokens
         stream = req.out_stream
         drafts = stream[o:o + d] if stream is not None and o + d <= len(stream) else \
             [self.cont.token(req, o + j) for j in range(d)]
         if k < d:
-            true = drafts[k]
-            drafts[k] = true % (self.vocab - 1) + 1  # a different, valid token: the divergence
+            drafts[k] = drafts[k] % (self.vocab - 1) + 1  # a different, valid token: the divergence
         return drafts
-
 
     def propose_many(self, reqs: list[Request]) -> list[list[int]]:
         """``propose`` for every request sampled this step (the acceptance draws vectorised)."""
@@ -184,19 +185,8 @@ class ModelDrafts:
         if not live:
             return out
         ks = many([reqs[i] for i in live], [ds[i] for i in live])
-        vocab1 = self.vocab - 1
-        token = self.cont.token
         for i, k in zip(live, ks):
-            req = reqs[i]
-            d = ds[i]
-            req.draft_round += 1
-            o = len(req.token_ids) - req.num_prompt_tokens
-            stream = req.out_stream
-            drafts = stream[o:o + d] if stream is not None and o + d <= len(stream) else \
-                [token(req, o + j) for j in range(d)]
-            if k < d:
-                drafts[k] = drafts[k] % vocab1 + 1  # a different, valid token: the divergence
-            out[i] = drafts
+            out[i] = self._round(reqs[i], ds[i], k)
         return out
 
 

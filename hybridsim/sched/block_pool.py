@@ -142,13 +142,9 @@ class BlockPool:
 
     def _unqueue(self, b: int) -> None:
         """Take free block ``b`` out of the queue (a hit on it): it is hashed, so in the tail."""
-        tail = self.tail
-        if b in tail:
-            del tail[b]
-        elif b in self.front:  # pragma: no cover - a hashed block is never freed to the front
-            self.front.remove(b)
-        else:  # pragma: no cover - never-used blocks hold no prefix
-            raise AssertionError(f"block {b} is free but not where a cached block can be")
+        if b not in self.tail:  # pragma: no cover - caught by sched.invariants
+            raise AssertionError(f"block {b} is free and hit but not in the hashed tail")
+        del self.tail[b]
 
     def free(self, blocks: Iterable[int]) -> None:
         """Drop one reference from each block, in the order given.

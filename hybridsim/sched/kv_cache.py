@@ -173,18 +173,16 @@ class KVCacheManager:
         pool = self.pool
         if need and need > pool.num_free:
             return None
-        changed = None
+        tails = None
         for m in active:
             gid = m.gid
             tail, quiet[gid] = m.decode_commit(req, pool.allocate(m.last_need) if m.last_need else (), c, total)
             if tail:
-                if changed is None:
-                    changed = {}
-                changed[gid] = tail
+                if tails is None:
+                    tails = [()] * len(quiet)
+                tails[gid] = tail
         _publish_quiet(req, quiet)
-        if changed is None:
-            return self._unchanged
-        return [changed.get(m.gid, ()) for m in self.managers]
+        return self._unchanged if tails is None else tails
 
     def bulk_event(self, req: Request, c: int) -> Optional[list]:
         """``allocate_running(req, c, 1, None, False)`` for a decoding request whose token
@@ -210,19 +208,7 @@ class KVCacheManager:
                 bs = m.bs
                 row = m.rows[idx]
                 if m.spec.is_mamba:
-                    low_map = m.low
-                    low = low_map.get(idx, 0)
-                    if c > 0:  # release the columns left of the one holding the last computed token
-                        keep_from = (c - 1) // bs
-                        if keep_from > len(row):
-                            keep_from = len(row)
-                        if keep_from > low:
-                            free = [row[k] for k in range(keep_from - 1, low - 1, -1) if row[k] != NULL_BLOCK]
-                            for k in range(low, keep_from):
-                                row[k] = NULL_BLOCK
-                            low_map[idx] = keep_from
-                            if free:
-                                pool.free(free)
+                    m.remove_skipped(req, c)
                     S = m.spec.num_spec
                     running = (total - 1) // bs
                     new_len = running + 1 + S
@@ -253,7 +239,7 @@ class KVCacheManager:
             gid += 1
         if need and need > pool.num_free:
             return None
-        changed = None
+        tails = None
         for gid, m, is_attn, k, lay in todo:
             bs = m.bs
             row = m.rows[idx]
@@ -276,32 +262,20 @@ class KVCacheManager:
                 if lay is not None:
                     running, new_len, prev_len, movable = lay
                     fresh = pool.allocate(k) if k else ()
-                    if S:
-                        row.extend([NULL_BLOCK] * (new_len - prev_len))
-                        supply = []
-                        for j in movable:  # old draft blocks are recycled into the new columns
-                            supply.append(row[j])
-                            row[j] = NULL_BLOCK
-                        supply.extend(fresh)
-                        j = 0
-                        for t in range(running, new_len):
-                            if row[t] == NULL_BLOCK:
-                                row[t] = supply[j]
-                                j += 1
+                    if S:  # old draft blocks are recycled into the new columns
+                        tail = m._fill(row, (range(running, new_len), movable, new_len, prev_len), fresh)
                     else:
                         if running > prev_len:
                             row.extend([NULL_BLOCK] * (running - prev_len))
                         row.append(fresh[0])
-                    tail = row[prev_len:]
+                        tail = row[prev_len:]
                 quiet[gid] = ((len(row) - S) * bs, (m.low.get(idx, 0) + 1) * bs)
             if tail:
-                if changed is None:
-                    changed = {}
-                changed[gid] = tail
+                if tails is None:
+                    tails = [()] * len(quiet)
+                tails[gid] = tail
         _publish_quiet(req, quiet)
-        if changed is None:
-            return self._unchanged
-        return [changed.get(g, ()) for g in range(len(quiet))]
+        return self._unchanged if tails is None else tails
 
     def _set_quiet(self, req: Request) -> None:
         """Record, per group and overall, how far the request can decode untouched."""

@@ -342,22 +342,8 @@ class MambaAlignManager(MambaManager):
         + ``need`` without the general column planning (the decode hot path)."""
         if self.spec.num_spec:
             return KVManager.decode_need(self, req, num_computed, total)
-        idx = req.index
-        row = self.rows[idx]
-        bs = self.bs
-        if num_computed > 0:
-            keep_from = (num_computed - 1) // bs
-            if keep_from > len(row):
-                keep_from = len(row)
-            low = self.low.get(idx, 0)
-            if keep_from > low:
-                free = [row[c] for c in range(keep_from - 1, low - 1, -1) if row[c] != NULL_BLOCK]
-                for c in range(low, keep_from):
-                    row[c] = NULL_BLOCK
-                self.low[idx] = keep_from
-                if free:
-                    self.pool.free(free)
-        self.last_need = 1 if (total - 1) // bs >= len(row) else 0
+        self.remove_skipped(req, num_computed)
+        self.last_need = 1 if (total - 1) // self.bs >= len(self.rows[req.index]) else 0
         return self.last_need
 
     def decode_commit(self, req, fresh, num_computed, total):
