@@ -97,7 +97,6 @@ class BernoulliModel:
             k += 1
         return k
 
-
     def accepted_many(self, reqs: list[Request], num_drafts: list[int]) -> list[int]:
         """``accepted`` for many requests of one proposal round each, vectorised (up to
         four drafts: one hash per request; more go one by one)."""

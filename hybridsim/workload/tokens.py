@@ -37,8 +37,7 @@ def combine(*parts: int) -> int:
 
 def combine_many(prefix: tuple[int, ...], last: np.ndarray) -> np.ndarray:
     """``combine(*prefix, x)`` for every x of ``last`` (uint64) in one vectorised pass."""
-    with np.errstate(over="ignore"):
-        return _finalize((last.astype(np.uint64) ^ np.uint64(combine(*prefix))) + np.uint64(_GOLDEN))
+    return mix_many(last.astype(np.uint64) ^ np.uint64(combine(*prefix)))
 
 
 def _finalize(z: np.ndarray) -> np.ndarray:
@@ -53,6 +52,11 @@ def token_block(seed: int, n: int, vocab: int, start: int = 0) -> np.ndarray:
     """Tokens ``start .. start+n`` of the stream named by ``seed``, in [1, vocab)."""
     with np.errstate(over="ignore"):
         z = _finalize(np.arange(start, start + n, dtype=np.uint64) * np.uint64(_GOLDEN) + np.uint64(seed & _M))
+    return _to_vocab(z, vocab)
+
+
+def _to_vocab(z: np.ndarray, vocab: int) -> np.ndarray:
+    """Hashes to token ids in [1, vocab)."""
     return (z % np.uint64(vocab - 1) + np.uint64(1)).astype(np.int64)
 
 
@@ -61,7 +65,7 @@ def token_rows(seeds: np.ndarray, n: int, vocab: int) -> np.ndarray:
     with np.errstate(over="ignore"):
         z = _finalize(np.arange(n, dtype=np.uint64)[None, :] * np.uint64(_GOLDEN)
                       + (seeds.astype(np.uint64) & np.uint64(_M))[:, None])
-    return (z % np.uint64(vocab - 1) + np.uint64(1)).astype(np.int64)
+    return _to_vocab(z, vocab)
 
 
 def token_segments(seeds: list[int], lengths: list[int], vocab: int) -> list[list[int]]:
@@ -73,7 +77,7 @@ def token_segments(seeds: list[int], lengths: list[int], vocab: int) -> list[lis
     seed_rep = np.repeat(np.asarray([s & _M for s in seeds], dtype=np.uint64), lens)
     with np.errstate(over="ignore"):
         z = _finalize(pos.astype(np.uint64) * np.uint64(_GOLDEN) + seed_rep)
-    flat = (z % np.uint64(vocab - 1) + np.uint64(1)).astype(np.int64).tolist()
+    flat = _to_vocab(z, vocab).tolist()
     return [flat[a:a + n] for a, n in zip(starts.tolist(), lengths)]
 
 
