@@ -13,7 +13,7 @@ from typing import Optional
 
 from .block_pool import BlockPool
 from .groups import GroupSpec
-from .managers import _INF, NULL_BLOCK, AttentionManager, KVManager, MambaAlignManager, make_manager
+from .managers import NULL_BLOCK, AttentionManager, KVManager, MambaAlignManager, make_manager
 from .request import Request
 
 
@@ -41,6 +41,8 @@ class KVCacheManager:
         # align mode) go through one fused function; other layouts, group by group
         self.fused = fused_events and all(type(m) in (AttentionManager, MambaAlignManager)
                                            for m in self.managers)
+        # which groups bound committed tokens (attention publishing) rather than computed ones
+        self._on_committed = [not m.spec.is_mamba for m in self.managers]
 
     # ------------------------------------------------------------------ hits
     def attention_cached_blocks(self, req: Request) -> int:
@@ -143,7 +145,7 @@ class KVCacheManager:
         if quiet is not None and checkpoint is None and not publish_end:
             if self.fused:
                 return self._fused_event(req, num_computed, total, quiet, len(req.token_ids))
-            return self._decode_event(req, num_computed, total, quiet)
+            return self._decode_event(req, num_computed, total, quiet, len(req.token_ids))
         for m in self.mamba:
             m.remove_skipped(req, num_computed)
         need = 0
@@ -159,13 +161,14 @@ class KVCacheManager:
         self._set_quiet(req)
         return tails if any(tails) else self._unchanged
 
-    def _decode_event(self, req: Request, c: int, total: int, quiet: list) -> Optional[list]:
+    def _decode_event(self, req: Request, c: int, total: int, quiet: list, ntok: int) -> Optional[list]:
         """A decoding request crossed a quiet bound: only the groups whose bound it crossed act."""
         active = []
         need = 0
         j = 0
-        for q in quiet:
-            if total > q[0] or c > q[1]:
+        committed = (total if total < ntok else ntok) - 1
+        for q, on_committed in zip(quiet, self._on_committed):
+            if total > q[0] or (committed if on_committed else c) > q[1]:
                 m = self.managers[j]
                 need += m.decode_need(req, c, total)
                 active.append(m)
@@ -202,8 +205,9 @@ class KVCacheManager:
         todo = []  # per crossed group: (gid, manager, is attention, fresh needed, layout)
         need = 0
         gid = 0
-        for q in quiet:
-            if total > q[0] or c > q[1]:
+        committed = (total if total < ntok else ntok) - 1
+        for q, on_committed in zip(quiet, self._on_committed):
+            if total > q[0] or (committed if on_committed else c) > q[1]:
                 m = self.managers[gid]
                 bs = m.bs
                 row = m.rows[idx]
@@ -254,9 +258,7 @@ class KVCacheManager:
                 if full > done:
                     pool.cache_row(row, req.block_hashes, done, full, gid)
                     num_cached[idx] = done = full
-                qt = len(row) * bs
-                qp = (done + 1) * bs - 1
-                quiet[gid] = (qt if qt < qp else qp, _INF)
+                quiet[gid] = (len(row) * bs, (done + 1) * bs - 2)
             else:
                 S = m.spec.num_spec
                 if lay is not None:

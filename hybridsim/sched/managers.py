@@ -93,7 +93,9 @@ class KVManager:
 
     def quiet(self, req: Request) -> tuple[int, int]:
         """(max total tokens, max computed tokens) up to which this group would neither
-        allocate, publish nor release anything for the request (decode fast path)."""
+        allocate, publish nor release anything for the request (decode fast path).
+        Attention groups put their second bound on ``min(total, tokens) - 1`` instead of
+        the computed count (the same for a decode; see ``AttentionManager.quiet``)."""
         return _INF, _INF
 
 
@@ -181,14 +183,15 @@ class AttentionManager(KVManager):
         if full > done:
             self.pool.cache_row(row, req.block_hashes, done, full, self.gid)
             num_cached[idx] = done = full
-        qt = len(row) * bs
-        qp = (done + 1) * bs - 1
-        return (fresh or ()), (qt if qt < qp else qp, _INF)
+        return (fresh or ()), (len(row) * bs, (done + 1) * bs - 2)
 
     def quiet(self, req):
+        """The publish bound is on committed tokens less one (``min(total, tokens) - 1``,
+        which is the computed count for a decode): drafts scheduled past a block's end
+        publish nothing until the tokens that fill it are committed."""
         idx = req.index
         bs = self.bs
-        return min(len(self.rows[idx]) * bs, (self.num_cached.get(idx, 0) + 1) * bs - 1), _INF
+        return len(self.rows[idx]) * bs, (self.num_cached.get(idx, 0) + 1) * bs - 2
 
 
 def _no_change(fresh: list[int]) -> list[int]:
