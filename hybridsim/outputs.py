@@ -97,6 +97,20 @@ class BernoulliModel:
             k += 1
         return k
 
+    def accepted_rounds(self, req: Request, first: int, count: int, num_drafts: int) -> np.ndarray:
+        """``accepted`` for rounds ``first .. first+count-1`` of one request (the rounds a
+        bulk run of speculative decoding will go through), vectorised."""
+        base = self._base.get(req.index)
+        if base is None:
+            base = self._base[req.index] = combine(self.seed, 0xACC, req.index)
+        rounds = np.arange(first, first + count, dtype=np.uint64) << np.uint64(8)
+        groups = -(-num_drafts // 4)
+        xs = (rounds + np.uint64(base & _M64))[:, None] + np.arange(0, 4 * groups, 4, dtype=np.uint64)[None, :]
+        words = mix_many(xs)  # (count, groups): draft k reads lane k % 4 of word k // 4
+        lanes = ((words[:, :, None] >> _LANE_SHIFTS[None, None, :]) & np.uint64(0xFFFF)).reshape(count, -1)
+        run = np.cumprod(lanes[:, :num_drafts] < np.uint64(self.threshold), axis=1).sum(axis=1)
+        return run.astype(np.int64)
+
     def accepted_many(self, reqs: list[Request], num_drafts: list[int]) -> list[int]:
         """``accepted`` for many requests of one proposal round each, vectorised (up to
         four drafts: one hash per request; more go one by one)."""
@@ -123,10 +137,17 @@ class PatternModel:
     def accepted(self, req: Request, num_drafts: int) -> int:
         return min(self.pattern[req.draft_round % len(self.pattern)], num_drafts)
 
+    def accepted_rounds(self, req: Request, first: int, count: int, num_drafts: int) -> np.ndarray:
+        p = self.pattern
+        return np.minimum(np.array(p, dtype=np.int64)[np.arange(first, first + count) % len(p)], num_drafts)
+
 
 class RejectAll:
     def accepted(self, req: Request, num_drafts: int) -> int:
         return 0
+
+    def accepted_rounds(self, req: Request, first: int, count: int, num_drafts: int) -> np.ndarray:
+        return np.zeros(count, dtype=np.int64)
 
 
 def acceptance_model(spec, seed: int) -> Acceptance:
@@ -163,13 +184,22 @@ class ModelDrafts:
     def _round(self, req: Request, d: int, k: int) -> list[int]:
         """One proposal round of ``d`` drafts of which the first ``k`` are right."""
         req.draft_round += 1
-        o = len(req.token_ids) - req.num_prompt_tokens
+        return self.drafts_at(req, len(req.token_ids) - req.num_prompt_tokens, d, k)
+
+    def drafts_at(self, req: Request, o: int, d: int, k: int) -> list[int]:
+        """The ``d`` drafts proposed after output token ``o - 1``, the first ``k`` right."""
         stream = req.out_stream
         drafts = stream[o:o + d] if stream is not None and o + d <= len(stream) else \
             [self.cont.token(req, o + j) for j in range(d)]
         if k < d:
             drafts[k] = drafts[k] % (self.vocab - 1) + 1  # a different, valid token: the divergence
         return drafts
+
+    def accepted_run(self, req: Request, first: int, count: int) -> Optional[np.ndarray]:
+        """Drafts accepted in rounds ``first .. first+count-1`` with ``num_spec`` drafts each
+        (None if the acceptance model cannot say in advance)."""
+        rounds = getattr(self.acc, "accepted_rounds", None)
+        return None if rounds is None else rounds(req, first, count, self.num_spec)
 
     def propose_many(self, reqs: list[Request]) -> list[list[int]]:
         """``propose`` for every request sampled this step (the acceptance draws vectorised)."""

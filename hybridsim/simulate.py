@@ -14,7 +14,7 @@ from time import perf_counter
 from typing import Iterator, Optional
 
 from .config import PreemptFault, ResetPrefixCacheFault, Scenario
-from .outputs import Continuation, DraftSource, SeededContinuation, acceptance_model, make_drafter
+from .outputs import Continuation, DraftSource, ModelDrafts, SeededContinuation, acceptance_model, make_drafter
 from .sched.groups import GroupSpec, plan_groups
 from .sched.kv_cache import KVCacheManager
 from .sched.plan import StepOutcome, StepPlan
@@ -100,14 +100,15 @@ class Simulation:
         self.kv = KVCacheManager(self.groups, num_blocks or scenario.cache.num_blocks,
                                  scenario.cache.enable_prefix_caching, fused_events)
         self.scheduler = Scheduler(cfg, self.kv)
-        if bulk_decode:  # steady decodes advanced in bulk (same plans; see Scheduler.enable_cruise)
-            self.scheduler.enable_cruise(self._output_tokens)
         self.cont = continuation or SeededContinuation(workload.vocab_size)
         if drafter is None and cfg.num_speculative_tokens > 0:
             drafter = make_drafter(cfg.num_speculative_tokens, self.cont,
                                    acceptance_model(scenario.spec_decode.acceptance, scenario.seed),
                                    workload.vocab_size, cfg.max_model_len)
         self.drafter = drafter
+        if bulk_decode:  # steady decodes advanced in bulk (same plans; see Scheduler.enable_cruise)
+            self.scheduler.enable_cruise(self._output_tokens,
+                                         drafter if isinstance(drafter, ModelDrafts) else None)
         self.max_steps = scenario.execution.max_steps
         self.checker = checker  # sched.invariants (None: not checked)
         self.check_every = max(1, check_every)
@@ -203,8 +204,15 @@ class Simulation:
         stream_of = self._stream
         sampled: dict[str, tuple[int, ...]] = {}
         accepted: dict[str, int] = {}
-        bulk = plan.num_bulk  # rows advanced in bulk: one decode token each, sampled when read
+        bulk = plan.num_bulk  # rows advanced in bulk: one decode token (+ drafts) each, sampled when read
         scheduled_tokens = decode_tokens = out_tokens = bulk
+        if bulk:
+            cruise = plan._cruise
+            if cruise.num_spec:
+                scheduled_tokens = decode_tokens = bulk * (1 + cruise.num_spec)
+                out_tokens += cruise.accepted
+                stats.drafts_scheduled += bulk * cruise.num_spec
+                stats.drafts_accepted += cruise.accepted
         for s in plan.explicit_rows:
             rid, c, n = s[0], s[1], s[2]
             scheduled_tokens += n

@@ -112,3 +112,59 @@ def priority_scenarios(draw):
 @given(priority_scenarios())
 def test_bulk_decode_is_exact_under_the_priority_policy(text):
     _assert_bulk_is_exact(text)
+
+
+@st.composite
+def spec_scenarios(draw):
+    """Speculative decoding long enough for bulk runs: small pools (side events that fall
+    back, preemption), small budgets (every run woken), max_model_len stops (fewer drafts
+    near the end), thresholds that cut or do not cut bulk rows, priorities and faults."""
+    spec = draw(st.integers(1, 4))
+    mode, caching = draw(st.sampled_from([("align", "true"), ("none", "false")]))
+    bs = draw(st.sampled_from([16, 32]))
+    acc = draw(st.sampled_from(["{kind: none}", "{kind: bernoulli, rate: 0.3}", "{kind: bernoulli, rate: 0.8}",
+                                "{kind: bernoulli, rate: 0.97}", "{kind: pattern, accepted: [0, 1, 1, 0]}"]))
+    pmin = draw(st.integers(1, 80))
+    pmax = pmin + draw(st.integers(0, 120))
+    omax = draw(st.integers(10, 250))
+    max_len = draw(st.sampled_from([1024, pmax + spec + draw(st.integers(8, 200))]))
+    longest = min(pmax + omax + spec, max_len)
+    groups_blocks = 2 * (-(-longest // bs)) + 2 * (3 + spec)
+    blocks = groups_blocks + 1 + draw(st.integers(0, 150))
+    text = tiny_scenario(
+        seed=draw(st.integers(0, 10_000)), preset=draw(st.sampled_from(["tiny-hybrid", "tiny-hybrid-mla", "tiny-mla"])),
+        bs=bs, blocks=blocks, caching=caching, mode=mode,
+        budget=draw(st.sampled_from([32, 64, 512])), seqs=draw(st.integers(1, 8)), max_len=max_len,
+        spec=spec, acc=acc, n=draw(st.integers(1, 10)), per_step=draw(st.integers(1, 4)),
+        pmin=pmin, pmax=pmax, omin=1, omax=omax, prefix=draw(st.integers(1, 100)),
+        frac=draw(st.sampled_from([0.0, 0.5, 1.0])),
+    ) + draw(st.sampled_from(["", "faults:\n  - {at_step: 40, kind: reset_prefix_cache}\n",
+                              "faults:\n  - {at_step: 30, kind: preempt, requests: [r0, r1]}\n"]))
+    extra = ""
+    if draw(st.booleans()):
+        extra += ", policy: priority"
+        text = text.replace("  shared_prefix:", f"  priorities: {draw(st.integers(2, 4))}\n  shared_prefix:", 1)
+    if draw(st.booleans()):
+        extra += f", long_prefill_token_threshold: {draw(st.integers(2, 64))}"
+    return text.replace(f"max_model_len: {max_len}}}", f"max_model_len: {max_len}{extra}}}", 1)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec_scenarios())
+def test_bulk_speculative_decoding_is_exact(text):
+    """Runs of speculative decoding computed in advance (acceptance of every future round,
+    rows and outcomes built when read, block events as side events) plan what the
+    step-by-step path plans, with the same outcomes, final requests and stats."""
+    _assert_bulk_is_exact(text)
+
+
+def test_bulk_speculative_runs_happen_and_are_exact():
+    """A scenario where runs start, side events fall back for lack of blocks, requests are
+    preempted and max_model_len shortens the last drafts: still exact."""
+    text = tiny_scenario(seed=3, bs=16, blocks=70, budget=512, seqs=6, max_len=300, spec=3,
+                         acc="{kind: bernoulli, rate: 0.8}", n=10, per_step=3, pmin=20, pmax=90,
+                         omin=100, omax=260, prefix=32, frac=0.5)
+    fast = _run(text, True)
+    assert fast[3] > 50  # side events of bulk speculative requests
+    assert fast[2]["preemptions"] > 0
+    _assert_bulk_is_exact(text)

@@ -187,11 +187,11 @@ class KVCacheManager:
         _publish_quiet(req, quiet)
         return self._unchanged if tails is None else tails
 
-    def bulk_event(self, req: Request, c: int) -> Optional[list]:
-        """``allocate_running(req, c, 1, None, False)`` for a decoding request whose token
-        list lags (bulk mode): it has ``c + 1`` committed tokens, and its block hashes
+    def bulk_event(self, req: Request, c: int, total: int) -> Optional[list]:
+        """``allocate_running(req, c, total - c, None, False)`` for a decoding request whose
+        token list lags (bulk mode): it has ``c + 1`` committed tokens, and its block hashes
         already cover their full blocks. Only with the fused layout (``self.fused``)."""
-        return self._fused_event(req, c, c + 1, req.quiet_by, c + 1)
+        return self._fused_event(req, c, total, req.quiet_by, c + 1)
 
     def _fused_event(self, req: Request, c: int, total: int, quiet: list, ntok: int) -> Optional[list]:
         """``_decode_event`` for attention and align-mode Mamba groups, in one function.
@@ -212,7 +212,8 @@ class KVCacheManager:
                 bs = m.bs
                 row = m.rows[idx]
                 if m.spec.is_mamba:
-                    m.remove_skipped(req, c)
+                    if c > q[1]:  # (below its computed bound there is nothing to release)
+                        m.remove_skipped(req, c)
                     S = m.spec.num_spec
                     running = (total - 1) // bs
                     new_len = running + 1 + S

@@ -29,14 +29,31 @@ class ScheduledRequest(NamedTuple):
         return len(self.spec_token_ids)
 
 
+class SpecRun:
+    """A bulk run of speculative decoding, known in advance: the acceptance of every round
+    is a function of the request and the round, so its computed tokens at each step are."""
+
+    __slots__ = ("start", "computed", "accepted", "round0")
+
+    def __init__(self, start: int, computed: list[int], accepted: list[int], round0: int):
+        self.start = start  # the run's first step
+        self.computed = computed  # [j]: computed tokens when step start + j is scheduled
+        self.accepted = accepted  # [j]: drafts of step start + j that will be accepted
+        self.round0 = round0  # the request's draft round when the run started
+
+
 class Cruise(NamedTuple):
-    """Requests the scheduler advanced in bulk this step (one decode token each, no drafts):
-    their rows are built only when someone reads ``StepPlan.scheduled``."""
+    """Requests the scheduler advanced in bulk this step (one decode token each, or with
+    drafts one token plus ``num_spec`` drafts each): their rows are built only when someone
+    reads ``StepPlan.scheduled``."""
 
     running: tuple  # the running queue after the running pass (its order is the rows' order)
     explicit: tuple  # the rows the running pass built one by one, in its order
-    bases: dict  # Request -> (computed tokens at base_step, base_step)
+    bases: dict  # Request -> (computed tokens at base_step, base_step), or its SpecRun
     grown: dict = {}  # Request -> new block ids of a bulk row that took a block this step
+    num_spec: int = 0  # drafts in every bulk row
+    accepted: int = 0  # drafts accepted over this step's bulk rows
+    drafts: object = None  # callable(req, output index, num drafts, num right) -> drafts
 
 
 _new = tuple.__new__
@@ -87,15 +104,24 @@ class StepPlan:
         bases = cr.bases
         grown = cr.grown
         step = self.step
+        S = cr.num_spec
         for req in cr.running:
             row = explicit.get(req.req_id)
             if row is not None:
                 yield row
                 continue
             base = bases.get(req)
-            if base is not None:
+            if base is None:
+                continue
+            if type(base) is tuple:
                 yield _new(ScheduledRequest, (req.req_id, base[0] + step - base[1], 1, grown.get(req), False, False,
                                               0, (), None, 0))
+            else:
+                j = step - base.start
+                c = base.computed[j]
+                drafts = tuple(cr.drafts(req, c + 1 - req.num_prompt_tokens, S, base.accepted[j]))
+                yield _new(ScheduledRequest, (req.req_id, c, 1 + S, grown.get(req), False, False, 0, drafts,
+                                              None, 0))
 
     @property
     def explicit_rows(self):
@@ -122,16 +148,17 @@ class StepPlan:
 class StepOutcome:
     """Tokens the model committed per request (bonus included) and drafts accepted.
 
-    With a bulk-advanced plan, ``sampled`` is built on first read: the rows the model
-    handled one by one, plus one true-continuation token for every bulk row, in row order."""
+    With a bulk-advanced plan, ``sampled`` and ``accepted`` are built on first read: the
+    rows the model handled one by one, plus every bulk row's true-continuation tokens (one,
+    or one more than its accepted drafts), in row order."""
 
-    __slots__ = ("_sampled", "accepted", "finished", "_plan")
+    __slots__ = ("_sampled", "_accepted", "finished", "_plan")
 
     def __init__(self, sampled: Optional[dict] = None, accepted: Optional[dict] = None,
                  finished: tuple[str, ...] = (), plan: Optional[StepPlan] = None):
         set_ = object.__setattr__
         set_(self, "_sampled", {} if sampled is None else sampled)
-        set_(self, "accepted", {} if accepted is None else accepted)
+        set_(self, "_accepted", {} if accepted is None else accepted)
         set_(self, "finished", finished)
         set_(self, "_plan", plan if plan is not None and plan.num_bulk else None)
 
@@ -140,30 +167,55 @@ class StepOutcome:
 
     @property
     def sampled(self) -> dict[str, tuple[int, ...]]:
+        if self._plan is not None:
+            self._build()
+        return self._sampled
+
+    @property
+    def accepted(self) -> dict[str, int]:
+        if self._plan is not None:
+            self._build()
+        return self._accepted
+
+    def _build(self) -> None:
         plan = self._plan
-        if plan is None:
-            return self._sampled
-        own = self._sampled
+        own, own_acc = self._sampled, self._accepted
         bases = plan._cruise.bases
         byid = {req.req_id: req for req in bases}
-        out = {}
+        out, acc = {}, {}
+        step = plan.step
         for row in plan.scheduled:
             rid = row[0]
             toks = own.get(rid)
             if toks is not None:
                 out[rid] = toks
+                a = own_acc.get(rid)
+                if a is not None:
+                    acc[rid] = a
+                continue
+            req = byid.get(rid)
+            if req is None:
+                continue
+            o = row[1] + 1 - req.num_prompt_tokens  # a bulk row: the continuation after its c + 1 tokens
+            base = bases[req]
+            if type(base) is tuple:
+                out[rid] = (req.out_stream[o],)
             else:
-                req = byid.get(rid)
-                if req is not None:  # a bulk row: the continuation token after its c + 1 tokens
-                    out[rid] = (req.out_stream[row[1] + 1 - req.num_prompt_tokens],)
+                k = base.accepted[step - base.start]
+                out[rid] = tuple(req.out_stream[o:o + k + 1])
+                acc[rid] = k
         object.__setattr__(self, "_sampled", out)
+        object.__setattr__(self, "_accepted", acc)
         object.__setattr__(self, "_plan", None)
-        return out
 
     @property
     def own_sampled(self) -> dict[str, tuple[int, ...]]:
         """Only the rows the model handled one by one (what the scheduler's update applies)."""
         return self._sampled
+
+    @property
+    def own_accepted(self) -> dict[str, int]:
+        return self._accepted
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, StepOutcome):

@@ -11,12 +11,15 @@ lives in ``KVCacheManager``; tensors live nowhere near.
 from __future__ import annotations
 
 import bisect
+from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from .kv_cache import KVCacheManager, PrefixHit
-from .plan import Cruise, ScheduledRequest, StepOutcome, StepPlan
+import numpy as np
+
+from .plan import Cruise, ScheduledRequest, SpecRun, StepOutcome, StepPlan
 from .request import Request, Status
 
 _Sched = ScheduledRequest  # built with tuple.__new__ on the hot path (all ten fields, in order)
@@ -107,23 +110,68 @@ class Scheduler:
         self._awake: set[Request] = set()  # running requests not in bulk mode (the pass's own work)
         self._tokens = None  # callable(req, first output index, count) -> list of output tokens
         self._now = 0  # the step being scheduled, or the next one after an update
+        # bulk speculative decoding: every bulk row is 1 + S tokens; its run (SpecRun) is
+        # computed when it starts, from the drafter's acceptance of each future round
+        self._drafter = None
+        self._bulk_n = 1  # tokens of a bulk row
+        self._spec_candidates: list[Request] = []  # sampled last step: may start a run
+        self._acc_by_step = np.zeros(0, dtype=np.int64)  # drafts accepted by bulk rows, per step
 
-    def enable_cruise(self, tokens) -> None:
+    def enable_cruise(self, tokens, drafter=None) -> None:
         """Advance steady decodes in bulk. ``tokens(req, start, count)`` returns the output
-        tokens the model will commit (its true continuation). Not with drafts."""
-        if self.cfg.num_speculative_tokens == 0:
+        tokens the model will commit (its true continuation). With drafts, ``drafter`` must
+        say in advance how many drafts each round will have accepted (``accepted_run``) and
+        rebuild a round's drafts (``drafts_at``); otherwise nothing runs in bulk."""
+        S = self.cfg.num_speculative_tokens
+        thr = self.cfg.long_prefill_token_threshold
+        if S == 0:
             self._tokens = tokens
+        elif drafter is not None and not 0 < thr < 1 + S:  # a threshold must not cut bulk rows
+            self._tokens = tokens
+            self._drafter = drafter
+            self._bulk_n = 1 + S
 
     def _land(self, req: Request, stay: bool) -> None:
         """Bring a cruising request's counters and tokens up to date (``stay``: keep cruising)."""
-        base_c, base_step = self._cruise[req]
+        base = self._cruise[req]
+        if type(base) is not tuple:
+            self._land_spec(req, base, stay)
+            return
+        base_c, base_step = base
         k = self._now - base_step
         if k > 0:
             req.num_computed_tokens = base_c + k
-            req.append_output(self._tokens(req, len(req.token_ids) - req.num_prompt_tokens, k))
+            self._catch_up(req, base_c + k + 1)
         if stay:
             self._cruise[req] = (base_c + k, self._now)
         else:
+            del self._cruise[req]
+            req.cruising = False
+            self._awake.add(req)
+
+    def _land_spec(self, req: Request, run: SpecRun, stay: bool) -> None:
+        """``_land`` for a run of speculative decoding: counters, tokens, draft round and the
+        drafts the request holds when step ``_now`` is scheduled."""
+        j = self._now - run.start
+        c = run.computed[j]
+        npt = req.num_prompt_tokens
+        self._catch_up(req, c + 1)
+        req.num_computed_tokens = c
+        d = self.cfg.max_model_len - 2 - c  # what the last proposal could draft
+        S = self.cfg.num_speculative_tokens
+        if d > S:
+            d = S
+        if d > 0:
+            req.draft_round = run.round0 + j
+            k = run.accepted[j]
+            req.spec_token_ids = self._drafter.drafts_at(req, c + 1 - npt, d, k if k < d else d)
+        else:  # (only at the run's end) that proposal drafted nothing and kept its round
+            req.draft_round = run.round0 + j - 1
+            req.spec_token_ids = []
+        if not stay:
+            end = req.cruise_end
+            if self._now < end:  # the rest of the run is not bulk any more
+                self._acc_by_step[self._now:end] -= run.accepted[j:end - run.start]
             del self._cruise[req]
             req.cruising = False
             self._awake.add(req)
@@ -187,9 +235,12 @@ class Scheduler:
         max_len = cfg.max_model_len
         align = cfg.align_split
 
+        if self._spec_candidates:
+            self._start_spec_runs(step)
         cruise = self._cruise
         order = running
         sides = False  # bulk requests with a block event in this pass
+        bulk_n = self._bulk_n
         if cruise:
             for req in self._wake_at.pop(step, ()):
                 if req.cruising:
@@ -198,7 +249,7 @@ class Scheduler:
             self._grown = {}
             # the bulk rows are only exact if no row can be cut short by the budget
             order = sorted(self._awake, key=_seat)  # = running requests not in bulk, in order
-            demand = len(cruise)
+            demand = len(cruise) * bulk_n
             for req in order:
                 want = len(req.token_ids) + len(req.spec_token_ids) - req.num_computed_tokens
                 if want > 0:
@@ -207,9 +258,10 @@ class Scheduler:
                 self._wake_all()
                 order = running
             else:
-                budget -= len(cruise)
+                budget -= len(cruise) * bulk_n
                 if side:
                     side = [req for req, run in side if req.cruising and req.cruise_run == run]
+                    self.num_side_events += len(side)
                     if side:
                         order = sorted(order + side, key=_seat)
                         sides = True
@@ -226,7 +278,7 @@ class Scheduler:
                 # the pool is short: it takes this step the normal way (preempting as needed),
                 # its prepaid bulk row back in the budget
                 self._land(req, False)
-                budget += 1
+                budget += bulk_n
             if budget <= 0:
                 # with bulk rows prepaid, every request left in this pass wants no token
                 if sides:
@@ -274,7 +326,7 @@ class Scheduler:
                     before = list(running)
                 running.remove(victim)
                 if victim.cruising:
-                    budget += 1  # its bulk row was prepaid
+                    budget += bulk_n  # its bulk row was prepaid
                 elif victim is not req:
                     # priority policy: the victim may already have its row in this pass; as
                     # upstream, it is unscheduled and its tokens go back to the budget
@@ -304,9 +356,12 @@ class Scheduler:
                 for req in before[before.index(stopped) + 1:]:
                     if req.cruising:
                         self._land(req, False)
-                        budget += 1
+                        budget += bulk_n
             if cruise:
-                snapshot = (tuple(running), tuple(scheduled), dict(cruise), self._grown)
+                acc = self._acc_by_step
+                snapshot = (tuple(running), tuple(scheduled), dict(cruise), self._grown, bulk_n - 1,
+                            int(acc[step]) if bulk_n > 1 and step < len(acc) else 0,
+                            self._drafter.drafts_at if bulk_n > 1 else None)
 
         if not preempted:
             self._schedule_waiting(scheduled, budget)
@@ -423,8 +478,9 @@ class Scheduler:
         max_len = self.cfg.max_model_len
         reqs = self.requests
         sampled_get = outcome.own_sampled.get  # bulk rows need nothing: they are applied when read
-        accepted = outcome.accepted
+        accepted = outcome.own_accepted
         steady = [] if self._tokens is not None else None  # candidates for bulk decode
+        spec = self._drafter is not None
         for s in plan.explicit_rows:
             tokens = sampled_get(s[0])
             if not tokens:
@@ -445,7 +501,7 @@ class Scheduler:
                 req.update_hashes()
             if len(toks) - req.num_prompt_tokens >= req.max_tokens or len(toks) >= max_len:
                 finished.append(req)
-            elif steady is not None and len(tokens) == 1:
+            elif steady is not None and (spec or len(tokens) == 1):
                 steady.append(req)
         for req in finished:
             self.running.remove(req)
@@ -455,7 +511,10 @@ class Scheduler:
             self._finished_since_last.append(req.req_id)
         self._now = plan.step + 1
         if steady:
-            self._start_cruise(steady)
+            if spec:  # they start once the drafter has proposed their next drafts
+                self._spec_candidates = steady
+            else:
+                self._start_cruise(steady)
         return [r.req_id for r in finished]
 
     def _side_event(self, req: Request, step: int) -> bool:
@@ -463,21 +522,106 @@ class Scheduler:
         path makes for its one token, after which it stays in bulk (new blocks go into its
         row of this step) and its next event is booked. False, with nothing taken, when
         the pool is short (it must then take the step the normal way, which may preempt)."""
-        self.num_side_events += 1
-        base_c, base_step = self._cruise[req]
-        c = base_c + step - base_step
+        base = self._cruise[req]
+        if type(base) is tuple:
+            c = base[0] + step - base[1]
+        else:
+            c = base.computed[step - base.start]
         kv = self.kv
-        if kv.fused and (c + 1) // req.hash_block_size <= len(req.block_hashes):
-            got = kv.bulk_event(req, c)  # nothing to publish needs its lagging tokens
+        if kv.fused:
+            if (c + 1) // req.hash_block_size > len(req.block_hashes):
+                self._catch_up(req, c + 1)  # its block hashes must cover its c + 1 tokens
+            got = kv.bulk_event(req, c, c + self._bulk_n)
         else:
             self._land(req, True)  # its tokens and block hashes as of this step
-            got = kv.allocate_running(req, c, 1, None, False)
+            got = kv.allocate_running(req, c, self._bulk_n, None, False)
         if got is None:
             return False
         if got:
             self._grown[req] = tuple(map(tuple, got))
-        self._book_side(req, c, step)
+        if type(base) is tuple:
+            self._book_side(req, c, step)
+        else:
+            self._book_spec_side(req, base, step - base.start + 1)
         return True
+
+    def _catch_up(self, req: Request, ntok: int) -> None:
+        """Extend a bulk request's lagging token list (and block hashes) to ``ntok`` tokens."""
+        have = len(req.token_ids)
+        if ntok > have:
+            req.append_output(self._tokens(req, have - req.num_prompt_tokens, ntok - have))
+
+    def _book_spec_side(self, req: Request, run: SpecRun, j: int) -> None:
+        """``_book_side`` for a run of speculative decoding: the first of its steps from
+        ``start + j`` on whose computed or total tokens pass a quiet bound."""
+        cs = run.computed
+        end = req.cruise_end - run.start
+        at = bisect_right(cs, req.quiet_computed, j, end)
+        k = bisect_right(cs, req.quiet_total - self._bulk_n, j, at)
+        if k < at:
+            at = k
+        if at < end:
+            self._side_at.setdefault(run.start + at, []).append((req, req.cruise_run))
+
+    def _start_spec_runs(self, step: int) -> None:
+        """Put requests that sampled last step into bulk speculative decoding, each for the
+        steps before the first that could finish it (or shorten its drafts), at most 1,024."""
+        cands = self._spec_candidates
+        self._spec_candidates = []
+        cfg = self.cfg
+        S = cfg.num_speculative_tokens
+        max_len = cfg.max_model_len
+        drafter = self._drafter
+        for req in cands:
+            if req.status != Status.RUNNING or req.cruising:
+                continue
+            spec = req.spec_token_ids
+            ntok = len(req.token_ids)
+            c = req.num_computed_tokens
+            npt = req.num_prompt_tokens
+            if len(spec) != S or c != ntok - 1 or c < npt:
+                continue
+            left = req.max_tokens - (ntok - npt)
+            count = min(left, max_len - ntok, 1024)
+            if count < 3:
+                continue
+            o = ntok - npt
+            truth = self._tokens(req, o, S)
+            k0 = 0
+            while k0 < S and spec[k0] == truth[k0]:
+                k0 += 1
+            later = drafter.accepted_run(req, req.draft_round, count)
+            if later is None:
+                continue
+            ks = np.empty(count + 1, dtype=np.int64)
+            ks[0] = k0
+            ks[1:] = later
+            cs = np.empty(count + 1, dtype=np.int64)
+            cs[0] = c
+            np.cumsum(ks[:-1] + 1, out=cs[1:])
+            cs[1:] += c
+            # step j could finish the request (max_tokens / max_model_len) or its next
+            # proposal could have fewer than S drafts: the run ends before it
+            after = cs + 2 + ks  # tokens after step j
+            stop = (after - npt >= req.max_tokens) | (after >= max_len) | (cs + 1 + S > max_len - 1)
+            J = int(stop.argmax()) if stop.any() else count
+            if J < 2:
+                continue
+            acc = self._acc_by_step
+            if len(acc) < step + J:
+                grown = np.zeros(max(2 * len(acc), step + J + 1024), dtype=np.int64)
+                grown[:len(acc)] = acc
+                self._acc_by_step = acc = grown
+            acc[step:step + J] += ks[:J]
+            run = SpecRun(step, cs.tolist(), ks.tolist(), req.draft_round)
+            self._cruise[req] = run
+            req.cruising = True
+            self._awake.discard(req)
+            req.cruise_run = self._runs
+            self._runs += 1
+            req.cruise_end = step + J
+            self._wake_at.setdefault(step + J, []).append(req)
+            self._book_spec_side(req, run, 0)
 
     def _book_side(self, req: Request, c: int, step: int) -> None:
         """Book the run's next block event: the first step whose token passes one of the
