@@ -43,6 +43,7 @@ class KVCacheManager:
                                            for m in self.managers)
         # which groups bound committed tokens (attention publishing) rather than computed ones
         self._on_committed = [not m.spec.is_mamba for m in self.managers]
+        self._fused_groups = [(m.gid, m, not m.spec.is_mamba, m.bs, m.spec.num_spec) for m in self.managers]
 
     # ------------------------------------------------------------------ hits
     def attention_cached_blocks(self, req: Request) -> int:
@@ -202,52 +203,51 @@ class KVCacheManager:
         decoding requests are most of the scheduler's work."""
         idx = req.index
         pool = self.pool
-        todo = []  # per crossed group: (gid, manager, is attention, fresh needed, layout)
+        todo = []  # per crossed group: (its statics, row, fresh needed, layout)
         need = 0
-        gid = 0
         committed = (total if total < ntok else ntok) - 1
-        for q, on_committed in zip(quiet, self._on_committed):
-            if total > q[0] or (committed if on_committed else c) > q[1]:
-                m = self.managers[gid]
-                bs = m.bs
-                row = m.rows[idx]
-                if m.spec.is_mamba:
-                    if c > q[1]:  # (below its computed bound there is nothing to release)
-                        m.remove_skipped(req, c)
-                    S = m.spec.num_spec
-                    running = (total - 1) // bs
-                    new_len = running + 1 + S
-                    prev_len = len(row)
-                    k = 0
-                    movable = None
-                    if new_len > prev_len:
-                        k = 1
-                        if S:
-                            live = 0
-                            for t in range(running, prev_len):
-                                if row[t] != NULL_BLOCK:
-                                    live += 1
-                            movable = [j for j in range(max(prev_len - S, 0), min(prev_len, running))
-                                       if row[j] != NULL_BLOCK]
-                            empty = new_len - running - live
-                            if len(movable) > empty:
-                                del movable[empty:]
-                            k = empty - len(movable)
-                    todo.append((gid, m, False, k, (running, new_len, prev_len, movable) if new_len > prev_len
-                                 else None))
-                else:
-                    k = -(-total // bs) - len(row)
+        for g in self._fused_groups:  # (gid, manager, is attention, block size, draft columns)
+            q = quiet[g[0]]
+            m = g[1]
+            if g[2]:
+                if total > q[0] or committed > q[1]:
+                    row = m.rows[idx]
+                    k = -(-total // g[3]) - len(row)
                     if k < 0:
                         k = 0
-                    todo.append((gid, m, True, k, None))
-                need += k
-            gid += 1
+                    todo.append((g, row, k, None))
+                    need += k
+            elif total > q[0] or c > q[1]:
+                if c > q[1]:  # (below its computed bound there is nothing to release)
+                    m.remove_skipped(req, c)
+                row = m.rows[idx]
+                S = g[4]
+                running = (total - 1) // g[3]
+                new_len = running + 1 + S
+                prev_len = len(row)
+                if new_len > prev_len:
+                    k = 1
+                    movable = None
+                    if S:
+                        live = 0
+                        for t in range(running, prev_len):
+                            if row[t] != NULL_BLOCK:
+                                live += 1
+                        movable = [j for j in range(max(prev_len - S, 0), min(prev_len, running))
+                                   if row[j] != NULL_BLOCK]
+                        empty = new_len - running - live
+                        if len(movable) > empty:
+                            del movable[empty:]
+                        k = empty - len(movable)
+                    todo.append((g, row, k, (running, new_len, prev_len, movable)))
+                    need += k
+                else:
+                    todo.append((g, row, 0, None))
         if need and need > pool.num_free:
             return None
         tails = None
-        for gid, m, is_attn, k, lay in todo:
-            bs = m.bs
-            row = m.rows[idx]
+        for g, row, k, lay in todo:
+            gid, m, is_attn, bs, S = g
             tail = ()
             if is_attn:
                 if k:
@@ -261,7 +261,6 @@ class KVCacheManager:
                     num_cached[idx] = done = full
                 quiet[gid] = (len(row) * bs, (done + 1) * bs - 2)
             else:
-                S = m.spec.num_spec
                 if lay is not None:
                     running, new_len, prev_len, movable = lay
                     fresh = pool.allocate(k) if k else ()
