@@ -97,17 +97,29 @@ class BernoulliModel:
             k += 1
         return k
 
-    def accepted_rounds(self, req: Request, first: int, count: int, num_drafts: int) -> np.ndarray:
-        """``accepted`` for rounds ``first .. first+count-1`` of one request (the rounds a
-        bulk run of speculative decoding will go through), vectorised."""
-        base = self._base.get(req.index)
-        if base is None:
-            base = self._base[req.index] = combine(self.seed, 0xACC, req.index)
-        rounds = np.arange(first, first + count, dtype=np.uint64) << np.uint64(8)
+    def accepted_runs(self, reqs: list[Request], firsts: np.ndarray, counts: np.ndarray,
+                      num_drafts: int) -> np.ndarray:
+        """``accepted`` for rounds ``firsts[i] .. firsts[i]+counts[i]-1`` of each request (the
+        rounds a bulk run of speculative decoding will go through), concatenated, in one
+        vectorised pass."""
+        bases = self._base
+        seed = self.seed
+        bs = []
+        for r in reqs:
+            base = bases.get(r.index)
+            if base is None:
+                base = bases[r.index] = combine(seed, 0xACC, r.index)
+            bs.append(base & _M64)
+        counts = np.asarray(counts, dtype=np.int64)
+        total = int(counts.sum())
+        owner = np.repeat(np.arange(len(reqs)), counts)
+        within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        rounds = (np.asarray(firsts, dtype=np.int64)[owner] + within).astype(np.uint64) << np.uint64(8)
         groups = -(-num_drafts // 4)
-        xs = (rounds + np.uint64(base & _M64))[:, None] + np.arange(0, 4 * groups, 4, dtype=np.uint64)[None, :]
-        words = mix_many(xs)  # (count, groups): draft k reads lane k % 4 of word k // 4
-        lanes = ((words[:, :, None] >> _LANE_SHIFTS[None, None, :]) & np.uint64(0xFFFF)).reshape(count, -1)
+        xs = (rounds + np.array(bs, dtype=np.uint64)[owner])[:, None] + \
+            np.arange(0, 4 * groups, 4, dtype=np.uint64)[None, :]
+        words = mix_many(xs)  # (rounds, groups): draft k reads lane k % 4 of word k // 4
+        lanes = ((words[:, :, None] >> _LANE_SHIFTS[None, None, :]) & np.uint64(0xFFFF)).reshape(total, -1)
         run = np.cumprod(lanes[:, :num_drafts] < np.uint64(self.threshold), axis=1).sum(axis=1)
         return run.astype(np.int64)
 
@@ -137,17 +149,23 @@ class PatternModel:
     def accepted(self, req: Request, num_drafts: int) -> int:
         return min(self.pattern[req.draft_round % len(self.pattern)], num_drafts)
 
-    def accepted_rounds(self, req: Request, first: int, count: int, num_drafts: int) -> np.ndarray:
+    def accepted_runs(self, reqs: list[Request], firsts: np.ndarray, counts: np.ndarray,
+                      num_drafts: int) -> np.ndarray:
+        counts = np.asarray(counts, dtype=np.int64)
+        owner = np.repeat(np.arange(len(reqs)), counts)
+        within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        rounds = np.asarray(firsts, dtype=np.int64)[owner] + within
         p = self.pattern
-        return np.minimum(np.array(p, dtype=np.int64)[np.arange(first, first + count) % len(p)], num_drafts)
+        return np.minimum(np.array(p, dtype=np.int64)[rounds % len(p)], num_drafts)
 
 
 class RejectAll:
     def accepted(self, req: Request, num_drafts: int) -> int:
         return 0
 
-    def accepted_rounds(self, req: Request, first: int, count: int, num_drafts: int) -> np.ndarray:
-        return np.zeros(count, dtype=np.int64)
+    def accepted_runs(self, reqs: list[Request], firsts: np.ndarray, counts: np.ndarray,
+                      num_drafts: int) -> np.ndarray:
+        return np.zeros(int(np.sum(counts)), dtype=np.int64)
 
 
 def acceptance_model(spec, seed: int) -> Acceptance:
@@ -195,11 +213,12 @@ class ModelDrafts:
             drafts[k] = drafts[k] % (self.vocab - 1) + 1  # a different, valid token: the divergence
         return drafts
 
-    def accepted_run(self, req: Request, first: int, count: int) -> Optional[np.ndarray]:
-        """Drafts accepted in rounds ``first .. first+count-1`` with ``num_spec`` drafts each
-        (None if the acceptance model cannot say in advance)."""
-        rounds = getattr(self.acc, "accepted_rounds", None)
-        return None if rounds is None else rounds(req, first, count, self.num_spec)
+    def accepted_runs(self, reqs: list[Request], firsts: np.ndarray, counts: np.ndarray) -> Optional[np.ndarray]:
+        """Drafts accepted in rounds ``firsts[i] .. firsts[i]+counts[i]-1`` of each request with
+        ``num_spec`` drafts a round, concatenated (None if the acceptance model cannot say
+        in advance)."""
+        runs = getattr(self.acc, "accepted_runs", None)
+        return None if runs is None else runs(reqs, firsts, counts, self.num_spec)
 
     def propose_many(self, reqs: list[Request]) -> list[list[int]]:
         """``propose`` for every request sampled this step (the acceptance draws vectorised)."""

@@ -207,7 +207,7 @@ class Simulation:
         bulk = plan.num_bulk  # rows advanced in bulk: one decode token (+ drafts) each, sampled when read
         scheduled_tokens = decode_tokens = out_tokens = bulk
         if bulk:
-            cruise = plan._cruise
+            cruise = plan.bulk
             if cruise.num_spec:
                 scheduled_tokens = decode_tokens = bulk * (1 + cruise.num_spec)
                 out_tokens += cruise.accepted

@@ -127,7 +127,7 @@ def spec_scenarios(draw):
     pmin = draw(st.integers(1, 80))
     pmax = pmin + draw(st.integers(0, 120))
     omax = draw(st.integers(10, 250))
-    max_len = draw(st.sampled_from([1024, pmax + spec + draw(st.integers(8, 200))]))
+    max_len = draw(st.sampled_from([1024, max(pmax, 100) + spec + draw(st.integers(8, 200))]))
     longest = min(pmax + omax + spec, max_len)
     groups_blocks = 2 * (-(-longest // bs)) + 2 * (3 + spec)
     blocks = groups_blocks + 1 + draw(st.integers(0, 150))

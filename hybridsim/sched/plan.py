@@ -124,6 +124,11 @@ class StepPlan:
                                               None, 0))
 
     @property
+    def bulk(self) -> Optional[Cruise]:
+        """What was advanced in bulk this step (None: every row was built one by one)."""
+        return self._cruise
+
+    @property
     def explicit_rows(self):
         """Rows built one by one (all of them when nothing was advanced in bulk)."""
         return self._explicit

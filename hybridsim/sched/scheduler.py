@@ -551,78 +551,6 @@ class Scheduler:
         if ntok > have:
             req.append_output(self._tokens(req, have - req.num_prompt_tokens, ntok - have))
 
-    def _book_spec_side(self, req: Request, run: SpecRun, j: int) -> None:
-        """``_book_side`` for a run of speculative decoding: the first of its steps from
-        ``start + j`` on whose computed or total tokens pass a quiet bound."""
-        cs = run.computed
-        end = req.cruise_end - run.start
-        at = bisect_right(cs, req.quiet_computed, j, end)
-        k = bisect_right(cs, req.quiet_total - self._bulk_n, j, at)
-        if k < at:
-            at = k
-        if at < end:
-            self._side_at.setdefault(run.start + at, []).append((req, req.cruise_run))
-
-    def _start_spec_runs(self, step: int) -> None:
-        """Put requests that sampled last step into bulk speculative decoding, each for the
-        steps before the first that could finish it (or shorten its drafts), at most 1,024."""
-        cands = self._spec_candidates
-        self._spec_candidates = []
-        cfg = self.cfg
-        S = cfg.num_speculative_tokens
-        max_len = cfg.max_model_len
-        drafter = self._drafter
-        for req in cands:
-            if req.status != Status.RUNNING or req.cruising:
-                continue
-            spec = req.spec_token_ids
-            ntok = len(req.token_ids)
-            c = req.num_computed_tokens
-            npt = req.num_prompt_tokens
-            if len(spec) != S or c != ntok - 1 or c < npt:
-                continue
-            left = req.max_tokens - (ntok - npt)
-            count = min(left, max_len - ntok, 1024)
-            if count < 3:
-                continue
-            o = ntok - npt
-            truth = self._tokens(req, o, S)
-            k0 = 0
-            while k0 < S and spec[k0] == truth[k0]:
-                k0 += 1
-            later = drafter.accepted_run(req, req.draft_round, count)
-            if later is None:
-                continue
-            ks = np.empty(count + 1, dtype=np.int64)
-            ks[0] = k0
-            ks[1:] = later
-            cs = np.empty(count + 1, dtype=np.int64)
-            cs[0] = c
-            np.cumsum(ks[:-1] + 1, out=cs[1:])
-            cs[1:] += c
-            # step j could finish the request (max_tokens / max_model_len) or its next
-            # proposal could have fewer than S drafts: the run ends before it
-            after = cs + 2 + ks  # tokens after step j
-            stop = (after - npt >= req.max_tokens) | (after >= max_len) | (cs + 1 + S > max_len - 1)
-            J = int(stop.argmax()) if stop.any() else count
-            if J < 2:
-                continue
-            acc = self._acc_by_step
-            if len(acc) < step + J:
-                grown = np.zeros(max(2 * len(acc), step + J + 1024), dtype=np.int64)
-                grown[:len(acc)] = acc
-                self._acc_by_step = acc = grown
-            acc[step:step + J] += ks[:J]
-            run = SpecRun(step, cs.tolist(), ks.tolist(), req.draft_round)
-            self._cruise[req] = run
-            req.cruising = True
-            self._awake.discard(req)
-            req.cruise_run = self._runs
-            self._runs += 1
-            req.cruise_end = step + J
-            self._wake_at.setdefault(step + J, []).append(req)
-            self._book_spec_side(req, run, 0)
-
     def _book_side(self, req: Request, c: int, step: int) -> None:
         """Book the run's next block event: the first step whose token passes one of the
         request's quiet bounds (total or computed), if that is before the run's end."""
@@ -663,3 +591,99 @@ class Scheduler:
             req.cruise_end = nxt + j
             self._wake_at.setdefault(nxt + j, []).append(req)
             self._book_side(req, c, nxt)
+
+    def _book_spec_side(self, req: Request, run: SpecRun, j: int) -> None:
+        """``_book_side`` for a run of speculative decoding: the first of its steps from
+        ``start + j`` on whose computed or total tokens pass a quiet bound."""
+        cs = run.computed
+        end = req.cruise_end - run.start
+        at = bisect_right(cs, req.quiet_computed, j, end)
+        k = bisect_right(cs, req.quiet_total - self._bulk_n, j, at)
+        if k < at:
+            at = k
+        if at < end:
+            self._side_at.setdefault(run.start + at, []).append((req, req.cruise_run))
+
+    def _start_spec_runs(self, step: int) -> None:
+        """Put requests that sampled last step into bulk speculative decoding, each for the
+        steps before the first that could finish it (or shorten its drafts), at most 1,024.
+        The runs of all of them are computed in one vectorised pass."""
+        cands = self._spec_candidates
+        self._spec_candidates = []
+        cfg = self.cfg
+        S = cfg.num_speculative_tokens
+        max_len = cfg.max_model_len
+        reqs, k0s, counts = [], [], []
+        for req in cands:
+            if req.status != Status.RUNNING or req.cruising:
+                continue
+            spec = req.spec_token_ids
+            ntok = len(req.token_ids)
+            c = req.num_computed_tokens
+            npt = req.num_prompt_tokens
+            if len(spec) != S or c != ntok - 1 or c < npt:
+                continue
+            count = min(req.max_tokens - (ntok - npt), max_len - ntok, 1024)
+            if count < 16:  # a run of a few steps costs more to set up than it saves
+                continue
+            truth = self._tokens(req, ntok - npt, S)
+            k0 = 0
+            while k0 < S and spec[k0] == truth[k0]:
+                k0 += 1
+            reqs.append(req)
+            k0s.append(k0)
+            counts.append(count)
+        if not reqs:
+            return
+        m = len(reqs)
+        counts = np.array(counts, dtype=np.int64)
+        later = self._drafter.accepted_runs(reqs, np.array([r.draft_round for r in reqs], dtype=np.int64), counts)
+        if later is None:
+            return
+        # run i: entries j = 0 .. counts[i] (step start + j), concatenated
+        lens = counts + 1
+        first = np.cumsum(lens) - lens
+        owner = np.repeat(np.arange(m), lens)
+        local = np.arange(int(lens.sum()), dtype=np.int64) - first[owner]
+        ks = np.empty(len(owner), dtype=np.int64)
+        ks[first] = k0s
+        ks[local > 0] = later
+        step_tokens = ks + 1
+        ends = np.cumsum(step_tokens)
+        before = ends - step_tokens  # tokens of earlier entries, concatenated
+        c0 = np.array([r.num_computed_tokens for r in reqs], dtype=np.int64)
+        cs = c0[owner] + before - before[first][owner]
+        # step j could finish the request (max_tokens / max_model_len) or its next proposal
+        # could have fewer than S drafts: the run ends before it
+        after = cs + 2 + ks  # tokens after step j
+        limit = np.array([r.max_tokens + r.num_prompt_tokens for r in reqs], dtype=np.int64)
+        stop = (after >= limit[owner]) | (after >= max_len) | (cs + 1 + S > max_len - 1)
+        Js = np.minimum.reduceat(np.where(stop, local, counts[owner]), first).tolist()
+        ks_all = ks.tolist()
+        cs_all = cs.tolist()
+        first = first.tolist()
+        lens = lens.tolist()
+        acc = self._acc_by_step
+        need = step + max(Js)
+        if len(acc) < need:
+            grown = np.zeros(max(2 * len(acc), need + 1024), dtype=np.int64)
+            grown[:len(acc)] = acc
+            self._acc_by_step = acc = grown
+        run_len = np.array(Js, dtype=np.int64)
+        run_len[run_len < 2] = 0  # too short to be worth a run
+        take = local < run_len[owner]  # entries inside their run
+        np.add.at(acc, step + local[take], ks[take])
+        for i, req in enumerate(reqs):
+            J = Js[i]
+            if J < 2:
+                continue
+            a, b = first[i], first[i] + lens[i]
+            run = SpecRun(step, cs_all[a:b], ks_all[a:b], req.draft_round)
+            self._cruise[req] = run
+            req.cruising = True
+            self._awake.discard(req)
+            req.cruise_run = self._runs
+            self._runs += 1
+            req.cruise_end = step + J
+            self._wake_at.setdefault(step + J, []).append(req)
+            self._book_spec_side(req, run, 0)
