@@ -16,9 +16,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from .kv_cache import KVCacheManager, PrefixHit
 import numpy as np
 
+from .kv_cache import KVCacheManager, PrefixHit
 from .plan import Cruise, ScheduledRequest, SpecRun, StepOutcome, StepPlan
 from .request import Request, Status
 
@@ -120,7 +120,7 @@ class Scheduler:
     def enable_cruise(self, tokens, drafter=None) -> None:
         """Advance steady decodes in bulk. ``tokens(req, start, count)`` returns the output
         tokens the model will commit (its true continuation). With drafts, ``drafter`` must
-        say in advance how many drafts each round will have accepted (``accepted_run``) and
+        say in advance how many drafts each round will have accepted (``accepted_runs``) and
         rebuild a round's drafts (``drafts_at``); otherwise nothing runs in bulk."""
         S = self.cfg.num_speculative_tokens
         thr = self.cfg.long_prefill_token_threshold
