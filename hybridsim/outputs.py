@@ -70,6 +70,15 @@ class Acceptance(Protocol):
         """How many leading drafts of this proposal round will be correct."""
 
 
+def _run_rounds(firsts, counts) -> tuple[np.ndarray, np.ndarray]:
+    """Rounds ``firsts[i] .. firsts[i]+counts[i]-1`` of each run, concatenated, and the run
+    each belongs to."""
+    counts = np.asarray(counts, dtype=np.int64)
+    owner = np.repeat(np.arange(len(counts)), counts)
+    within = np.arange(len(owner), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.asarray(firsts, dtype=np.int64)[owner] + within, owner
+
+
 class BernoulliModel:
     """Each draft matches with probability ``rate`` given the previous one did.
 
@@ -110,11 +119,9 @@ class BernoulliModel:
             if base is None:
                 base = bases[r.index] = combine(seed, 0xACC, r.index)
             bs.append(base & _M64)
-        counts = np.asarray(counts, dtype=np.int64)
-        total = int(counts.sum())
-        owner = np.repeat(np.arange(len(reqs)), counts)
-        within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-        rounds = (np.asarray(firsts, dtype=np.int64)[owner] + within).astype(np.uint64) << np.uint64(8)
+        rounds, owner = _run_rounds(firsts, counts)
+        total = len(rounds)
+        rounds = rounds.astype(np.uint64) << np.uint64(8)
         groups = -(-num_drafts // 4)
         xs = (rounds + np.array(bs, dtype=np.uint64)[owner])[:, None] + \
             np.arange(0, 4 * groups, 4, dtype=np.uint64)[None, :]
@@ -151,10 +158,7 @@ class PatternModel:
 
     def accepted_runs(self, reqs: list[Request], firsts: np.ndarray, counts: np.ndarray,
                       num_drafts: int) -> np.ndarray:
-        counts = np.asarray(counts, dtype=np.int64)
-        owner = np.repeat(np.arange(len(reqs)), counts)
-        within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-        rounds = np.asarray(firsts, dtype=np.int64)[owner] + within
+        rounds, _ = _run_rounds(firsts, counts)
         p = self.pattern
         return np.minimum(np.array(p, dtype=np.int64)[rounds % len(p)], num_drafts)
 

@@ -149,6 +149,29 @@ def test_priority_victim_scheduled_earlier_in_the_pass_is_unscheduled():
     assert sim.checks.tallies["sched.invariants"].failures == 0
 
 
+def test_acceptance_of_future_rounds_equals_round_by_round():
+    """What a bulk speculative run is computed from: every acceptance model's answer for many
+    rounds of many requests at once equals asking round by round."""
+    import random
+
+    from hybridsim.outputs import BernoulliModel, PatternModel, RejectAll
+    from hybridsim.sched.request import Request
+
+    rng = random.Random(3)
+    for num_drafts in (1, 3, 4, 5, 9):
+        for model in (BernoulliModel(0.3, 7), BernoulliModel(0.9, 8), PatternModel([0, 2, 3, 1]), RejectAll()):
+            reqs = [Request(f"r{i}", rng.randrange(10**6), 0, [1], 10) for i in range(6)]
+            firsts = [rng.randrange(200) for _ in reqs]
+            counts = [rng.randrange(0, 25) for _ in reqs]
+            want = []
+            for r, f, c in zip(reqs, firsts, counts):
+                for rd in range(f, f + c):
+                    r.draft_round = rd
+                    want.append(model.accepted(r, num_drafts))
+            assert model.accepted_runs(reqs, firsts, counts, num_drafts).tolist() == want
+            assert sum(want) > 0 or isinstance(model, RejectAll)
+
+
 def test_batched_drafts_equal_one_request_at_a_time():
     """The drafter's vectorised round (all requests sampled in a step) proposes exactly what
     proposing for each request on its own does, draft by draft, round after round."""
