@@ -91,10 +91,20 @@ class BernoulliModel:
         self.seed = seed
         self._base: dict[int, int] = {}
 
+    def _bases(self, reqs) -> list[int]:
+        """Each request's acceptance hash base (the round and draft index are added to it)."""
+        bases = self._base
+        seed = self.seed
+        out = []
+        for r in reqs:
+            base = bases.get(r.index)
+            if base is None:
+                base = bases[r.index] = combine(seed, 0xACC, r.index)
+            out.append(base)
+        return out
+
     def accepted(self, req: Request, num_drafts: int) -> int:
-        base = self._base.get(req.index)
-        if base is None:
-            base = self._base[req.index] = combine(self.seed, 0xACC, req.index)
+        base = self._bases((req,))[0]
         thr = self.threshold
         k = 0
         word = 0
@@ -111,14 +121,7 @@ class BernoulliModel:
         """``accepted`` for rounds ``firsts[i] .. firsts[i]+counts[i]-1`` of each request (the
         rounds a bulk run of speculative decoding will go through), concatenated, in one
         vectorised pass."""
-        bases = self._base
-        seed = self.seed
-        bs = []
-        for r in reqs:
-            base = bases.get(r.index)
-            if base is None:
-                base = bases[r.index] = combine(seed, 0xACC, r.index)
-            bs.append(base & _M64)
+        bs = self._bases(reqs)
         rounds, owner = _run_rounds(firsts, counts)
         total = len(rounds)
         rounds = rounds.astype(np.uint64) << np.uint64(8)
@@ -135,14 +138,7 @@ class BernoulliModel:
         four drafts: one hash per request; more go one by one)."""
         if max(num_drafts) > 4:
             return [self.accepted(r, d) for r, d in zip(reqs, num_drafts)]
-        bases = self._base
-        seed = self.seed
-        xs = []
-        for r in reqs:
-            base = bases.get(r.index)
-            if base is None:
-                base = bases[r.index] = combine(seed, 0xACC, r.index)
-            xs.append((base + (r.draft_round << 8)) & _M64)
+        xs = [(base + (r.draft_round << 8)) & _M64 for r, base in zip(reqs, self._bases(reqs))]
         words = mix_many(np.array(xs, dtype=np.uint64))
         lanes = (words[:, None] >> _LANE_SHIFTS[None, :]) & np.uint64(0xFFFF)
         run = np.cumprod(lanes < np.uint64(self.threshold), axis=1).sum(axis=1)

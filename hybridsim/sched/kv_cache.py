@@ -41,9 +41,9 @@ class KVCacheManager:
         # align mode) go through one fused function; other layouts, group by group
         self.fused = fused_events and all(type(m) in (AttentionManager, MambaAlignManager)
                                            for m in self.managers)
-        # which groups bound committed tokens (attention publishing) rather than computed ones
-        self._on_committed = [not m.spec.is_mamba for m in self.managers]
-        self._fused_groups = [(m.gid, m, not m.spec.is_mamba, m.bs, m.spec.num_spec) for m in self.managers]
+        # per group: (id, manager, is attention, block size, draft columns); attention groups
+        # bound committed tokens (publishing) rather than computed ones
+        self._statics = [(m.gid, m, not m.spec.is_mamba, m.bs, m.spec.num_spec) for m in self.managers]
 
     # ------------------------------------------------------------------ hits
     def attention_cached_blocks(self, req: Request) -> int:
@@ -168,8 +168,8 @@ class KVCacheManager:
         need = 0
         j = 0
         committed = (total if total < ntok else ntok) - 1
-        for q, on_committed in zip(quiet, self._on_committed):
-            if total > q[0] or (committed if on_committed else c) > q[1]:
+        for q, g in zip(quiet, self._statics):
+            if total > q[0] or (committed if g[2] else c) > q[1]:
                 m = self.managers[j]
                 need += m.decode_need(req, c, total)
                 active.append(m)
@@ -206,7 +206,7 @@ class KVCacheManager:
         todo = []  # per crossed group: (its statics, row, fresh needed, layout)
         need = 0
         committed = (total if total < ntok else ntok) - 1
-        for g in self._fused_groups:  # (gid, manager, is attention, block size, draft columns)
+        for g in self._statics:
             q = quiet[g[0]]
             m = g[1]
             if g[2]:

@@ -583,14 +583,19 @@ class Scheduler:
                 j = k
             if j < 2:
                 continue
-            self._cruise[req] = (c, nxt)
-            req.cruising = True
-            self._awake.discard(req)
-            req.cruise_run = self._runs
-            self._runs += 1
-            req.cruise_end = nxt + j
-            self._wake_at.setdefault(nxt + j, []).append(req)
+            self._enter_bulk(req, (c, nxt), nxt + j)
             self._book_side(req, c, nxt)
+
+    def _enter_bulk(self, req: Request, base, end: int) -> None:
+        """Start a bulk run (``base``: (computed tokens, step) or a SpecRun) that is woken at
+        step ``end``, the first it does not cover."""
+        self._cruise[req] = base
+        req.cruising = True
+        self._awake.discard(req)
+        req.cruise_run = self._runs
+        self._runs += 1
+        req.cruise_end = end
+        self._wake_at.setdefault(end, []).append(req)
 
     def _book_spec_side(self, req: Request, run: SpecRun, j: int) -> None:
         """``_book_side`` for a run of speculative decoding: the first of its steps from
@@ -679,11 +684,5 @@ class Scheduler:
                 continue
             a, b = first[i], first[i] + lens[i]
             run = SpecRun(step, cs_all[a:b], ks_all[a:b], req.draft_round)
-            self._cruise[req] = run
-            req.cruising = True
-            self._awake.discard(req)
-            req.cruise_run = self._runs
-            self._runs += 1
-            req.cruise_end = step + J
-            self._wake_at.setdefault(step + J, []).append(req)
+            self._enter_bulk(req, run, step + J)
             self._book_spec_side(req, run, 0)
