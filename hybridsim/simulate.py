@@ -9,13 +9,17 @@ from a trace file.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Iterator, Optional
 
+import numpy as np
+
 from .config import PreemptFault, ResetPrefixCacheFault, Scenario
 from .outputs import Continuation, DraftSource, ModelDrafts, SeededContinuation, acceptance_model, make_drafter
 from .sched.groups import GroupSpec, plan_groups
+from .sched.hashing import block_hashes_many
 from .sched.kv_cache import KVCacheManager
 from .sched.plan import StepOutcome, StepPlan
 from .sched.request import Request, Status
@@ -83,6 +87,28 @@ def kv_groups(s: Scenario) -> list[GroupSpec]:
 _STREAM_BATCH_TOKENS = 1 << 16
 
 
+def _make_requests(workload: Workload, hash_bs: int) -> list[Request]:
+    """The scheduler's requests, with the prompts' block hashes computed in one vectorised
+    pass when the workload has its prompts as one array. The garbage collector is paused
+    meanwhile: it would otherwise walk the growing token lists again and again."""
+    wreqs = workload.requests
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        hashes = None
+        flat = workload.prompt_tokens
+        if flat is not None:
+            lengths = [len(w.prompt) for w in wreqs]
+            if flat.size == sum(lengths):
+                hashes = block_hashes_many(flat, np.cumsum([0] + lengths[:-1]).tolist(), lengths, hash_bs)
+        return [Request(w.req_id, i, w.arrival_step, list(w.prompt), w.max_tokens, w.priority,
+                        w.output_seed, hash_bs, hashes[i] if hashes is not None else None)
+                for i, w in enumerate(wreqs)]
+    finally:
+        if was_on:
+            gc.enable()
+
+
 class Simulation:
     """Iterate over ``(plan, outcome)``; ``stats`` fills in as it goes."""
 
@@ -115,9 +141,7 @@ class Simulation:
         self.schedule_s = 0.0
         self.update_s = 0.0
         self.last_tokens = (0, 0)  # (prefill, decode) tokens of the last step
-        hash_bs = min(g.block_size for g in self.groups)
-        self.requests = [Request(w.req_id, i, w.arrival_step, list(w.prompt), w.max_tokens, w.priority,
-                                 w.output_seed, hash_bs) for i, w in enumerate(workload.requests)]
+        self.requests = _make_requests(workload, min(g.block_size for g in self.groups))
         self.faults: dict[int, list] = {}
         for f in scenario.faults:
             self.faults.setdefault(f.at_step, []).append(f)

@@ -2,6 +2,7 @@
 
     git worktree add /tmp/base REV && mkdir -p /tmp/abpkg && cp -r /tmp/base/hybridsim /tmp/abpkg/hybridsim_base
     python bench/probes/planner_ab.py decode64 6      # workload (decode64, decode256, spec256), rounds
+    python bench/probes/planner_ab.py mooncake2000 6  # seconds to plan (Simulation built + run)
 
 Both versions run in one process, alternating (base first in even rounds), so the shared
 machine's slow and fast phases fall on both alike; the package uses relative imports only,
@@ -43,14 +44,31 @@ def steady(pkg, text, steps):
     return steps / (time.perf_counter() - t0)
 
 
+def whole(pkg, text):
+    """Seconds to plan a whole workload: the Simulation built (requests, hashes) and run."""
+    if pkg == 'base':
+        loaded = pb(text, "bench")
+        wl, sim_cls = wb(loaded), SB
+    else:
+        loaded = bp.parse_scenario(text, "bench")
+        wl, sim_cls = bp.build_workload(loaded), bp.Simulation
+    t0 = time.perf_counter()
+    sim_cls(loaded.scenario, wl).run()
+    return time.perf_counter() - t0
+
+
 w = sys.argv[1]
 rounds = int(sys.argv[2])
-n, spec = {'decode64': (64, 0), 'decode256': (256, 0), 'spec256': (256, 3)}[w]
-text = bp.decode_scenario(n, spec)
+if w == 'mooncake2000':
+    text, measure, unit = bp.mooncake_scenario(2000), whole, 's'
+else:
+    n, spec = {'decode64': (64, 0), 'decode256': (256, 0), 'spec256': (256, 3)}[w]
+    text, unit = bp.decode_scenario(n, spec), 'steps/s'
+    measure = lambda pkg, text: steady(pkg, text, 500)  # noqa: E731
 res = {'base': [], 'new': []}
 for r in range(rounds):
     for pkg in (('base', 'new') if r % 2 == 0 else ('new', 'base')):
-        res[pkg].append(steady(pkg, text, 500))
+        res[pkg].append(measure(pkg, text))
 b, nw = statistics.median(res['base']), statistics.median(res['new'])
-print(f"{w}: base {b:,.0f} steps/s {[round(x) for x in res['base']]}  new {nw:,.0f} steps/s "
-      f"{[round(x) for x in res['new']]}  ratio {nw / b:.3f}")
+print(f"{w}: base {b:,.3f} {unit} {[round(x, 3) for x in res['base']]}  new {nw:,.3f} {unit} "
+      f"{[round(x, 3) for x in res['new']]}  ratio {nw / b:.3f}")

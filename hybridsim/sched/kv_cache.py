@@ -91,6 +91,8 @@ class KVCacheManager:
         first allocation: the whole row).
         """
         total = num_computed + num_new
+        if hit is not None and self.fused:
+            return self._fused_admit(req, total, hit, checkpoint, publish_end, admit_tokens)
         managers = self.managers
         if num_computed:
             for m in self.mamba:
@@ -133,6 +135,101 @@ class KVCacheManager:
             for m in managers:
                 m.cache(req, num_computed, total, checkpoint, publish_end)
         self._set_quiet(req)
+        return out
+
+    def _fused_admit(self, req: Request, total: int, hit: PrefixHit, checkpoint: Optional[int],
+                     publish_end: bool, admit_tokens: Optional[int]) -> Optional[list]:
+        """``allocate`` of a request that holds no rows yet (admission), for attention and
+        align-mode Mamba groups in one function: the same decisions and pool operations in
+        the same order (count, touch the hit, take fresh blocks group by group, publish),
+        without planning objects. A Mamba hit row is nulls ending in one state block, and a
+        first Mamba layout recycles nothing, which is what makes the counts this short."""
+        idx = req.index
+        pool = self.pool
+        bs = self.block_size
+        hit_rows = hit.blocks
+        full_ckpt = None
+        if admit_tokens is not None and admit_tokens > total:
+            full_ckpt = admit_tokens // bs - 1 if admit_tokens % bs and admit_tokens > bs else None
+        else:
+            admit_tokens = None
+        todo = []  # per group: (statics, hit row, fresh blocks, Mamba target columns)
+        need = need_full = 0
+        for g, hrow in zip(self._statics, hit_rows):
+            h = len(hrow)
+            if g[2]:
+                k = -(-total // bs) - h
+                if k < 0:
+                    k = 0
+                todo.append((g, hrow, k, None))
+                need += k
+                if admit_tokens is not None:
+                    k = -(-admit_tokens // bs) - h
+                    if k > 0:
+                        need_full += k
+            else:
+                S = g[4]
+                targets, k = _first_mamba_columns(total, checkpoint, h, S, bs)
+                todo.append((g, hrow, k, targets))
+                need += k
+                if admit_tokens is not None:
+                    need_full += _first_mamba_columns(admit_tokens, full_ckpt, h, S, bs)[1]
+        if need_full > need:
+            need = need_full
+        ref = pool.ref_cnt
+        if hit.tokens:
+            for hrow in hit_rows:
+                for b in hrow:
+                    if b and ref[b] == 0:
+                        need += 1
+        if need > pool.num_free:
+            return None
+        if hit.tokens:
+            for g, hrow, _, _ in todo:
+                pool.touch(hrow)
+                if g[2]:
+                    g[1].num_cached[idx] = len(hrow)
+        out = []
+        for g, hrow, k, targets in todo:
+            fresh = pool.allocate(k) if k else []
+            row = list(hrow)
+            if targets is None:
+                row.extend(fresh)
+            else:
+                row.extend([NULL_BLOCK] * (targets[-1] + 1 - len(row)))
+                j = 0
+                for t in targets:
+                    if row[t] == NULL_BLOCK:
+                        row[t] = fresh[j]
+                        j += 1
+            g[1].rows[idx] = row
+            out.append(tuple(row))
+        quiet = []
+        hashes = req.block_hashes
+        for g, _, _, _ in todo:
+            gid, m, is_attn, _, S = g
+            row = m.rows[idx]
+            if is_attn:
+                done = m.num_cached.get(idx, 0)
+                if self.enable_caching:
+                    ntok = len(req.token_ids)
+                    full = (total if total < ntok else ntok) // bs
+                    if full > done:
+                        pool.cache_row(row, hashes, done, full, gid)
+                        m.num_cached[idx] = done = full
+                quiet.append((len(row) * bs, (done + 1) * bs - 2))
+            else:
+                if self.enable_caching and (checkpoint is not None or publish_end):
+                    limit = req.num_prompt_tokens // bs  # states inside the prompt only
+                    if checkpoint is not None and checkpoint < limit and row[checkpoint] != NULL_BLOCK:
+                        pool.cache(row[checkpoint], hashes[checkpoint] << 6 | gid, True)
+                    if publish_end and total % bs == 0:
+                        col = total // bs - 1
+                        if col < limit and row[col] != NULL_BLOCK:
+                            pool.cache(row[col], hashes[col] << 6 | gid, True)
+                quiet.append(((len(row) - S) * bs, (m.low.get(idx, 0) + 1) * bs))
+        req.quiet_by = quiet
+        _publish_quiet(req, quiet)
         return out
 
     def allocate_running(self, req: Request, num_computed: int, num_new: int, checkpoint: Optional[int],
@@ -300,6 +397,20 @@ class KVCacheManager:
                 if hasattr(m, "num_cached"):
                     m.num_cached.clear()
         return ok
+
+
+def _first_mamba_columns(total: int, checkpoint: Optional[int], h: int, S: int, bs: int) -> tuple[list, int]:
+    """An align-mode Mamba row's first layout for ``total`` tokens over a hit row of ``h``
+    columns (nulls, then the hit state): the columns to fill (the checkpoint first) and how
+    many fresh blocks they take (a target on the hit state is already filled)."""
+    running = (total - 1) // bs
+    targets = list(range(running, running + 1 + S))
+    if checkpoint is not None and checkpoint < running:
+        targets.insert(0, checkpoint)
+    k = len(targets)
+    if h and h - 1 in targets:
+        k -= 1
+    return targets, k
 
 
 def _publish_quiet(req: Request, quiet: list[tuple[int, int]]) -> None:

@@ -25,7 +25,8 @@ class Request:
                  "seat", "cruise_run", "cruise_end")
 
     def __init__(self, req_id: str, index: int, arrival_step: int, prompt: list[int], max_tokens: int,
-                 priority: int = 0, output_seed: int = 0, hash_block_size: int = 16):
+                 priority: int = 0, output_seed: int = 0, hash_block_size: int = 16,
+                 block_hashes: list[int] | None = None):
         self.req_id = req_id
         self.index = index
         self.arrival_step = arrival_step
@@ -35,7 +36,8 @@ class Request:
         self.num_prompt_tokens = len(prompt)
         self.num_computed_tokens = 0
         self.spec_token_ids: list[int] = []
-        self.block_hashes: list[int] = []
+        # (given: the prompt's block hashes, computed for many requests at once by sched.hashing)
+        self.block_hashes: list[int] = block_hashes if block_hashes is not None else []
         self.status = Status.WAITING
         self.num_preemptions = 0
         self.resumed = False

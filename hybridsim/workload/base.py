@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,9 @@ class Workload:
     vocab_size: int
     source: str
     notes: list[str] = field(default_factory=list)  # e.g. how many prompts were clipped
+    # every prompt's tokens end to end, in request order, when the builder made them as one
+    # array: block hashes are then computed in one vectorised pass (sched.hashing)
+    prompt_tokens: Optional[np.ndarray] = field(default=None, repr=False, compare=False)
 
     @property
     def total_prompt_tokens(self) -> int:

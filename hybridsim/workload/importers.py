@@ -176,6 +176,7 @@ def build_from_trace(wl: TraceWorkload, path: Path, seed: int, max_model_len: in
     out_seeds = combine_many((seed, 0xB2), np.arange(len(rows), dtype=np.uint64)).tolist()  # combine(seed, 0xB2, i)
     clipped = 0
     reqs = []
+    arrays = []  # the prompts as int64 arrays (None once one does not fit)
     order = sorted(range(len(rows)), key=lambda i: (steps[i], i))
     for i in order:
         r = rows[i]
@@ -183,18 +184,33 @@ def build_from_trace(wl: TraceWorkload, path: Path, seed: int, max_model_len: in
         olen = max(1, round(r.output_len * scale)) if wl.format not in _STEP_TIMES else r.output_len
         if r.prompt is not None:
             prompt = list(r.prompt)
-        elif r.hash_ids is not None:
-            tokens, where = hash_rows
-            ids = r.hash_ids[: -(-plen // per_hash)]
-            prompt = tokens[[where[h] for h in ids]].ravel()[:plen].tolist() if ids else []
-            if len(prompt) < plen:  # fewer hash ids than the scaled length covers
-                prompt.extend(token_block(combine(seed, 0xA1, i), plen - len(prompt), vocab).tolist())
+            arr = None
         else:
-            prompt = token_block(combine(seed, 0xA1, i), plen, vocab).tolist()
+            if r.hash_ids is not None:
+                tokens, where = hash_rows
+                ids = r.hash_ids[: -(-plen // per_hash)]
+                arr = tokens[[where[h] for h in ids]].ravel()[:plen] if ids else np.zeros(0, dtype=np.int64)
+                if len(arr) < plen:  # fewer hash ids than the scaled length covers
+                    arr = np.concatenate([arr, token_block(combine(seed, 0xA1, i), plen - len(arr), vocab)])
+            else:
+                arr = token_block(combine(seed, 0xA1, i), plen, vocab)
+            if len(arr) >= max_model_len:
+                arr = arr[: max_model_len - 1]
+                clipped += 1
+            prompt = arr.tolist()
         if len(prompt) >= max_model_len:
             prompt = prompt[: max_model_len - 1]
             clipped += 1
+        if arrays is not None:
+            if arr is None:
+                try:
+                    arr = np.array(prompt, dtype=np.int64)
+                except OverflowError:  # token ids past int64: hashed one by one later
+                    arrays = None
+            if arrays is not None:
+                arrays.append(arr)
         reqs.append(WorkloadRequest(r.req_id or f"r{i}", steps[i], tuple(prompt), olen, 0, out_seeds[i]))
     if clipped:
         notes.append(f"{clipped} prompt(s) clipped to max_model_len - 1 = {max_model_len - 1} tokens")
-    return Workload(reqs, vocab, f"{wl.format}:{path.name}", notes)
+    flat = np.concatenate(arrays) if arrays else None
+    return Workload(reqs, vocab, f"{wl.format}:{path.name}", notes, prompt_tokens=flat)

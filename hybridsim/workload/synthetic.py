@@ -46,6 +46,7 @@ def build_synthetic(wl: SyntheticWorkload, seed: int, max_model_len: int) -> Wor
         for k in range(wl.shared_prefix.count):
             prefixes.append(token_block(combine(seed, 0x9F, k), wl.shared_prefix.len, wl.vocab_size))
     reqs = []
+    arrays = []
     next_prefix = 0
     for i in range(wl.num_requests):
         plen = draw_length(wl.prompt_len, rng)
@@ -58,6 +59,7 @@ def build_synthetic(wl: SyntheticWorkload, seed: int, max_model_len: int) -> Wor
             next_prefix += 1
             k = min(len(pre), plen - 1)
             unique[:k] = pre[:k]
+        arrays.append(unique)
         reqs.append(WorkloadRequest(f"r{i}", steps[i], tuple(unique.tolist()), olen, prio,
                                     combine(seed, 0xB2, i)))
-    return Workload(reqs, wl.vocab_size, "synthetic")
+    return Workload(reqs, wl.vocab_size, "synthetic", prompt_tokens=np.concatenate(arrays) if arrays else None)

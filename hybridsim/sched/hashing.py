@@ -1,0 +1,151 @@
+"""Prefix block hashes of many prompts at once, equal to ``Request.update_hashes``.
+
+A request's block hashes are chained: block i's hash is ``hash((parent, tuple(block)))``
+with the previous block's hash as parent (0 for the first). Computing them one block at a
+time costs about a microsecond each, which adds up to most of building a simulation on a
+big trace. This module computes the very same values with numpy: CPython's hash of a tuple
+is a fixed xxHash-style mix of its items' hashes (Objects/tupleobject.c, unchanged since
+Python 3.8), and an int's hash is its value modulo 2**61 - 1 with its sign. Before it is
+first used, the vectorised version is compared with ``hash`` on a sample; if they differ
+(another Python implementation), callers fall back to hashing block by block.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Optional, Sequence
+
+import numpy as np
+
+_U = np.uint64
+_MASK = (1 << 64) - 1
+_MOD = _U((1 << 61) - 1)  # ints hash to their value modulo this prime
+_P1 = _U(11400714785074694791)
+_P2 = _U(14029467366897019727)
+_P5 = _U(2870177450012600261)
+_LEN_SALT = 2870177450012600261 ^ 3527539  # the tuple length is mixed in with this
+_ALL_ONES = _U(_MASK)
+_FOR_ALL_ONES = _U(1546275796)  # a tuple hash of -1 is replaced by this
+_verified: Optional[bool] = None
+_VECTOR_MIN = 48  # prompts still hashing below which the chain goes on in plain Python
+
+
+def _int_hash(v: np.ndarray) -> np.ndarray:
+    """hash() of every int64 of ``v``, as uint64 bit patterns (Py_hash_t two's complement)."""
+    u = v.view(_U)
+    neg = v < 0
+    a = np.where(neg, ~u + _U(1), u)  # |v|
+    r = (a & _MOD) + (a >> _U(61))  # |v| mod p, folded (2**61 = 1 mod p) ...
+    r[r >= _MOD] -= _MOD  # ... and reduced
+    r = np.where(neg, ~r + _U(1), r)  # the sign comes back
+    r[r == _ALL_ONES] = _ALL_ONES - _U(1)  # -1 is reserved: hash(-1) == -2
+    return r
+
+
+def _mix(acc: np.ndarray, lane: np.ndarray) -> np.ndarray:
+    """One item into a tuple hash, in place: acc = rotl(acc + lane * P2, 31) * P1."""
+    acc += lane * _P2
+    high = acc >> _U(33)
+    acc <<= _U(31)
+    acc |= high
+    acc *= _P1
+    return acc
+
+
+def _finish(acc: np.ndarray, n: int) -> np.ndarray:
+    acc = acc + _U(n ^ _LEN_SALT)
+    acc[acc == _ALL_ONES] = _FOR_ALL_ONES
+    return acc
+
+
+def block_hashes_many(tokens: np.ndarray, starts: Sequence[int], lengths: Sequence[int],
+                      block_size: int) -> Optional[list[list[int]]]:
+    """Chained block hashes of prompts ``tokens[starts[i] : starts[i] + lengths[i]]`` (one flat
+    int64 array), every full block of each; None if this Python hashes differently."""
+    if not _check():
+        return None
+    return _hashes(tokens, starts, lengths, block_size)
+
+
+def _hashes(tokens: np.ndarray, starts: Sequence[int], lengths: Sequence[int], bs: int) -> list[list[int]]:
+    nblocks = np.asarray(lengths, dtype=np.int64) // bs
+    total = int(nblocks.sum())
+    if total == 0:
+        return [[] for _ in nblocks]
+    with np.errstate(over="ignore"):
+        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+        # the tokens of every full block, prompt after prompt
+        sizes = (nblocks * bs).tolist()
+        blocks = np.concatenate([tokens[a:a + n] for a, n in zip(starts, sizes)]).reshape(total, bs)
+        small = int(blocks.min()) >= 0 and int(blocks.max()) < int(_MOD)  # ids hash to themselves
+        first = np.cumsum(nblocks) - nblocks
+        owner = np.repeat(np.arange(len(nblocks)), nblocks)
+        local = np.arange(total, dtype=np.int64) - first[owner]
+        inner = np.empty(total, dtype=_U)  # hash(tuple(block)) of every block
+        step = max(1, (1 << 15) // bs)  # blocks per slice, so that a slice's lanes stay in cache
+        for lo in range(0, total, step):
+            lanes = np.ascontiguousarray(blocks[lo:lo + step].T)  # lanes[k]: token k of each block
+            lanes = lanes.view(_U) if small else _int_hash(lanes)
+            acc = np.full(lanes.shape[1], _P5, dtype=_U)
+            for k in range(bs):
+                _mix(acc, lanes[k])
+            inner[lo:lo + step] = _finish(acc, bs)
+        # the chain runs block by block, over all prompts with that many blocks at once
+        order = np.argsort(-nblocks, kind="stable")
+        counts = nblocks[order]
+        width = int(counts[0])
+        rank = np.empty(len(order), dtype=np.int64)
+        rank[order] = np.arange(len(order))
+        grid = np.zeros((width, len(order)), dtype=_U)  # grid[j]: block j of every prompt
+        grid[local, rank[owner]] = inner
+        # prompts with more than j blocks: a prefix of the order
+        active = np.searchsorted(-counts, -np.arange(width), side="left").tolist()
+        parent = np.zeros(len(order), dtype=np.int64)
+        out = np.zeros((width, len(order)), dtype=np.int64)
+        j = 0
+        while j < width and active[j] >= _VECTOR_MIN:
+            a = active[j]
+            acc = np.full(a, _P5, dtype=_U)
+            _mix(acc, _int_hash(parent[:a]))
+            _mix(acc, grid[j, :a])
+            parent[:a] = _finish(acc, 2).view(np.int64)
+            out[j, :a] = parent[:a]
+            j += 1
+    # the few long prompts left go on block by block (a numpy pass per block costs more)
+    starts = list(starts)
+    for r in range(active[j] if j < width else 0):
+        i = int(order[r])
+        n = int(nblocks[i])
+        p = int(parent[r])
+        toks = tokens[starts[i] + j * bs: starts[i] + n * bs].tolist()
+        for k in range(n - j):
+            p = hash((p, tuple(toks[k * bs:(k + 1) * bs])))
+            out[j + k, r] = p
+    flat = out[local, rank[owner]].tolist()  # prompt after prompt
+    return [flat[a:a + n] for a, n in zip(first.tolist(), nblocks.tolist())]
+
+
+def _check() -> bool:
+    """Does the vectorised hash equal this interpreter's ``hash`` (asked once)?"""
+    global _verified
+    if _verified is None:
+        rnd = random.Random(7)
+        prompts = [[rnd.randrange(0, 1 << rnd.choice((8, 31, 62))) for _ in range(rnd.randrange(0, 90))]
+                   for _ in range(24)]
+        prompts.append([-1, -2, (1 << 63) - 1, -(1 << 63)] * 5)  # sign and reserved values
+        flat = np.array([t for p in prompts for t in p], dtype=np.int64)
+        lengths = [len(p) for p in prompts]
+        starts = np.cumsum([0] + lengths[:-1]).tolist()
+        got = _hashes(flat, starts, lengths, 4)
+        want = [chained_hashes(p, 4) for p in prompts]
+        _verified = got == want
+    return _verified
+
+
+def chained_hashes(tokens: Sequence[int], bs: int, parent: int = 0) -> list[int]:
+    """The reference: block by block, as ``Request.update_hashes`` does."""
+    out = []
+    for i in range(len(tokens) // bs):
+        parent = hash((parent, tuple(tokens[i * bs:(i + 1) * bs])))
+        out.append(parent)
+    return out
