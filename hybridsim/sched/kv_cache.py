@@ -298,11 +298,16 @@ class KVCacheManager:
         column left behind while needs are counted, then every crossed group takes its
         blocks in group order), without the per-group method calls: the events of
         decoding requests are most of the scheduler's work."""
+        committed = (total if total < ntok else ntok) - 1
+        for q in quiet:
+            if total > q[0]:
+                break
+        else:  # no group takes a block: only releases and publishing (most events)
+            return self._quiet_event(req, c, total, quiet, ntok, committed)
         idx = req.index
         pool = self.pool
         todo = []  # per crossed group: (its statics, row, fresh needed, layout)
         need = 0
-        committed = (total if total < ntok else ntok) - 1
         for g in self._statics:
             q = quiet[g[0]]
             m = g[1]
@@ -375,6 +380,30 @@ class KVCacheManager:
                 tails[gid] = tail
         _publish_quiet(req, quiet)
         return self._unchanged if tails is None else tails
+
+    def _quiet_event(self, req: Request, c: int, total: int, quiet: list, ntok: int, committed: int) -> list:
+        """``_fused_event`` when no group's total bound is crossed: crossed Mamba groups
+        release the columns left behind, then crossed attention groups publish their full
+        blocks, in group order as there. Nothing is allocated, so it cannot fail."""
+        idx = req.index
+        for g in self._statics:
+            if not g[2] and c > quiet[g[0]][1]:
+                m = g[1]
+                m.remove_skipped(req, c)
+                quiet[g[0]] = ((len(m.rows[idx]) - g[4]) * g[3], (m.low.get(idx, 0) + 1) * g[3])
+        for g in self._statics:
+            if g[2] and committed > quiet[g[0]][1]:
+                gid, m, _, bs, _ = g
+                row = m.rows[idx]
+                full = (total if total < ntok else ntok) // bs
+                num_cached = m.num_cached
+                done = num_cached.get(idx, 0)
+                if full > done:
+                    self.pool.cache_row(row, req.block_hashes, done, full, gid)
+                    num_cached[idx] = done = full
+                quiet[gid] = (len(row) * bs, (done + 1) * bs - 2)
+        _publish_quiet(req, quiet)
+        return self._unchanged
 
     def _set_quiet(self, req: Request) -> None:
         """Record, per group and overall, how far the request can decode untouched."""
