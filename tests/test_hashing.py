@@ -24,11 +24,36 @@ def _flat(prompts):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.lists(_TOKENS, max_size=70), min_size=1, max_size=12), st.sampled_from([1, 3, 4, 16]))
-def test_vectorised_hashes_equal_block_by_block(prompts, bs):
+@given(st.lists(st.lists(_TOKENS, max_size=70), min_size=1, max_size=12), st.sampled_from([1, 3, 4, 16]),
+       st.sampled_from([1, 5, 10 ** 9]))
+def test_vectorised_hashes_equal_block_by_block(prompts, bs, vector_min):
+    """Every part in numpy (vector_min 1), the chain's tail in Python (5), or all of the chain in Python."""
     flat, starts, lengths = _flat(prompts)
-    got = hashing.block_hashes_many(flat, starts, lengths, bs)
+    saved = hashing._VECTOR_MIN
+    hashing._VECTOR_MIN = vector_min
+    try:
+        got = hashing.block_hashes_many(flat, starts, lengths, bs)
+    finally:
+        hashing._VECTOR_MIN = saved
     assert got == [hashing.chained_hashes(p, bs) for p in prompts]
+
+
+def test_the_self_check_exercises_the_vectorised_chain():
+    """The check before first use must compare the numpy chain, not only the Python tail."""
+    hashing._verified = None
+    chained = []  # prompts per vectorised chain step (a tuple of two: the parent and the block)
+    real = hashing._finish
+
+    def counting(acc, n):
+        if n == 2:
+            chained.append(len(acc))
+        return real(acc, n)
+    hashing._finish = counting
+    try:
+        assert hashing._check()
+    finally:
+        hashing._finish = real
+    assert chained and min(chained) >= hashing._VECTOR_MIN
 
 
 def test_long_prompts_finish_block_by_block_and_still_agree():

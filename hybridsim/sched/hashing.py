@@ -130,8 +130,9 @@ def _check() -> bool:
     global _verified
     if _verified is None:
         rnd = random.Random(7)
+        # enough prompts that the chain runs vectorised for its first blocks, then block by block
         prompts = [[rnd.randrange(0, 1 << rnd.choice((8, 31, 62))) for _ in range(rnd.randrange(0, 90))]
-                   for _ in range(24)]
+                   for _ in range(2 * _VECTOR_MIN)]
         prompts.append([-1, -2, (1 << 63) - 1, -(1 << 63)] * 5)  # sign and reserved values
         flat = np.array([t for p in prompts for t in p], dtype=np.int64)
         lengths = [len(p) for p in prompts]
