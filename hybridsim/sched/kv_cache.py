@@ -92,7 +92,7 @@ class KVCacheManager:
         """
         total = num_computed + num_new
         if hit is not None and self.fused:
-            return self._fused_admit(req, total, hit, checkpoint, publish_end, admit_tokens)
+            return self._fused_admit(req, num_computed, total, hit, checkpoint, publish_end, admit_tokens)
         managers = self.managers
         if num_computed:
             for m in self.mamba:
@@ -109,20 +109,11 @@ class KVCacheManager:
                        for i, m in enumerate(managers))
             need = max(need, full)
         if hit is not None and hit.tokens:
-            ref = self.pool.ref_cnt
-            for row in hit.blocks:
-                for b in row:
-                    if b and ref[b] == 0:
-                        need += 1
+            need += self._hit_need(hit)
         if need > self.pool.num_free:
             return None
         if hit is not None and hit.tokens:
-            for m, row in zip(managers, hit.blocks):
-                self.pool.touch(row)
-                if isinstance(m, AttentionManager):
-                    m.mark_hit_cached(req, len(row))
-                elif hasattr(m, "num_cached"):
-                    m.num_cached[req.index] = len(row)
+            self._attach_hit(req, hit)
         out = []
         allocate = self.pool.allocate
         for p in plans:
@@ -137,13 +128,33 @@ class KVCacheManager:
         self._set_quiet(req)
         return out
 
-    def _fused_admit(self, req: Request, total: int, hit: PrefixHit, checkpoint: Optional[int],
-                     publish_end: bool, admit_tokens: Optional[int]) -> Optional[list]:
+    def _hit_need(self, hit: PrefixHit) -> int:
+        """Hit blocks that are free now: taking them shortens the free queue too."""
+        ref = self.pool.ref_cnt
+        n = 0
+        for row in hit.blocks:
+            for b in row:
+                if b and ref[b] == 0:
+                    n += 1
+        return n
+
+    def _attach_hit(self, req: Request, hit: PrefixHit) -> None:
+        """Take a reference on every hit block; groups that publish count the hit as published."""
+        for m, row in zip(self.managers, hit.blocks):
+            self.pool.touch(row)
+            if isinstance(m, AttentionManager):
+                m.mark_hit_cached(req, len(row))
+            elif hasattr(m, "num_cached"):
+                m.num_cached[req.index] = len(row)
+
+    def _fused_admit(self, req: Request, num_computed: int, total: int, hit: PrefixHit,
+                     checkpoint: Optional[int], publish_end: bool, admit_tokens: Optional[int]) -> Optional[list]:
         """``allocate`` of a request that holds no rows yet (admission), for attention and
         align-mode Mamba groups in one function: the same decisions and pool operations in
         the same order (count, touch the hit, take fresh blocks group by group, publish),
-        without planning objects. A Mamba hit row is nulls ending in one state block, and a
-        first Mamba layout recycles nothing, which is what makes the counts this short."""
+        without planning objects and closures. A Mamba hit row is nulls ending in one state
+        block, and a first Mamba layout recycles nothing, which is what makes the counts this
+        short."""
         idx = req.index
         pool = self.pool
         bs = self.block_size
@@ -176,60 +187,26 @@ class KVCacheManager:
                     need_full += _first_mamba_columns(admit_tokens, full_ckpt, h, S, bs)[1]
         if need_full > need:
             need = need_full
-        ref = pool.ref_cnt
         if hit.tokens:
-            for hrow in hit_rows:
-                for b in hrow:
-                    if b and ref[b] == 0:
-                        need += 1
+            need += self._hit_need(hit)
         if need > pool.num_free:
             return None
         if hit.tokens:
-            for g, hrow, _, _ in todo:
-                pool.touch(hrow)
-                if g[2]:
-                    g[1].num_cached[idx] = len(hrow)
+            self._attach_hit(req, hit)
         out = []
         for g, hrow, k, targets in todo:
             fresh = pool.allocate(k) if k else []
             row = list(hrow)
             if targets is None:
                 row.extend(fresh)
-            else:
-                row.extend([NULL_BLOCK] * (targets[-1] + 1 - len(row)))
-                j = 0
-                for t in targets:
-                    if row[t] == NULL_BLOCK:
-                        row[t] = fresh[j]
-                        j += 1
+            else:  # (a first layout recycles no draft block)
+                g[1]._fill(row, (targets, (), targets[-1] + 1, len(row)), fresh)
             g[1].rows[idx] = row
             out.append(tuple(row))
-        quiet = []
-        hashes = req.block_hashes
-        for g, _, _, _ in todo:
-            gid, m, is_attn, _, S = g
-            row = m.rows[idx]
-            if is_attn:
-                done = m.num_cached.get(idx, 0)
-                if self.enable_caching:
-                    ntok = len(req.token_ids)
-                    full = (total if total < ntok else ntok) // bs
-                    if full > done:
-                        pool.cache_row(row, hashes, done, full, gid)
-                        m.num_cached[idx] = done = full
-                quiet.append((len(row) * bs, (done + 1) * bs - 2))
-            else:
-                if self.enable_caching and (checkpoint is not None or publish_end):
-                    limit = req.num_prompt_tokens // bs  # states inside the prompt only
-                    if checkpoint is not None and checkpoint < limit and row[checkpoint] != NULL_BLOCK:
-                        pool.cache(row[checkpoint], hashes[checkpoint] << 6 | gid, True)
-                    if publish_end and total % bs == 0:
-                        col = total // bs - 1
-                        if col < limit and row[col] != NULL_BLOCK:
-                            pool.cache(row[col], hashes[col] << 6 | gid, True)
-                quiet.append(((len(row) - S) * bs, (m.low.get(idx, 0) + 1) * bs))
-        req.quiet_by = quiet
-        _publish_quiet(req, quiet)
+        if self.enable_caching:
+            for m in self.managers:
+                m.cache(req, num_computed, total, checkpoint, publish_end)
+        self._set_quiet(req)
         return out
 
     def allocate_running(self, req: Request, num_computed: int, num_new: int, checkpoint: Optional[int],
@@ -355,12 +332,7 @@ class KVCacheManager:
                 if k:
                     tail = pool.allocate(k)
                     row.extend(tail)
-                full = (total if total < ntok else ntok) // bs
-                num_cached = m.num_cached
-                done = num_cached.get(idx, 0)
-                if full > done:
-                    pool.cache_row(row, req.block_hashes, done, full, gid)
-                    num_cached[idx] = done = full
+                done = m.publish(req, row, total, ntok)
                 quiet[gid] = (len(row) * bs, (done + 1) * bs - 2)
             else:
                 if lay is not None:
@@ -386,21 +358,14 @@ class KVCacheManager:
         release the columns left behind, then crossed attention groups publish their full
         blocks, in group order as there. Nothing is allocated, so it cannot fail."""
         idx = req.index
-        for g in self._statics:
-            if not g[2] and c > quiet[g[0]][1]:
-                m = g[1]
+        for gid, m, is_attn, bs, S in self._statics:
+            if not is_attn and c > quiet[gid][1]:
                 m.remove_skipped(req, c)
-                quiet[g[0]] = ((len(m.rows[idx]) - g[4]) * g[3], (m.low.get(idx, 0) + 1) * g[3])
-        for g in self._statics:
-            if g[2] and committed > quiet[g[0]][1]:
-                gid, m, _, bs, _ = g
+                quiet[gid] = ((len(m.rows[idx]) - S) * bs, (m.low.get(idx, 0) + 1) * bs)
+        for gid, m, is_attn, bs, _ in self._statics:
+            if is_attn and committed > quiet[gid][1]:
                 row = m.rows[idx]
-                full = (total if total < ntok else ntok) // bs
-                num_cached = m.num_cached
-                done = num_cached.get(idx, 0)
-                if full > done:
-                    self.pool.cache_row(row, req.block_hashes, done, full, gid)
-                    num_cached[idx] = done = full
+                done = m.publish(req, row, total, ntok)
                 quiet[gid] = (len(row) * bs, (done + 1) * bs - 2)
         _publish_quiet(req, quiet)
         return self._unchanged

@@ -148,14 +148,19 @@ class AttentionManager(KVManager):
         return ()
 
     def cache(self, req, num_computed, total, checkpoint, publish_end):
+        self.publish(req, self.rows[req.index], total, len(req.token_ids))
+
+    def publish(self, req: Request, row: list[int], total: int, ntok: int) -> int:
+        """Publish the blocks of ``row`` full of committed tokens (the first ``min(total, ntok)``
+        tokens) not published yet; returns how many blocks are published now."""
         idx = req.index
-        done = self.num_cached.get(idx, 0)
-        ntok = len(req.token_ids)
+        num_cached = self.num_cached
+        done = num_cached.get(idx, 0)
         full = (total if total < ntok else ntok) // self.bs
-        if full <= done:
-            return
-        self.pool.cache_row(self.rows[idx], req.block_hashes, done, full, self.gid)
-        self.num_cached[idx] = full
+        if full > done:
+            self.pool.cache_row(row, req.block_hashes, done, full, self.gid)
+            num_cached[idx] = done = full
+        return done
 
     def free(self, req):
         self.num_cached.pop(req.index, None)
@@ -175,15 +180,8 @@ class AttentionManager(KVManager):
         row = self.rows[idx]
         if fresh:
             row.extend(fresh)
-        bs = self.bs
-        ntok = len(req.token_ids)
-        full = (total if total < ntok else ntok) // bs
-        num_cached = self.num_cached
-        done = num_cached.get(idx, 0)
-        if full > done:
-            self.pool.cache_row(row, req.block_hashes, done, full, self.gid)
-            num_cached[idx] = done = full
-        return (fresh or ()), (len(row) * bs, (done + 1) * bs - 2)
+        done = self.publish(req, row, total, len(req.token_ids))
+        return (fresh or ()), (len(row) * self.bs, (done + 1) * self.bs - 2)
 
     def quiet(self, req):
         """The publish bound is on committed tokens less one (``min(total, tokens) - 1``,

@@ -184,23 +184,20 @@ def build_from_trace(wl: TraceWorkload, path: Path, seed: int, max_model_len: in
         olen = max(1, round(r.output_len * scale)) if wl.format not in _STEP_TIMES else r.output_len
         if r.prompt is not None:
             prompt = list(r.prompt)
-            arr = None
+        elif r.hash_ids is not None:  # (an array until clipped)
+            tokens, where = hash_rows
+            ids = r.hash_ids[: -(-plen // per_hash)]
+            prompt = tokens[[where[h] for h in ids]].ravel()[:plen] if ids else np.zeros(0, dtype=np.int64)
+            if len(prompt) < plen:  # fewer hash ids than the scaled length covers
+                prompt = np.concatenate([prompt, token_block(combine(seed, 0xA1, i), plen - len(prompt), vocab)])
         else:
-            if r.hash_ids is not None:
-                tokens, where = hash_rows
-                ids = r.hash_ids[: -(-plen // per_hash)]
-                arr = tokens[[where[h] for h in ids]].ravel()[:plen] if ids else np.zeros(0, dtype=np.int64)
-                if len(arr) < plen:  # fewer hash ids than the scaled length covers
-                    arr = np.concatenate([arr, token_block(combine(seed, 0xA1, i), plen - len(arr), vocab)])
-            else:
-                arr = token_block(combine(seed, 0xA1, i), plen, vocab)
-            if len(arr) >= max_model_len:
-                arr = arr[: max_model_len - 1]
-                clipped += 1
-            prompt = arr.tolist()
+            prompt = token_block(combine(seed, 0xA1, i), plen, vocab)
         if len(prompt) >= max_model_len:
             prompt = prompt[: max_model_len - 1]
             clipped += 1
+        arr = None
+        if isinstance(prompt, np.ndarray):
+            arr, prompt = prompt, prompt.tolist()
         if arrays is not None:
             if arr is None:
                 try:
