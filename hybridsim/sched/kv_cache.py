@@ -13,8 +13,10 @@ from typing import Optional
 
 from .block_pool import BlockPool
 from .groups import GroupSpec
-from .managers import NULL_BLOCK, AttentionManager, KVManager, MambaAlignManager, make_manager
+from .managers import _INF, NULL_BLOCK, AttentionManager, KVManager, MambaAlignManager, make_manager
 from .request import Request
+
+NO_BOUND = _INF  # a quiet bound never crossed; ``next_publish_at`` without attention groups
 
 
 class PrefixHit:
@@ -263,18 +265,21 @@ class KVCacheManager:
         return self._unchanged if tails is None else tails
 
     def bulk_event(self, req: Request, c: int, total: int) -> Optional[list]:
-        """``allocate_running(req, c, total - c, None, False)`` for a decoding request whose
-        token list lags (bulk mode): it has ``c + 1`` committed tokens, and its block hashes
-        already cover their full blocks. Only with the fused layout (``self.fused``)."""
-        return self._fused_event(req, c, total, req.quiet_by, c + 1)
+        """``allocate_running(req, c, total - c, None, False)`` for a decoding request in bulk
+        mode (``c + 1`` committed tokens), with its attention publishing deferred
+        (``defer_publishing``): blocks are taken and Mamba columns released, nothing is
+        published. Only with the fused layout (``self.fused``)."""
+        return self._fused_event(req, c, total, req.quiet_by, c + 1, True)
 
-    def _fused_event(self, req: Request, c: int, total: int, quiet: list, ntok: int) -> Optional[list]:
+    def _fused_event(self, req: Request, c: int, total: int, quiet: list, ntok: int,
+                     deferred: bool = False) -> Optional[list]:
         """``_decode_event`` for attention and align-mode Mamba groups, in one function.
 
         The same decisions in the same order (each crossed Mamba group releases the
         column left behind while needs are counted, then every crossed group takes its
         blocks in group order), without the per-group method calls: the events of
-        decoding requests are most of the scheduler's work."""
+        decoding requests are most of the scheduler's work. ``deferred``: attention
+        groups take blocks but publish nothing (bulk mode, see ``defer_publishing``)."""
         committed = (total if total < ntok else ntok) - 1
         for q in quiet:
             if total > q[0]:
@@ -332,8 +337,11 @@ class KVCacheManager:
                 if k:
                     tail = pool.allocate(k)
                     row.extend(tail)
-                done = m.publish(req, row, total, ntok)
-                quiet[gid] = (len(row) * bs, (done + 1) * bs - 2)
+                if deferred:
+                    quiet[gid] = (len(row) * bs, _INF)
+                else:
+                    done = m.publish(req, row, total, ntok)
+                    quiet[gid] = (len(row) * bs, (done + 1) * bs - 2)
             else:
                 if lay is not None:
                     running, new_len, prev_len, movable = lay
@@ -369,6 +377,68 @@ class KVCacheManager:
                 quiet[gid] = (len(row) * bs, (done + 1) * bs - 2)
         _publish_quiet(req, quiet)
         return self._unchanged
+
+    # ------------------------------------------------------------------ deferred publishing
+    # A request in bulk mode publishes its full attention blocks late: the scheduler calls
+    # ``publish_deferred`` before anything could tell the difference (a prefix lookup, another
+    # request's publishing, a preemption, the request leaving bulk mode, an observer), in
+    # the order the step-by-step path would have published them. Publishing is not seen
+    # by taking or releasing blocks: a block being published is in use, so never in the
+    # free queue, and a holder evicted meanwhile leaves the other holders in their order.
+
+    def defer_publishing(self, req: Request) -> None:
+        """Attention groups stop bounding the request's committed tokens (no publish events)."""
+        q = req.quiet_by
+        for m in self.attn:
+            q[m.gid] = (q[m.gid][0], _INF)
+        _publish_quiet(req, q)
+
+    def resume_publishing(self, req: Request) -> None:
+        """Back to publishing at each block boundary (after ``publish_deferred`` caught up)."""
+        q = req.quiet_by
+        for m in self.attn:
+            q[m.gid] = m.quiet(req)
+        _publish_quiet(req, q)
+
+    def next_publish_at(self, req: Request) -> int:
+        """Computed tokens at which the request's next attention block is full of committed
+        tokens (``c + 1`` committed), or ``NO_BOUND`` without attention groups."""
+        idx = req.index
+        at = _INF
+        for m in self.attn:
+            k = (m.num_cached.get(idx, 0) + 1) * m.bs - 1
+            if k < at:
+                at = k
+        return at
+
+    def unpublished(self, req: Request, ntok: int) -> list[tuple[AttentionManager, int, int]]:
+        """Per attention group, the blocks full of the first ``ntok`` committed tokens not
+        published yet: (manager, first block, end)."""
+        idx = req.index
+        out = []
+        for m in self.attn:
+            done = m.num_cached.get(idx, 0)
+            full = ntok // m.bs
+            if full > done:
+                out.append((m, done, full))
+        return out
+
+    def publish_deferred(self, req: Request, ntok: int) -> int:
+        """Publish what the step-by-step path would have by the time the request had ``ntok``
+        committed tokens (its block hashes cover them); returns ``next_publish_at``."""
+        idx = req.index
+        at = _INF
+        for m in self.attn:
+            k = (m.publish(req, m.rows[idx], ntok, ntok) + 1) * m.bs - 1
+            if k < at:
+                at = k
+        return at
+
+    def publish_block(self, req: Request, m: AttentionManager, i: int) -> None:
+        """Publish block ``i`` of the request's row in group ``m`` alone (ordered catch-up)."""
+        idx = req.index
+        self.pool.cache(m.rows[idx][i], req.block_hashes[i] << 6 | m.gid)
+        m.num_cached[idx] = i + 1
 
     def _set_quiet(self, req: Request) -> None:
         """Record, per group and overall, how far the request can decode untouched."""

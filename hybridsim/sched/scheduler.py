@@ -11,19 +11,21 @@ lives in ``KVCacheManager``; tensors live nowhere near.
 from __future__ import annotations
 
 import bisect
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections import deque
+from heapq import heappop, heappush
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import numpy as np
 
-from .kv_cache import KVCacheManager, PrefixHit
+from .kv_cache import NO_BOUND, KVCacheManager, PrefixHit
 from .plan import Cruise, ScheduledRequest, SpecRun, StepOutcome, StepPlan
 from .request import Request, Status
 
 _Sched = ScheduledRequest  # built with tuple.__new__ on the hot path (all ten fields, in order)
 _new = tuple.__new__
+_AFTER_PASS = 1 << 62  # a seat after every running request's (admissions)
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,15 @@ class Scheduler:
         self._bulk_n = 1  # tokens of a bulk row
         self._spec_candidates: list[Request] = []  # sampled last step: may start a run
         self._acc_by_step = np.zeros(0, dtype=np.int64)  # drafts accepted by bulk rows, per step
+        # Deferred publishing (fused layouts): a bulk request publishes its full attention
+        # blocks only when something could tell (``_flush_publishing``), not in events of its
+        # own. _pub_at: step -> bulk requests whose next block is due then; _pub_steps: a heap
+        # of those steps. _at_seat: where the pass is (seats below it were processed in step
+        # ``_now``), which says what the step-by-step path would have published by now.
+        self._lazy = kv.fused
+        self._pub_at: dict[int, list[tuple[int, int, Request]]] = {}  # (seat, run, request)
+        self._pub_steps: list[int] = []
+        self._at_seat = -1
 
     def enable_cruise(self, tokens, drafter=None) -> None:
         """Advance steady decodes in bulk. ``tokens(req, start, count)`` returns the output
@@ -133,6 +144,9 @@ class Scheduler:
 
     def _land(self, req: Request, stay: bool) -> None:
         """Bring a cruising request's counters and tokens up to date (``stay``: keep cruising)."""
+        pub = self._pub_steps
+        if pub and (pub[0] < self._now or pub[0] == self._now and self._at_seat >= 0):
+            self._flush_publishing()  # (in the pass, or what earlier steps left)
         base = self._cruise[req]
         if type(base) is not tuple:
             self._land_spec(req, base, stay)
@@ -148,6 +162,8 @@ class Scheduler:
             del self._cruise[req]
             req.cruising = False
             self._awake.add(req)
+            if self._lazy:
+                self.kv.resume_publishing(req)
 
     def _land_spec(self, req: Request, run: SpecRun, stay: bool) -> None:
         """``_land`` for a run of speculative decoding: counters, tokens, draft round and the
@@ -175,6 +191,8 @@ class Scheduler:
             del self._cruise[req]
             req.cruising = False
             self._awake.add(req)
+            if self._lazy:
+                self.kv.resume_publishing(req)
 
     def sync(self) -> None:
         """Make every cruising request's attributes current (for observers such as sched.invariants)."""
@@ -227,6 +245,7 @@ class Scheduler:
         kv = self.kv
         kv.pool.new_step()
         self._now = step
+        self._at_seat = -1
         budget = cfg.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
@@ -277,6 +296,7 @@ class Scheduler:
                     continue
                 # the pool is short: it takes this step the normal way (preempting as needed),
                 # its prepaid bulk row back in the budget
+                self._at_seat = req.seat
                 self._land(req, False)
                 budget += bulk_n
             if budget <= 0:
@@ -317,6 +337,9 @@ class Scheduler:
                     n, checkpoint, publish = self._align_split(req, c, n, None)
                 if n <= 0:
                     continue
+            self._at_seat = req.seat
+            if self._pub_steps and self._pub_steps[0] <= step:
+                self._flush_publishing()  # what bulk requests published before this one does
             while True:
                 new_blocks = kv.allocate_running(req, c, n, checkpoint, publish)
                 if new_blocks is not None:
@@ -363,6 +386,7 @@ class Scheduler:
                             int(acc[step]) if bulk_n > 1 and step < len(acc) else 0,
                             self._drafter.drafts_at if bulk_n > 1 else None)
 
+        self._at_seat = _AFTER_PASS
         if not preempted:
             self._schedule_waiting(scheduled, budget)
 
@@ -382,6 +406,9 @@ class Scheduler:
         cfg = self.cfg
         kv = self.kv
         waiting = self.waiting
+        if (waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and self._pub_steps
+                and self._pub_steps[0] <= self._now):
+            self._flush_publishing()  # prefix lookups and admissions see the step's publishing
         while waiting and budget > 0:
             if len(self.running) >= cfg.max_num_seqs:
                 break
@@ -510,6 +537,7 @@ class Scheduler:
             self.kv.free(req)
             self._finished_since_last.append(req.req_id)
         self._now = plan.step + 1
+        self._at_seat = -1
         if steady:
             if spec:  # they start once the drafter has proposed their next drafts
                 self._spec_candidates = steady
@@ -529,9 +557,7 @@ class Scheduler:
             c = base.computed[step - base.start]
         kv = self.kv
         if kv.fused:
-            if (c + 1) // req.hash_block_size > len(req.block_hashes):
-                self._catch_up(req, c + 1)  # its block hashes must cover its c + 1 tokens
-            got = kv.bulk_event(req, c, c + self._bulk_n)
+            got = kv.bulk_event(req, c, c + self._bulk_n)  # (publishing deferred)
         else:
             self._land(req, True)  # its tokens and block hashes as of this step
             got = kv.allocate_running(req, c, self._bulk_n, None, False)
@@ -596,6 +622,113 @@ class Scheduler:
         self._runs += 1
         req.cruise_end = end
         self._wake_at.setdefault(end, []).append(req)
+        if self._lazy:
+            self.kv.defer_publishing(req)
+            self._book_publish(req, base[1] if type(base) is tuple else base.start)
+
+    # ------------------------------------------------------------------ deferred publishing
+    def _due_step(self, req: Request, computed: int, frm: int) -> int:
+        """The first step from ``frm`` on at which the bulk request has ``computed`` tokens."""
+        base = self._cruise[req]
+        if type(base) is tuple:
+            d = base[1] + computed - base[0]
+            return d if d > frm else frm
+        lo = frm - base.start
+        return base.start + bisect_left(base.computed, computed, lo if lo > 0 else 0, req.cruise_end - base.start)
+
+    def _book_publish(self, req: Request, frm: int, at: Optional[int] = None) -> None:
+        """Book the step, from ``frm`` on, at which the bulk request's next attention block is
+        full (the step-by-step path would publish it in that step's pass); ``at``: the
+        computed tokens that fill it, if known."""
+        if at is None:
+            at = self.kv.next_publish_at(req)
+        if at >= NO_BOUND:  # (no attention group)
+            return
+        d = self._due_step(req, at, frm)
+        if d < req.cruise_end:
+            item = (req.seat, req.cruise_run, req)  # (seats and runs are unique: never compares req)
+            bucket = self._pub_at.get(d)
+            if bucket is None:
+                self._pub_at[d] = [item]
+                heappush(self._pub_steps, d)
+            else:
+                bucket.append(item)
+
+    def _flush_publishing(self) -> None:
+        """Publish every deferred block the step-by-step path would have published before
+        the pass reached ``(_now, _at_seat)``, in its order.
+
+        Requests are handled one after another, each up to now; that order only matters
+        between blocks that hold the same prefix (identical token sequences), and then the
+        blocks are published one by one in step, seat and group order. Any block published
+        without deferral came before these: this runs before every such publishing."""
+        s, p = self._now, self._at_seat
+        heap, at = self._pub_steps, self._pub_at
+        batch = []
+        while heap and heap[0] <= s:
+            d = heap[0]
+            items = at[d]
+            if d == s:  # due in this step: only the requests the pass has been through
+                items.sort()
+                k = bisect_left(items, (p,))
+                if k == 0:
+                    break
+                if k < len(items):
+                    at[d] = items[k:]
+                    del items[k:]
+                else:
+                    heappop(heap)
+                    del at[d]
+                batch.extend(items)
+                break
+            heappop(heap)
+            del at[d]
+            batch.extend(items)
+        cruise = self._cruise
+        todo = []  # (request, committed tokens, last step it was processed in)
+        for seat, run, req in batch:
+            if not req.cruising or req.cruise_run != run:
+                continue  # (booked in an earlier run)
+            last = s if seat < p else s - 1
+            base = cruise[req]
+            if type(base) is tuple:
+                ntok = base[0] + last - base[1] + 1
+            else:  # (due means processed at or after the run's first step: the index is >= 0)
+                ntok = base.computed[last - base.start] + 1
+            if ntok // req.hash_block_size > len(req.block_hashes):
+                self._catch_up(req, ntok)  # block hashes over its committed tokens
+            todo.append((req, ntok, last))
+        if len(todo) > 1 and not self._distinct_keys(todo):
+            self._publish_in_order(todo)
+            for req, _, last in todo:
+                self._book_publish(req, last + 1)
+        else:
+            publish = self.kv.publish_deferred
+            for req, ntok, last in todo:
+                self._book_publish(req, last + 1, publish(req, ntok))
+
+    def _distinct_keys(self, todo: list) -> bool:
+        """Whether no two deferred blocks of ``todo`` hold the same prefix."""
+        keys = []
+        for req, ntok, _ in todo:
+            hashes = req.block_hashes
+            for m, lo, hi in self.kv.unpublished(req, ntok):
+                g = m.gid
+                keys.extend([h << 6 | g for h in hashes[lo:hi]])
+        return len(set(keys)) == len(keys)
+
+    def _publish_in_order(self, todo: list) -> None:
+        """Publish ``todo``'s deferred blocks one by one in the step-by-step order: by the
+        step each became full, then seat, then group, then position."""
+        blocks = []
+        for req, ntok, _ in todo:
+            for m, lo, hi in self.kv.unpublished(req, ntok):
+                for i in range(lo, hi):
+                    d = self._due_step(req, (i + 1) * m.bs - 1, 0)
+                    blocks.append((d, req.seat, m.gid, i, req, m))
+        blocks.sort(key=lambda b: b[:4])
+        for _, _, _, i, req, m in blocks:
+            self.kv.publish_block(req, m, i)
 
     def _book_spec_side(self, req: Request, run: SpecRun, j: int) -> None:
         """``_book_side`` for a run of speculative decoding: the first of its steps from
