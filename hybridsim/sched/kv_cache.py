@@ -312,7 +312,7 @@ class KVCacheManager:
                 if new_len > prev_len:
                     k = 1
                     movable = None
-                    if S:
+                    if S and (new_len != prev_len + 1 or NULL_BLOCK in row[running:]):
                         live = 0
                         for t in range(running, prev_len):
                             if row[t] != NULL_BLOCK:
@@ -346,9 +346,9 @@ class KVCacheManager:
                 if lay is not None:
                     running, new_len, prev_len, movable = lay
                     fresh = pool.allocate(k) if k else ()
-                    if S:  # old draft blocks are recycled into the new columns
+                    if movable is not None:  # old draft blocks are recycled into the new columns
                         tail = m._fill(row, (range(running, new_len), movable, new_len, prev_len), fresh)
-                    else:
+                    else:  # (the draft columns move one on: the last is new)
                         if running > prev_len:
                             row.extend([NULL_BLOCK] * (running - prev_len))
                         row.append(fresh[0])

@@ -219,6 +219,13 @@ class MambaManager(KVManager):
         low = self.low.get(req.index, 0)
         if keep_from <= low:
             return
+        if keep_from == low + 1:  # one column (a decode moving on)
+            b = row[low]
+            row[low] = NULL_BLOCK
+            self.low[req.index] = keep_from
+            if b != NULL_BLOCK:
+                self.pool.free([b])
+            return
         free = [row[c] for c in range(keep_from - 1, low - 1, -1) if row[c] != NULL_BLOCK]
         for c in range(low, keep_from):
             row[c] = NULL_BLOCK
