@@ -173,23 +173,14 @@ def replay(
         _check_choice(device, ("auto", "cpu", "cuda"), "--device")
         _writable(json_out, "--json")
         kw = dict(check=check_mode.value, bugs=bugs, kernels=kernels, device=device)
+        from .golden import check_traces, trace_files
         if golden or update_expected:
-            from .golden import check_folder
-            rows = []
-            for folder in traces:
-                rows.extend(check_folder(folder, update=update_expected, **kw))
+            rows = check_traces(traces, update=update_expected, **kw)
             out.print(golden_table(rows, update_expected))
             if json_out is not None:
                 _write_json(json_out, {"traces": [r.__dict__ for r in rows]})
             return 0 if update_expected else (1 if any(r.result != "pass" for r in rows) else 0)
-        files = []
-        for t in traces:
-            if t.is_dir():
-                from .golden import traces_in
-                files.extend(traces_in(t))
-            else:
-                files.append(t)
-        results = [replay_trace(t, **kw) for t in files]
+        results = [replay_trace(t, **kw) for t in trace_files(traces)]
         if json_out is not None:
             data = [r.as_dict() for r in results]
             _write_json(json_out, data[0] if len(data) == 1 else {"traces": data})

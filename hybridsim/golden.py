@@ -56,9 +56,23 @@ def traces_in(folder: Path) -> list[Path]:
     return found
 
 
-def check_folder(folder: Path, update: bool = False, **replay_kw) -> list[GoldenRow]:
+def trace_files(paths: list[Path]) -> list[Path]:
+    """The traces named: files as given, folders as every ``*.jsonl`` in them."""
+    files = []
+    for p in paths:
+        if p.is_dir():
+            files.extend(traces_in(p))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise InputError("no such trace file or folder", str(p))
+    return files
+
+
+def check_traces(paths: list[Path], update: bool = False, **replay_kw) -> list[GoldenRow]:
+    """Replay each trace (files, or folders of them) and compare it with its NAME.expected.json."""
     rows = []
-    for trace in traces_in(folder):
+    for trace in trace_files(paths):
         res = replay_trace(trace, **replay_kw)
         got = expected_of(res)
         exp_path = trace.with_name(trace.name[: -len(".jsonl")] + ".expected.json")

@@ -50,6 +50,21 @@ def test_golden_folder_passes_then_catches_changes(tmp_path):
     assert hs("replay", d, "--check").returncode == 0
 
 
+def test_golden_check_takes_single_trace_files(tmp_path):
+    """A trace named on its own is gated on its NAME.expected.json like one in a folder; a path
+    that names nothing is bad input."""
+    d = _copy_golden(tmp_path)
+    r = hs("replay", d / "spec_decode.jsonl", "--check")
+    assert r.returncode == 0 and r.stdout.count("pass") == 1, r.stdout + r.stderr
+    r = hs("replay", d / "spec_decode.jsonl", "--check", "--inject-bug", "temporal_without_bias")
+    assert r.returncode == 1 and "FAIL" in r.stdout
+    missing = tmp_path / "nope.jsonl"
+    for extra in ((), ("--check",)):
+        r = hs("replay", missing, *extra)
+        assert r.returncode == 2 and "Traceback" not in r.stdout + r.stderr
+        assert "no such trace file or folder" in r.stderr
+
+
 def test_missing_expected_file_fails_the_gate(tmp_path):
     d = _copy_golden(tmp_path)
     (d / "spec_decode.expected.json").unlink()
