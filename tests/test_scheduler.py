@@ -226,3 +226,30 @@ def test_prefill_chunk_that_fills_a_block_publishes_it_in_that_step():
                 break
         else:
             raise AssertionError("the run ended before step 1")
+
+
+def test_run_pauses_the_garbage_collector_and_restores_it():
+    """``Simulation.run`` plans with the cyclic collector paused and leaves it as it found it."""
+    import gc
+
+    from hybridsim.simulate import Simulation
+    from hybridsim.workload import build_workload
+
+    loaded = parse_scenario(tiny_scenario(n=3), "t.yaml")
+    seen = []
+
+    class Probe(Simulation):
+        def __iter__(self):
+            for item in super().__iter__():
+                seen.append(gc.isenabled())
+                yield item
+    was = gc.isenabled()
+    try:
+        for start in (True, False):
+            (gc.enable if start else gc.disable)()
+            seen.clear()
+            Probe(loaded.scenario, build_workload(loaded)).run()
+            assert seen and not any(seen)
+            assert gc.isenabled() is start
+    finally:
+        (gc.enable if was else gc.disable)()
