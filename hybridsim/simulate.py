@@ -101,7 +101,7 @@ def _make_requests(workload: Workload, hash_bs: int) -> list[Request]:
             lengths = [len(w.prompt) for w in wreqs]
             if flat.size == sum(lengths):
                 hashes = block_hashes_many(flat, np.cumsum([0] + lengths[:-1]).tolist(), lengths, hash_bs)
-        return [Request(w.req_id, i, w.arrival_step, list(w.prompt), w.max_tokens, w.priority,
+        return [Request(w.req_id, i, w.arrival_step, w.prompt, w.max_tokens, w.priority,
                         w.output_seed, hash_bs, hashes[i] if hashes is not None else None)
                 for i, w in enumerate(wreqs)]
     finally:

@@ -8,6 +8,7 @@ hashed).
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import Sequence
 
 
 class Status(IntEnum):
@@ -22,9 +23,9 @@ class Request:
                  "num_prompt_tokens", "num_computed_tokens", "spec_token_ids", "block_hashes",
                  "status", "num_preemptions", "resumed", "output_seed", "admitted_once",
                  "hash_block_size", "draft_round", "junction", "quiet_total", "quiet_computed", "quiet_by", "out_stream", "cruising",
-                 "seat", "cruise_run", "cruise_end")
+                 "seat", "cruise_run", "cruise_end", "prompt_ids")
 
-    def __init__(self, req_id: str, index: int, arrival_step: int, prompt: list[int], max_tokens: int,
+    def __init__(self, req_id: str, index: int, arrival_step: int, prompt: Sequence[int], max_tokens: int,
                  priority: int = 0, output_seed: int = 0, hash_block_size: int = 16,
                  block_hashes: list[int] | None = None):
         self.req_id = req_id
@@ -33,6 +34,7 @@ class Request:
         self.max_tokens = max_tokens
         self.priority = priority
         self.token_ids: list[int] = list(prompt)
+        self.prompt_ids = prompt if type(prompt) is tuple else tuple(prompt)  # (for the first admission's plan row)
         self.num_prompt_tokens = len(prompt)
         self.num_computed_tokens = 0
         self.spec_token_ids: list[int] = []

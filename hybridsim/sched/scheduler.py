@@ -444,7 +444,7 @@ class Scheduler:
             scheduled.append(ScheduledRequest(
                 req.req_id, c, n, tuple(map(tuple, new_blocks)), is_new=True, resumed=req.resumed,
                 prefix_hit_tokens=c,
-                prompt_token_ids=tuple(req.token_ids[:req.num_prompt_tokens]) if first else None,
+                prompt_token_ids=req.prompt_ids if first else None,
                 num_prompt_tokens=req.num_prompt_tokens))
             req.num_computed_tokens = c + n
             budget -= n
