@@ -79,10 +79,8 @@ def _hashes(tokens: np.ndarray, starts: Sequence[int], lengths: Sequence[int], b
         blocks = np.concatenate([tokens[a:a + n] for a, n in zip(starts, sizes)]).reshape(total, bs)
         small = int(blocks.min()) >= 0 and int(blocks.max()) < int(_MOD)  # ids hash to themselves
         first = np.cumsum(nblocks) - nblocks
-        owner = np.repeat(np.arange(len(nblocks)), nblocks)
-        local = np.arange(total, dtype=np.int64) - first[owner]
         inner = np.empty(total, dtype=_U)  # hash(tuple(block)) of every block
-        step = max(1, (1 << 15) // bs)  # blocks per slice, so that a slice's lanes stay in cache
+        step = max(1, (1 << 17) // bs)  # blocks per slice: few numpy calls, lanes (1 MiB) still in cache
         for lo in range(0, total, step):
             lanes = np.ascontiguousarray(blocks[lo:lo + step].T)  # lanes[k]: token k of each block
             lanes = lanes.view(_U) if small else _int_hash(lanes)
@@ -91,37 +89,36 @@ def _hashes(tokens: np.ndarray, starts: Sequence[int], lengths: Sequence[int], b
                 _mix(acc, lanes[k])
             inner[lo:lo + step] = _finish(acc, bs)
         # the chain runs block by block, over all prompts with that many blocks at once
+        # (longest first: the prompts with more than j blocks are a prefix of ``order``)
         order = np.argsort(-nblocks, kind="stable")
         counts = nblocks[order]
         width = int(counts[0])
-        rank = np.empty(len(order), dtype=np.int64)
-        rank[order] = np.arange(len(order))
-        grid = np.zeros((width, len(order)), dtype=_U)  # grid[j]: block j of every prompt
-        grid[local, rank[owner]] = inner
-        # prompts with more than j blocks: a prefix of the order
         active = np.searchsorted(-counts, -np.arange(width), side="left").tolist()
+        base = first[order]  # where each prompt's blocks start, in that order
         parent = np.zeros(len(order), dtype=np.int64)
-        out = np.zeros((width, len(order)), dtype=np.int64)
+        out = np.empty(total, dtype=np.int64)  # every block's hash, prompt after prompt
         j = 0
         while j < width and active[j] >= _VECTOR_MIN:
             a = active[j]
+            at = base[:a] + j
             acc = np.full(a, _P5, dtype=_U)
             _mix(acc, _int_hash(parent[:a]))
-            _mix(acc, grid[j, :a])
+            _mix(acc, inner[at])
             parent[:a] = _finish(acc, 2).view(np.int64)
-            out[j, :a] = parent[:a]
+            out[at] = parent[:a]
             j += 1
     # the few long prompts left go on block by block (a numpy pass per block costs more)
     starts = list(starts)
+    flat = out.tolist()
     for r in range(active[j] if j < width else 0):
         i = int(order[r])
         n = int(nblocks[i])
         p = int(parent[r])
+        at = int(base[r])
         toks = tokens[starts[i] + j * bs: starts[i] + n * bs].tolist()
         for k in range(n - j):
             p = hash((p, tuple(toks[k * bs:(k + 1) * bs])))
-            out[j + k, r] = p
-    flat = out[local, rank[owner]].tolist()  # prompt after prompt
+            flat[at + j + k] = p
     return [flat[a:a + n] for a, n in zip(first.tolist(), nblocks.tolist())]
 
 
