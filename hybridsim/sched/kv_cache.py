@@ -312,6 +312,8 @@ class KVCacheManager:
                 if new_len > prev_len:
                     k = 1
                     movable = None
+                    # (the steady case, every draft column live and the columns moving on
+                    # by one, is one new block at the end: no recycling to plan)
                     if S and (new_len != prev_len + 1 or NULL_BLOCK in row[running:]):
                         live = 0
                         for t in range(running, prev_len):
@@ -427,12 +429,9 @@ class KVCacheManager:
         """Publish what the step-by-step path would have by the time the request had ``ntok``
         committed tokens (its block hashes cover them); returns ``next_publish_at``."""
         idx = req.index
-        at = _INF
         for m in self.attn:
-            k = (m.publish(req, m.rows[idx], ntok, ntok) + 1) * m.bs - 1
-            if k < at:
-                at = k
-        return at
+            m.publish(req, m.rows[idx], ntok, ntok)
+        return self.next_publish_at(req)
 
     def publish_block(self, req: Request, m: AttentionManager, i: int) -> None:
         """Publish block ``i`` of the request's row in group ``m`` alone (ordered catch-up)."""

@@ -123,7 +123,7 @@ class Scheduler:
         # own. _pub_at: step -> bulk requests whose next block is due then; _pub_steps: a heap
         # of those steps. _at_seat: where the pass is (seats below it were processed in step
         # ``_now``), which says what the step-by-step path would have published by now.
-        self._lazy = kv.fused
+        self._deferring = kv.fused
         self._pub_at: dict[int, list[tuple[int, int, Request]]] = {}  # (seat, run, request)
         self._pub_steps: list[int] = []
         self._at_seat = -1
@@ -162,7 +162,7 @@ class Scheduler:
             del self._cruise[req]
             req.cruising = False
             self._awake.add(req)
-            if self._lazy:
+            if self._deferring:
                 self.kv.resume_publishing(req)
 
     def _land_spec(self, req: Request, run: SpecRun, stay: bool) -> None:
@@ -191,7 +191,7 @@ class Scheduler:
             del self._cruise[req]
             req.cruising = False
             self._awake.add(req)
-            if self._lazy:
+            if self._deferring:
                 self.kv.resume_publishing(req)
 
     def sync(self) -> None:
@@ -622,7 +622,7 @@ class Scheduler:
         self._runs += 1
         req.cruise_end = end
         self._wake_at.setdefault(end, []).append(req)
-        if self._lazy:
+        if self._deferring:
             self.kv.defer_publishing(req)
             self._book_publish(req, base[1] if type(base) is tuple else base.start)
 
