@@ -95,3 +95,57 @@ def test_twins_exercise_both_ways_of_publishing(counted):
         run(tiny_scenario(bs=4, blocks=blocks, budget=budget, seqs=12, spec=spec, acc=acc), wl, True)
     assert counted["ordered"] > 0
     assert counted["distinct"] > 0
+
+
+def harsh_twins(trial: int) -> tuple[Workload, str]:
+    """Twins and readers under pressure: small pools (preemption of requests with deferred
+    blocks), the priority policy (victims anywhere in the pass), faults (a prefix-cache reset,
+    named preemptions), a short max_model_len, 1 or 3 drafts, readers sharing the twins'
+    continuation or not."""
+    rnd = random.Random(1000 + trial)
+    seed = rnd.randint(0, 50)
+    prompt = tuple(int(t) for t in token_block(seed + 101, rnd.choice([9, 17, 30]), VOCAB))
+    out = [int(t) for t in token_block(seed, 400, VOCAB)]
+    reqs = [WorkloadRequest(f"t{i}", step, prompt, rnd.choice([60, 120, 200]), priority=rnd.randint(0, 2),
+                            output_seed=seed)
+            for i, step in enumerate(sorted(rnd.choices(range(8), k=rnd.randint(2, 5))))]
+    for i, step in enumerate(sorted(rnd.sample(range(4, 120), rnd.randint(4, 14)))):
+        k = max(1, step + rnd.randint(-15, 25))
+        reqs.append(WorkloadRequest(f"r{i}", step, prompt + tuple(out[:k]), rnd.randint(3, 60),
+                                    priority=rnd.randint(0, 2), output_seed=rnd.choice([seed, seed + 1 + i])))
+    spec = rnd.choice([0, 0, 1, 3])
+    max_len = rnd.choice([1024, 200])
+    text = tiny_scenario(bs=4, blocks=rnd.choice([4096, 160, 100, 80]), budget=rnd.choice([16, 24, 32, 48, 128]),
+                         seqs=rnd.choice([4, 8, 12]), spec=spec, max_len=max_len, pmax=100,
+                         acc="{kind: bernoulli, rate: 0.6}" if spec else "{kind: none}")
+    if rnd.random() < 0.4:
+        text = text.replace(f"max_model_len: {max_len}}}", f"max_model_len: {max_len}, policy: priority}}")
+    if rnd.random() < 0.3:
+        at = rnd.randint(5, 60)
+        text += rnd.choice([f"faults:\n  - {{at_step: {at}, kind: reset_prefix_cache}}\n",
+                            f"faults:\n  - {{at_step: {at}, kind: preempt, requests: [t0, t1]}}\n"])
+    return Workload(reqs, VOCAB, "twins"), text
+
+
+@pytest.mark.parametrize("trial", range(40))
+def test_twins_under_pressure_publish_in_the_step_by_step_order(trial):
+    wl, text = harsh_twins(trial)
+    fast = run(text, wl, True)
+    slow = run(text, wl, False)
+    assert len(fast[0]) == len(slow[0])
+    for a, b in zip(fast[0], slow[0]):
+        assert a == b, f"step {b[0]} differs"
+    assert fast[1:] == slow[1:]
+
+
+def test_harsh_twins_preempt_and_use_the_priority_policy():
+    """The pressure is real: across these workloads requests are preempted, under both
+    policies, and faults fire."""
+    preempted = {"fcfs": 0, "priority": 0}
+    faults = 0
+    for trial in range(40):
+        wl, text = harsh_twins(trial)
+        stats = run(text, wl, True)[1]
+        preempted["priority" if "policy: priority" in text else "fcfs"] += stats["preemptions"] > 0
+        faults += "faults:" in text
+    assert preempted["fcfs"] > 0 and preempted["priority"] > 0 and faults > 0
