@@ -253,3 +253,23 @@ def test_run_pauses_the_garbage_collector_and_restores_it():
             assert gc.isenabled() is start
     finally:
         (gc.enable if was else gc.disable)()
+
+
+def test_prefix_caching_off_publishes_nothing():
+    """With prefix caching off no block ever holds a hash, decode blocks included (so a freed
+    block goes back to the front of the free queue, as every unhashed block does), on the fast
+    paths and on the step-by-step path alike."""
+    from hybridsim.simulate import Simulation
+    from hybridsim.workload import build_workload
+
+    text = tiny_scenario(caching="false", mode="none", n=10, omin=20, omax=60, blocks=200)
+    loaded = parse_scenario(text, "t.yaml")
+    for fast in (True, False):
+        sim = Simulation(loaded.scenario, build_workload(loaded), bulk_decode=fast, fused_events=fast)
+        pool = sim.kv.pool
+        decode_rows = 0
+        for plan, _ in sim:
+            assert not pool.cached and not pool.dups
+            assert pool.block_key.count(None) == pool.num_blocks
+            decode_rows += sum(1 for r in plan.scheduled if r.num_computed_tokens >= 16)
+        assert decode_rows > 50 and sim.stats.finished == sim.stats.requests

@@ -2,6 +2,7 @@
 
     git worktree add /tmp/base REV && mkdir -p /tmp/abpkg && cp -r /tmp/base/hybridsim /tmp/abpkg/hybridsim_base
     python bench/probes/planner_equiv.py [EXAMPLES]     # default 150 random scenarios
+    python bench/probes/planner_equiv.py 150 --caching-only   # leave out prefix caching off
 
 Plans every shipped scenario and EXAMPLES random property-test scenarios with both versions in
 one process and requires identical plans (every row), outcomes and run statistics. Speed work on
@@ -37,8 +38,14 @@ def plan_all(pkg, text: str, base_dir):
 
 
 def main() -> None:
-    examples = int(sys.argv[1]) if len(sys.argv) > 1 else 150
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    examples = int(args[0]) if args else 150
+    # --caching-only: leave out scenarios with prefix caching off (for a deliberate change there)
+    caching_only = "--caching-only" in sys.argv
     for path in sorted((REPO / "scenarios").glob("*.yaml")):
+        if caching_only and "enable_prefix_caching: false" in path.read_text():
+            print(f"{path.name:24s} left out (prefix caching off)")
+            continue
         a = plan_all(BASE, path.read_text(), path.parent)
         b = plan_all(NEW, path.read_text(), path.parent)
         print(f"{path.name:24s} {'same' if a == b else 'DIFFERENT'} ({len(a[0])} steps)")
@@ -48,6 +55,8 @@ def main() -> None:
     @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck))
     @given(scenarios())
     def same_plans(text):
+        if caching_only and "enable_prefix_caching: false" in text:
+            return
         assert plan_all(BASE, text, None) == plan_all(NEW, text, None), text
 
     same_plans()

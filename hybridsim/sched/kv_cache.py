@@ -32,7 +32,7 @@ class KVCacheManager:
     def __init__(self, groups: list[GroupSpec], num_blocks: int, enable_caching: bool, fused_events: bool = True):
         self.groups = groups
         self.pool = BlockPool(num_blocks)
-        self.managers: list[KVManager] = [make_manager(g, self.pool) for g in groups]
+        self.managers: list[KVManager] = [make_manager(g, self.pool, enable_caching) for g in groups]
         self.attn = [m for m in self.managers if not m.spec.is_mamba]
         self.mamba = [m for m in self.managers if m.spec.is_mamba]
         self.enable_caching = enable_caching
@@ -339,7 +339,7 @@ class KVCacheManager:
                 if k:
                     tail = pool.allocate(k)
                     row.extend(tail)
-                if deferred:
+                if deferred or not m.caching:
                     quiet[gid] = (len(row) * bs, _INF)
                 else:
                     done = m.publish(req, row, total, ntok)

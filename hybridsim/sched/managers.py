@@ -100,11 +100,13 @@ class KVManager:
 
 
 class AttentionManager(KVManager):
-    """Full attention (GQA or MLA latent cache): every block is kept and hashed when full."""
+    """Full attention (GQA or MLA latent cache): every block is kept and, with prefix
+    caching on, published (hashed) when full."""
 
-    def __init__(self, spec: GroupSpec, pool: BlockPool):
+    def __init__(self, spec: GroupSpec, pool: BlockPool, caching: bool = True):
         super().__init__(spec, pool)
         self.num_cached: dict[int, int] = {}
+        self.caching = caching  # off: nothing is ever published, so freed blocks carry no hash
 
     def hit_blocks(self, req: Request, bound_blocks: int) -> int:
         lookup = self.pool.cached.get
@@ -157,7 +159,7 @@ class AttentionManager(KVManager):
         num_cached = self.num_cached
         done = num_cached.get(idx, 0)
         full = (total if total < ntok else ntok) // self.bs
-        if full > done:
+        if full > done and self.caching:
             self.pool.cache_row(row, req.block_hashes, done, full, self.gid)
             num_cached[idx] = done = full
         return done
@@ -180,8 +182,8 @@ class AttentionManager(KVManager):
         row = self.rows[idx]
         if fresh:
             row.extend(fresh)
-        done = self.publish(req, row, total, len(req.token_ids))
-        return (fresh or ()), (len(row) * self.bs, (done + 1) * self.bs - 2)
+        self.publish(req, row, total, len(req.token_ids))
+        return (fresh or ()), self.quiet(req)
 
     def quiet(self, req):
         """The publish bound is on committed tokens less one (``min(total, tokens) - 1``,
@@ -189,6 +191,8 @@ class AttentionManager(KVManager):
         publish nothing until the tokens that fill it are committed."""
         idx = req.index
         bs = self.bs
+        if not self.caching:
+            return len(self.rows[idx]) * bs, _INF
         return len(self.rows[idx]) * bs, (self.num_cached.get(idx, 0) + 1) * bs - 2
 
 
@@ -447,7 +451,7 @@ class MambaAllManager(MambaManager):
 MAMBA_STRATEGIES = {"none": MambaNoneManager, "align": MambaAlignManager, "all": MambaAllManager}
 
 
-def make_manager(spec: GroupSpec, pool: BlockPool) -> KVManager:
+def make_manager(spec: GroupSpec, pool: BlockPool, caching: bool = True) -> KVManager:
     if spec.is_mamba:
         return MAMBA_STRATEGIES[spec.mode](spec, pool)
-    return AttentionManager(spec, pool)
+    return AttentionManager(spec, pool, caching)

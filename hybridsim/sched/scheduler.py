@@ -123,7 +123,7 @@ class Scheduler:
         # own. _pub_at: step -> bulk requests whose next block is due then; _pub_steps: a heap
         # of those steps. _at_seat: where the pass is (seats below it were processed in step
         # ``_now``), which says what the step-by-step path would have published by now.
-        self._deferring = kv.fused
+        self._deferring = kv.fused and kv.enable_caching  # (caching off: nothing to publish)
         self._pub_at: dict[int, list[tuple[int, int, Request]]] = {}  # (seat, run, request)
         self._pub_steps: list[int] = []
         self._at_seat = -1
