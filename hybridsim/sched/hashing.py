@@ -141,7 +141,8 @@ def _check() -> bool:
 
 
 def chained_hashes(tokens: Sequence[int], bs: int, parent: int = 0) -> list[int]:
-    """The reference: block by block, as ``Request.update_hashes`` does."""
+    """Block by block (what ``Request.update_hashes`` extends a request's hashes with, and the
+    reference the vectorised version is checked against)."""
     out = []
     for i in range(len(tokens) // bs):
         parent = hash((parent, tuple(tokens[i * bs:(i + 1) * bs])))

@@ -339,11 +339,11 @@ class KVCacheManager:
                 if k:
                     tail = pool.allocate(k)
                     row.extend(tail)
-                if deferred or not m.caching:
+                if deferred:
                     quiet[gid] = (len(row) * bs, _INF)
                 else:
-                    done = m.publish(req, row, total, ntok)
-                    quiet[gid] = (len(row) * bs, (done + 1) * bs - 2)
+                    m.publish(req, row, total, ntok)
+                    quiet[gid] = m.quiet(req)
             else:
                 if lay is not None:
                     running, new_len, prev_len, movable = lay
@@ -374,9 +374,8 @@ class KVCacheManager:
                 quiet[gid] = ((len(m.rows[idx]) - S) * bs, (m.low.get(idx, 0) + 1) * bs)
         for gid, m, is_attn, bs, _ in self._statics:
             if is_attn and committed > quiet[gid][1]:
-                row = m.rows[idx]
-                done = m.publish(req, row, total, ntok)
-                quiet[gid] = (len(row) * bs, (done + 1) * bs - 2)
+                m.publish(req, m.rows[idx], total, ntok)
+                quiet[gid] = m.quiet(req)
         _publish_quiet(req, quiet)
         return self._unchanged
 
@@ -404,11 +403,11 @@ class KVCacheManager:
 
     def next_publish_at(self, req: Request) -> int:
         """Computed tokens at which the request's next attention block is full of committed
-        tokens (``c + 1`` committed), or ``NO_BOUND`` without attention groups."""
-        idx = req.index
+        tokens (``c + 1`` committed): one past the tightest publish bound (``quiet``), or
+        ``NO_BOUND`` without attention groups."""
         at = _INF
         for m in self.attn:
-            k = (m.num_cached.get(idx, 0) + 1) * m.bs - 1
+            k = m.quiet(req)[1] + 1
             if k < at:
                 at = k
         return at

@@ -10,6 +10,8 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import Sequence
 
+from .hashing import chained_hashes
+
 
 class Status(IntEnum):
     WAITING = 0
@@ -75,14 +77,10 @@ class Request:
         """Extend the chained block hashes over every full block of committed tokens."""
         bs = self.hash_block_size
         hashes = self.block_hashes
-        toks = self.token_ids
-        full = len(toks) // bs
+        full = len(self.token_ids) // bs
         i = len(hashes)
-        parent = hashes[-1] if hashes else 0
-        while i < full:
-            parent = hash((parent, tuple(toks[i * bs:(i + 1) * bs])))
-            hashes.append(parent)
-            i += 1
+        if full > i:
+            hashes.extend(chained_hashes(self.token_ids[i * bs:full * bs], bs, hashes[-1] if hashes else 0))
 
     def append_output(self, tokens: list[int]) -> None:
         self.token_ids.extend(tokens)
