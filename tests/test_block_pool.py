@@ -1,5 +1,8 @@
 """The block pool's free-queue discipline and prefix index."""
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from hybridsim.sched.block_pool import BlockPool
 
 
@@ -52,3 +55,117 @@ def test_reset_prefix_cache_requires_all_free():
     assert not p.reset_prefix_cache()
     p.free([b])
     assert p.reset_prefix_cache() and p.lookup("k") is None
+
+
+class _ListPool:
+    """The free-queue discipline written out as one plain list (front first) and a key map:
+    slow and obvious, to hold the three-part queue and its lazy tail to."""
+
+    def __init__(self, n: int):
+        self.queue = list(range(1, n))
+        self.ref = [0] * n
+        self.key: dict[int, object] = {}  # block -> key it holds
+        self.holders: dict[object, list[int]] = {}  # key -> holders, in caching order
+        self.evictions = 0
+
+    def allocate(self, n):
+        out = self.queue[:n]
+        del self.queue[:n]
+        for b in out:
+            if b in self.key:
+                k = self.key.pop(b)
+                self.holders[k].remove(b)
+                if not self.holders[k]:
+                    del self.holders[k]
+                self.evictions += 1
+            self.ref[b] = 1
+        return out
+
+    def free(self, blocks):
+        group = []
+        for b in blocks:
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                if b in self.key:
+                    self.queue.append(b)
+                else:
+                    group.append(b)
+        self.queue[:0] = group
+
+    def touch(self, blocks):
+        for b in blocks:
+            if self.ref[b] == 0:
+                self.queue.remove(b)
+            self.ref[b] += 1
+
+    def cache(self, b, k):
+        if b not in self.key:
+            self.key[b] = k
+            self.holders.setdefault(k, []).append(b)
+
+    def lookup(self, k):
+        return self.holders[k][0] if k in self.holders else None
+
+    def reset(self):
+        if len(self.queue) != len(self.ref) - 1:
+            return False
+        self.key.clear()
+        self.holders.clear()
+        return True
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(4, 40), st.booleans())
+def test_pool_matches_a_plain_list_model(seed, n, compact):
+    """Random allocations, frees (rows in any order), publishing (shared keys too), hits on
+    free cached blocks (which leave dead entries in the lazy tail), evictions and resets: the
+    queue order, lookups, evictions and counts always equal the plain model's (``compact``:
+    the tail is rebuilt whenever dead entries outnumber live ones)."""
+    import hybridsim.sched.block_pool as bp
+
+    slack = bp._DEAD_SLACK
+    bp._DEAD_SLACK = 0 if compact else slack
+    try:
+        _pool_against_list_model(seed, n)
+    finally:
+        bp._DEAD_SLACK = slack
+
+
+def _pool_against_list_model(seed: int, n: int) -> None:
+    import random
+
+    rnd = random.Random(seed)
+    pool, ref = BlockPool(n), _ListPool(n)
+    held: list[list[int]] = []  # rows in use (a block may be in several: hits)
+    for _ in range(200):
+        op = rnd.random()
+        if op < 0.3 and ref.queue:
+            k = rnd.randint(1, min(4, len(ref.queue)))
+            got = pool.allocate(k)
+            assert got == ref.allocate(k)
+            held.append(got)
+        elif op < 0.55 and held:
+            row = held.pop(rnd.randrange(len(held)))
+            if rnd.random() < 0.5:
+                row = row[::-1]
+            pool.free(row)
+            ref.free(row)
+        elif op < 0.75 and held:
+            row = rnd.choice(held)
+            b = rnd.choice(row)
+            k = rnd.randint(0, 6)  # few keys: several holders of one prefix
+            pool.cache(b, k)
+            ref.cache(b, k)
+        elif op < 0.95:
+            hits = [ref.lookup(k) for k in range(7)]
+            assert hits == [pool.lookup(k) for k in range(7)]
+            row = sorted({b for b in hits if b is not None})[:rnd.randint(0, 3)]
+            pool.touch(row)
+            ref.touch(row)
+            if row:
+                held.append(row)
+        else:
+            assert pool.reset_prefix_cache() == ref.reset()
+        assert list(pool.free_queue) == ref.queue
+        assert pool.num_free == len(ref.queue) and pool.evictions == ref.evictions
+        assert all((b in pool.free_queue) == (ref.ref[b] == 0) for b in range(1, n))

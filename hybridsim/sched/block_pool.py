@@ -14,14 +14,39 @@ is the queue's front), the never-used blocks ``next_fresh .. num_blocks-1``
 freed with a hash, in freeing order). A block only gets a hash while it is in
 use, so every hashed free block is in the tail: only tail blocks are ever
 evicted by allocation or taken back by a hit.
+
+The tail is a deque that a hit does not edit (freeing appends a whole row at C
+speed, where an ordered dict cost most of freeing): a block a hit took back
+leaves a dead entry behind, counted in ``tail_dead``. A block is in the tail at
+most once, so its live entry is its latest and its dead ones come before it;
+popping the front skips a block's entries while it has dead ones.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Hashable, Iterable, Iterator
+from collections import deque
+from typing import Hashable, Iterable, Iterator, Optional
 
 NULL_BLOCK = 0
+_WIPED = object()  # block_key of a tail block whose prefix reset_prefix_cache forgot
+_DEAD_SLACK = 4096  # dead tail entries tolerated beyond the live ones (then the tail is rebuilt)
+
+
+# Prefix-cache keys. Block hashes are signed 64-bit ints. One group (KVCacheManager picks the
+# first attention group) keys its blocks by the hash alone, so its lookups and publishing read a
+# request's hash list as it is, with no arithmetic per block; every other group's key is
+# ``hash << 6 | group id`` lifted by 3 * 2**69, into [2**70, 2**71), where no hash lies: no
+# two groups can share a key.
+_LIFT = 3 << 69
+
+
+def key_lift(gid: int, plain: bool) -> Optional[int]:
+    """What ``prefix_key`` adds for group ``gid``; None for the group keyed by plain hashes."""
+    return None if plain else _LIFT + gid
+
+
+def prefix_key(block_hash: int, lift: Optional[int]) -> int:
+    return block_hash if lift is None else (block_hash << 6) + lift
 
 
 class FreeQueue:
@@ -39,28 +64,30 @@ class FreeQueue:
         p = self._pool
         yield from reversed(p.front)
         yield from range(p.next_fresh, p.num_blocks)
-        yield from p.tail
+        yield from p.tail_blocks()
 
     def __contains__(self, b: int) -> bool:
         p = self._pool
-        return b in p.tail or p.next_fresh <= b < p.num_blocks or b in p.front
+        return p.in_tail(b) or p.next_fresh <= b < p.num_blocks or b in p.front
 
 
 class BlockPool:
     __slots__ = ("num_blocks", "ref_cnt", "block_key", "cached", "dups", "front", "next_fresh", "tail",
-                 "evictions", "cached_this_step", "free_queue")
+                 "tail_dead", "num_tail", "evictions", "cached_this_step", "free_queue")
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self.ref_cnt = [0] * num_blocks
         self.ref_cnt[NULL_BLOCK] = 1  # never freed
-        # key = block_hash << 6 | group_id for a block holding a cached prefix
+        # the prefix_key of the prefix a block holds (None: none)
         self.block_key: list[Hashable | None] = [None] * num_blocks
         self.cached: dict[Hashable, int] = {}  # key -> the holder a hit gets (earliest cached)
         self.dups: dict[Hashable, list[int]] = {}  # key -> further holders, in caching order
         self.front: list[int] = []  # freed without a hash; front[-1] is the queue's front
         self.next_fresh = 1  # blocks next_fresh .. num_blocks-1 were never used
-        self.tail: OrderedDict[int, None] = OrderedDict()  # freed with a hash, oldest first
+        self.tail: deque[int] = deque()  # freed with a hash, oldest first, with dead entries
+        self.tail_dead: dict[int, int] = {}  # block -> its dead entries in ``tail``
+        self.num_tail = 0  # live entries
         self.evictions = 0
         self.cached_this_step: set[Hashable] = set()
         self.free_queue = FreeQueue(self)
@@ -68,7 +95,21 @@ class BlockPool:
     # ------------------------------------------------------------------ queries
     @property
     def num_free(self) -> int:
-        return len(self.front) + (self.num_blocks - self.next_fresh) + len(self.tail)
+        return len(self.front) + (self.num_blocks - self.next_fresh) + self.num_tail
+
+    def in_tail(self, b: int) -> bool:
+        """Free and hashed (or wiped by a reset): such blocks are exactly the tail's."""
+        return self.ref_cnt[b] == 0 and self.block_key[b] is not None and b != NULL_BLOCK
+
+    def tail_blocks(self) -> Iterator[int]:
+        """The tail's live entries, oldest first."""
+        dead = dict(self.tail_dead)
+        for b in self.tail:
+            d = dead.get(b)
+            if d:
+                dead[b] = d - 1
+            else:
+                yield b
 
     def lookup(self, key: Hashable) -> int | None:
         return self.cached.get(key)
@@ -102,13 +143,24 @@ class BlockPool:
                 self.next_fresh = lo + k
                 n -= k
         if n:
-            popitem = self.tail.popitem
+            popleft = self.tail.popleft
+            dead = self.tail_dead
             keys = self.block_key
+            self.num_tail -= n
             for _ in range(n):
-                b, _ = popitem(last=False)
+                b = popleft()
+                while dead:
+                    d = dead.get(b)
+                    if not d:
+                        break
+                    if d == 1:
+                        del dead[b]
+                    else:
+                        dead[b] = d - 1
+                    b = popleft()
                 key = keys[b]
-                if key is not None:  # evict the cached prefix it held
-                    keys[b] = None
+                keys[b] = None
+                if key is not _WIPED:  # evict the cached prefix it held
                     self._unindex(key, b)
                     self.evictions += 1
                 ref[b] = 1
@@ -141,10 +193,16 @@ class BlockPool:
             ref[b] += 1
 
     def _unqueue(self, b: int) -> None:
-        """Take free block ``b`` out of the queue (a hit on it): it is hashed, so in the tail."""
-        if b not in self.tail:  # pragma: no cover - caught by sched.invariants
+        """Take free block ``b`` out of the queue (a hit on it): it is hashed, so in the tail,
+        where its entry stays, dead. Dead entries are dropped once they outnumber live ones."""
+        if self.block_key[b] is None:  # pragma: no cover - caught by sched.invariants
             raise AssertionError(f"block {b} is free and hit but not in the hashed tail")
-        del self.tail[b]
+        dead = self.tail_dead
+        dead[b] = dead.get(b, 0) + 1
+        self.num_tail -= 1
+        if len(self.tail) > 2 * self.num_tail + _DEAD_SLACK:
+            self.tail = deque(self.tail_blocks())
+            dead.clear()
 
     def free(self, blocks: Iterable[int]) -> None:
         """Drop one reference from each block, in the order given.
@@ -163,12 +221,13 @@ class BlockPool:
                     if keys[b] is None:
                         self.front.append(b)
                     else:
-                        self.tail[b] = None
+                        self.tail.append(b)
+                        self.num_tail += 1
                 elif r < 0:  # pragma: no cover - caught by sched.invariants
                     raise AssertionError(f"block {b} freed more often than taken")
             return
         group = []
-        tail = self.tail
+        hashed = []
         for b in blocks:
             if b == NULL_BLOCK:
                 continue
@@ -178,9 +237,12 @@ class BlockPool:
                 if keys[b] is None:
                     group.append(b)
                 else:
-                    tail[b] = None
+                    hashed.append(b)
             elif r < 0:  # pragma: no cover - caught by sched.invariants
                 raise AssertionError(f"block {b} freed more often than taken")
+        if hashed:
+            self.tail.extend(hashed)
+            self.num_tail += len(hashed)
         if group:
             group.reverse()
             self.front.extend(group)
@@ -189,7 +251,7 @@ class BlockPool:
     def cache(self, block: int, key: Hashable, mark_step: bool = False) -> None:
         """Publish ``block`` as holding the prefix ``key``; several blocks may hold one prefix.
 
-        Keys are ``block_hash << 6 | group_id``. ``mark_step`` records the key as published
+        Keys come from ``prefix_key``. ``mark_step`` records the key as published
         by the current step (Mamba states: not readable until the step has run)."""
         if block == NULL_BLOCK or self.block_key[block] is not None:
             return
@@ -201,15 +263,15 @@ class BlockPool:
         if mark_step:
             self.cached_this_step.add(key)
 
-    def cache_row(self, row: list[int], hashes: list[int], start: int, stop: int, gid: int) -> None:
-        """``cache(row[i], hashes[i] << 6 | gid)`` for i in start .. stop-1 (attention rows)."""
+    def cache_row(self, row: list[int], hashes: list[int], start: int, stop: int, lift: Optional[int]) -> None:
+        """``cache(row[i], prefix_key(hashes[i], lift))`` for i in start .. stop-1 (attention rows)."""
         keys = self.block_key
         cached = self.cached
         for i in range(start, stop):
             b = row[i]
             if b == NULL_BLOCK or keys[b] is not None:
                 continue
-            key = hashes[i] << 6 | gid
+            key = hashes[i] if lift is None else (hashes[i] << 6) + lift
             keys[b] = key
             if key not in cached:
                 cached[key] = b
@@ -225,5 +287,6 @@ class BlockPool:
             return False
         self.cached.clear()
         self.dups.clear()
-        self.block_key = [None] * self.num_blocks  # queue order is kept, as upstream
+        # queue order is kept, as upstream: tail blocks stay there, their prefixes forgotten
+        self.block_key = [None if k is None else _WIPED for k in self.block_key]
         return True

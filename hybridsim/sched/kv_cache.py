@@ -32,7 +32,10 @@ class KVCacheManager:
     def __init__(self, groups: list[GroupSpec], num_blocks: int, enable_caching: bool, fused_events: bool = True):
         self.groups = groups
         self.pool = BlockPool(num_blocks)
-        self.managers: list[KVManager] = [make_manager(g, self.pool, enable_caching) for g in groups]
+        # the first attention group (most of the blocks) keys its prefixes by plain hashes
+        plain = next((g.group_id for g in groups if not g.is_mamba), None)
+        self.managers: list[KVManager] = [make_manager(g, self.pool, enable_caching, g.group_id == plain)
+                                          for g in groups]
         self.attn = [m for m in self.managers if not m.spec.is_mamba]
         self.mamba = [m for m in self.managers if m.spec.is_mamba]
         self.enable_caching = enable_caching
@@ -74,7 +77,7 @@ class KVCacheManager:
             # same-step guard: a state published by this step's schedule is not written yet
             recent = self.pool.cached_this_step
             for m in self.mamba:
-                if (req.block_hashes[hit - 1] << 6 | m.gid) in recent:
+                if m.key(req.block_hashes[hit - 1]) in recent:
                     return PrefixHit(-1, self._empty, attn_blocks * self.block_size)
         blocks = [m.blocks_for_hit(req, hit) if hit else [] for m in self.managers]
         return PrefixHit(hit * self.block_size, blocks, attn_blocks * self.block_size)
@@ -435,7 +438,7 @@ class KVCacheManager:
     def publish_block(self, req: Request, m: AttentionManager, i: int) -> None:
         """Publish block ``i`` of the request's row in group ``m`` alone (ordered catch-up)."""
         idx = req.index
-        self.pool.cache(m.rows[idx][i], req.block_hashes[i] << 6 | m.gid)
+        self.pool.cache(m.rows[idx][i], m.key(req.block_hashes[i]))
         m.num_cached[idx] = i + 1
 
     def _set_quiet(self, req: Request) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .block_pool import NULL_BLOCK, BlockPool
+from .block_pool import NULL_BLOCK, BlockPool, key_lift, prefix_key
 from .groups import GroupSpec, cdiv
 from .request import Request
 
@@ -31,13 +31,18 @@ class Allocation:
 class KVManager:
     """Interface shared by every group kind."""
 
-    def __init__(self, spec: GroupSpec, pool: BlockPool):
+    def __init__(self, spec: GroupSpec, pool: BlockPool, plain_keys: bool = False):
         self.spec = spec
         self.gid = spec.group_id
         self.bs = spec.block_size
         self.pool = pool
         self.rows: dict[int, list[int]] = {}
         self.last_need = 0  # fresh blocks the last ``need`` asked for
+        self.lift = key_lift(self.gid, plain_keys)  # prefix keys: see block_pool.prefix_key
+
+    def key(self, block_hash: int) -> int:
+        """The prefix-cache key of a block of this group with that hash."""
+        return prefix_key(block_hash, self.lift)
 
     # -- prefix hits -------------------------------------------------------
     def hit_blocks(self, req: Request, bound_blocks: int) -> int:
@@ -103,25 +108,29 @@ class AttentionManager(KVManager):
     """Full attention (GQA or MLA latent cache): every block is kept and, with prefix
     caching on, published (hashed) when full."""
 
-    def __init__(self, spec: GroupSpec, pool: BlockPool, caching: bool = True):
-        super().__init__(spec, pool)
+    def __init__(self, spec: GroupSpec, pool: BlockPool, caching: bool = True, plain_keys: bool = False):
+        super().__init__(spec, pool, plain_keys)
         self.num_cached: dict[int, int] = {}
         self.caching = caching  # off: nothing is ever published, so freed blocks carry no hash
 
     def hit_blocks(self, req: Request, bound_blocks: int) -> int:
-        lookup = self.pool.cached.get
-        gid = self.gid
+        cached = self.pool.cached
         hashes = req.block_hashes
         n = 0
         lim = min(bound_blocks, len(hashes))
-        while n < lim and lookup(hashes[n] << 6 | gid) is not None:
-            n += 1
+        lift = self.lift
+        if lift is None:
+            while n < lim and hashes[n] in cached:
+                n += 1
+        else:
+            while n < lim and (hashes[n] << 6) + lift in cached:
+                n += 1
         return n
 
     def blocks_for_hit(self, req: Request, nblocks: int) -> list[int]:
-        cached = self.pool.cached
-        gid = self.gid
-        return [cached[h << 6 | gid] for h in req.block_hashes[:nblocks]]
+        if self.lift is None:
+            return list(map(self.pool.cached.__getitem__, req.block_hashes[:nblocks]))
+        return [self.pool.cached[self.key(h)] for h in req.block_hashes[:nblocks]]
 
     def plan(self, req, num_computed, total, hit, checkpoint):
         row_len = len(self.rows.get(req.index, ())) or len(hit)
@@ -160,7 +169,7 @@ class AttentionManager(KVManager):
         done = num_cached.get(idx, 0)
         full = (total if total < ntok else ntok) // self.bs
         if full > done and self.caching:
-            self.pool.cache_row(row, req.block_hashes, done, full, self.gid)
+            self.pool.cache_row(row, req.block_hashes, done, full, self.lift)
             num_cached[idx] = done = full
         return done
 
@@ -206,8 +215,8 @@ _INF = 1 << 62
 class MambaManager(KVManager):
     """Base for the three cache modes; rows are position-indexed, mostly null."""
 
-    def __init__(self, spec: GroupSpec, pool: BlockPool):
-        super().__init__(spec, pool)
+    def __init__(self, spec: GroupSpec, pool: BlockPool, plain_keys: bool = False):
+        super().__init__(spec, pool, plain_keys)
         self.low: dict[int, int] = {}  # per request: every column below this is null
 
     def remove_skipped(self, req: Request, num_computed: int) -> None:
@@ -244,16 +253,16 @@ class MambaManager(KVManager):
     def blocks_for_hit(self, req: Request, nblocks: int) -> list[int]:
         if nblocks == 0:
             return []
-        block = self.pool.cached[req.block_hashes[nblocks - 1] << 6 | self.gid]
+        block = self.pool.cached[self.key(req.block_hashes[nblocks - 1])]
         return [NULL_BLOCK] * (nblocks - 1) + [block]
 
     def hit_blocks(self, req: Request, bound_blocks: int) -> int:
         """Right to left: the latest boundary whose state is cached."""
-        lookup = self.pool.cached.get
-        gid = self.gid
+        cached = self.pool.cached
+        lift = self.lift
         hashes = req.block_hashes
         for i in range(min(bound_blocks, len(hashes)) - 1, -1, -1):
-            if lookup(hashes[i] << 6 | gid) is not None:
+            if ((hashes[i] << 6) + lift if lift is not None else hashes[i]) in cached:
                 return i + 1
         return 0
 
@@ -385,11 +394,11 @@ class MambaAlignManager(MambaManager):
         hashes = req.block_hashes
         limit = req.num_prompt_tokens // self.bs  # boundaries up to the prompt's last full block
         if checkpoint is not None and checkpoint < limit and row[checkpoint] != NULL_BLOCK:
-            self.pool.cache(row[checkpoint], hashes[checkpoint] << 6 | self.gid, True)
+            self.pool.cache(row[checkpoint], self.key(hashes[checkpoint]), True)
         if publish_end and total % self.bs == 0:
             col = total // self.bs - 1
             if col < limit and row[col] != NULL_BLOCK:
-                self.pool.cache(row[col], hashes[col] << 6 | self.gid, True)
+                self.pool.cache(row[col], self.key(hashes[col]), True)
 
 
 def _mamba_quiet(m: "MambaManager", req: Request) -> tuple[int, int]:
@@ -407,8 +416,8 @@ class MambaAllManager(MambaManager):
     """``all``: a state block at every block boundary (like attention) plus draft blocks;
     blocks before the last computed token are released but stay cached."""
 
-    def __init__(self, spec: GroupSpec, pool: BlockPool):
-        super().__init__(spec, pool)
+    def __init__(self, spec: GroupSpec, pool: BlockPool, plain_keys: bool = False):
+        super().__init__(spec, pool, plain_keys)
         self.num_cached: dict[int, int] = {}
 
     def plan(self, req, num_computed, total, hit, checkpoint):
@@ -436,7 +445,7 @@ class MambaAllManager(MambaManager):
         row = self.rows[idx]
         for i in range(done, full):
             if row[i] != NULL_BLOCK:
-                self.pool.cache(row[i], req.block_hashes[i] << 6 | self.gid, True)
+                self.pool.cache(row[i], self.key(req.block_hashes[i]), True)
         self.num_cached[idx] = full
 
     def free(self, req):
@@ -451,7 +460,9 @@ class MambaAllManager(MambaManager):
 MAMBA_STRATEGIES = {"none": MambaNoneManager, "align": MambaAlignManager, "all": MambaAllManager}
 
 
-def make_manager(spec: GroupSpec, pool: BlockPool, caching: bool = True) -> KVManager:
+def make_manager(spec: GroupSpec, pool: BlockPool, caching: bool = True, plain_keys: bool = False) -> KVManager:
+    """``plain_keys``: this group's prefix keys are the block hashes themselves (one group
+    per pool; see ``block_pool.prefix_key``)."""
     if spec.is_mamba:
-        return MAMBA_STRATEGIES[spec.mode](spec, pool)
-    return AttentionManager(spec, pool, caching)
+        return MAMBA_STRATEGIES[spec.mode](spec, pool, plain_keys)
+    return AttentionManager(spec, pool, caching, plain_keys)

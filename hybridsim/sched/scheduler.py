@@ -713,8 +713,7 @@ class Scheduler:
         for req, ntok, _ in todo:
             hashes = req.block_hashes
             for m, lo, hi in self.kv.unpublished(req, ntok):
-                g = m.gid
-                keys.extend([h << 6 | g for h in hashes[lo:hi]])
+                keys.extend(map(m.key, hashes[lo:hi]))
         return len(set(keys)) == len(keys)
 
     def _publish_in_order(self, todo: list) -> None:
