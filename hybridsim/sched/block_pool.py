@@ -41,12 +41,9 @@ _LIFT = 3 << 69
 
 
 def key_lift(gid: int, plain: bool) -> Optional[int]:
-    """What ``prefix_key`` adds for group ``gid``; None for the group keyed by plain hashes."""
+    """What group ``gid``'s key adds to ``hash << 6`` (``KVManager.key``); None for the group
+    keyed by plain hashes."""
     return None if plain else _LIFT + gid
-
-
-def prefix_key(block_hash: int, lift: Optional[int]) -> int:
-    return block_hash if lift is None else (block_hash << 6) + lift
 
 
 class FreeQueue:
@@ -79,7 +76,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.ref_cnt = [0] * num_blocks
         self.ref_cnt[NULL_BLOCK] = 1  # never freed
-        # the prefix_key of the prefix a block holds (None: none)
+        # the key of the prefix a block holds (None: none; see key_lift)
         self.block_key: list[Hashable | None] = [None] * num_blocks
         self.cached: dict[Hashable, int] = {}  # key -> the holder a hit gets (earliest cached)
         self.dups: dict[Hashable, list[int]] = {}  # key -> further holders, in caching order
@@ -185,24 +182,24 @@ class BlockPool:
     def touch(self, blocks: Iterable[int]) -> None:
         """A request takes a reference on (cached) blocks it hit."""
         ref = self.ref_cnt
+        keys = self.block_key
+        dead = self.tail_dead
+        taken = 0
         for b in blocks:
             if b == NULL_BLOCK:
                 continue
-            if ref[b] == 0:
-                self._unqueue(b)
-            ref[b] += 1
-
-    def _unqueue(self, b: int) -> None:
-        """Take free block ``b`` out of the queue (a hit on it): it is hashed, so in the tail,
-        where its entry stays, dead. Dead entries are dropped once they outnumber live ones."""
-        if self.block_key[b] is None:  # pragma: no cover - caught by sched.invariants
-            raise AssertionError(f"block {b} is free and hit but not in the hashed tail")
-        dead = self.tail_dead
-        dead[b] = dead.get(b, 0) + 1
-        self.num_tail -= 1
-        if len(self.tail) > 2 * self.num_tail + _DEAD_SLACK:
-            self.tail = deque(self.tail_blocks())
-            dead.clear()
+            r = ref[b]
+            if r == 0:  # free and hashed, so in the tail, where its entry is dead from now on
+                if keys[b] is None:  # pragma: no cover - caught by sched.invariants
+                    raise AssertionError(f"block {b} is free and hit but not in the hashed tail")
+                dead[b] = dead.get(b, 0) + 1
+                taken += 1
+            ref[b] = r + 1
+        if taken:
+            self.num_tail -= taken
+            if len(self.tail) > 2 * self.num_tail + _DEAD_SLACK:  # mostly dead: rebuild it
+                self.tail = deque(self.tail_blocks())
+                dead.clear()
 
     def free(self, blocks: Iterable[int]) -> None:
         """Drop one reference from each block, in the order given.
@@ -251,7 +248,7 @@ class BlockPool:
     def cache(self, block: int, key: Hashable, mark_step: bool = False) -> None:
         """Publish ``block`` as holding the prefix ``key``; several blocks may hold one prefix.
 
-        Keys come from ``prefix_key``. ``mark_step`` records the key as published
+        Keys come from ``KVManager.key``. ``mark_step`` records the key as published
         by the current step (Mamba states: not readable until the step has run)."""
         if block == NULL_BLOCK or self.block_key[block] is not None:
             return
@@ -264,7 +261,8 @@ class BlockPool:
             self.cached_this_step.add(key)
 
     def cache_row(self, row: list[int], hashes: list[int], start: int, stop: int, lift: Optional[int]) -> None:
-        """``cache(row[i], prefix_key(hashes[i], lift))`` for i in start .. stop-1 (attention rows)."""
+        """``cache(row[i], key of hashes[i])`` for i in start .. stop-1 (attention rows; ``lift``:
+        see ``key_lift``)."""
         keys = self.block_key
         cached = self.cached
         for i in range(start, stop):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .block_pool import NULL_BLOCK, BlockPool, key_lift, prefix_key
+from .block_pool import NULL_BLOCK, BlockPool, key_lift
 from .groups import GroupSpec, cdiv
 from .request import Request
 
@@ -38,11 +38,12 @@ class KVManager:
         self.pool = pool
         self.rows: dict[int, list[int]] = {}
         self.last_need = 0  # fresh blocks the last ``need`` asked for
-        self.lift = key_lift(self.gid, plain_keys)  # prefix keys: see block_pool.prefix_key
+        self.lift = key_lift(self.gid, plain_keys)  # prefix keys: see block_pool.key_lift
 
     def key(self, block_hash: int) -> int:
         """The prefix-cache key of a block of this group with that hash."""
-        return prefix_key(block_hash, self.lift)
+        lift = self.lift
+        return block_hash if lift is None else (block_hash << 6) + lift
 
     # -- prefix hits -------------------------------------------------------
     def hit_blocks(self, req: Request, bound_blocks: int) -> int:
@@ -462,7 +463,7 @@ MAMBA_STRATEGIES = {"none": MambaNoneManager, "align": MambaAlignManager, "all":
 
 def make_manager(spec: GroupSpec, pool: BlockPool, caching: bool = True, plain_keys: bool = False) -> KVManager:
     """``plain_keys``: this group's prefix keys are the block hashes themselves (one group
-    per pool; see ``block_pool.prefix_key``)."""
+    per pool; see ``block_pool.key_lift``)."""
     if spec.is_mamba:
         return MAMBA_STRATEGIES[spec.mode](spec, pool, plain_keys)
     return AttentionManager(spec, pool, caching, plain_keys)
