@@ -169,3 +169,21 @@ def _pool_against_list_model(seed: int, n: int) -> None:
         assert list(pool.free_queue) == ref.queue
         assert pool.num_free == len(ref.queue) and pool.evictions == ref.evictions
         assert all((b in pool.free_queue) == (ref.ref[b] == 0) for b in range(1, n))
+
+
+def test_prefix_keys_of_groups_never_meet():
+    """The first attention group keys prefixes by the plain block hash; every other group's
+    keys lie above any hash and differ by group, whatever the hash (extremes included)."""
+    from hybridsim.sched.groups import GroupSpec
+    from hybridsim.sched.kv_cache import KVCacheManager
+
+    groups = [GroupSpec(0, "mamba", 16, (0,), "align"), GroupSpec(1, "attention", 16, (0,)),
+              GroupSpec(2, "mamba", 16, (1,), "align"), GroupSpec(3, "attention", 16, (1,))]
+    kv = KVCacheManager(groups, 64, True)
+    hashes = [-(1 << 63), -2, 0, 1, (1 << 63) - 1, 12345678901234567]
+    assert [kv.managers[1].key(h) for h in hashes] == hashes  # the plain-keyed group
+    keys = {(m.gid, h): m.key(h) for m in kv.managers for h in hashes}
+    assert len(set(keys.values())) == len(keys)
+    for (gid, h), k in keys.items():
+        if gid != 1:
+            assert 1 << 70 <= k < 1 << 71
