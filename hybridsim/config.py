@@ -6,6 +6,7 @@ dropped. Every error names the key path and the YAML line it came from.
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -438,7 +439,9 @@ _UNION_TAGS = {"synthetic", "trace", "bernoulli", "pattern", "none", "uniform", 
 
 
 def _format_pydantic(e: ValidationError, raw: Any, lines: _LineMap) -> InputError:
-    err = e.errors()[0]
+    errors = e.errors()
+    # a misspelt key is both unknown and (its right spelling) missing: name the misspelling
+    err = next((x for x in errors if x["type"] == "extra_forbidden"), errors[0])
     path = _data_path(raw, tuple(err["loc"]))
     msg = err["msg"]
     if msg.startswith("Value error, "):
@@ -447,14 +450,22 @@ def _format_pydantic(e: ValidationError, raw: Any, lines: _LineMap) -> InputErro
     if isinstance(ctx_err, _CrossFieldError):
         path = ctx_err.path
         msg = str(ctx_err)
+    told = 1  # problems this message tells of
     if err["type"] == "extra_forbidden":
         msg = "unknown key (not part of the scenario schema; check spelling)"
+        parent = tuple(err["loc"][:-1])
+        missing = [str(x["loc"][-1]) for x in errors
+                   if x["type"] == "missing" and tuple(x["loc"][:-1]) == parent]
+        close = difflib.get_close_matches(str(err["loc"][-1]), missing, n=1)
+        if close:
+            msg = f"unknown key (did you mean {close[0]}? it is missing)"
+            told = 2
     elif err["type"] == "missing":
         msg = "required key is missing"
     elif err["type"] == "union_tag_invalid":
         msg = msg.replace("Input tag", "value")
     key = ".".join(str(p) for p in path) or "(top level)"
-    more = f" (and {len(e.errors()) - 1} more problem(s))" if len(e.errors()) > 1 else ""
+    more = f" (and {len(errors) - told} more problem(s))" if len(errors) > told else ""
     return InputError(f"{key}: {msg}{more}", lines.where(path))
 
 

@@ -36,6 +36,16 @@ def test_unknown_key_names_path_and_line():
     assert e.where == "s.yaml:6"
 
 
+def test_misspelt_key_is_named_not_the_missing_one():
+    """A misspelt required key is both unknown and missing: the message names the misspelling
+    and the key it stands for, on the misspelling's line."""
+    e = _err(tiny_scenario().replace("num_blocks:", "num_blokcs:"))
+    assert e.message.startswith("cache.num_blokcs: unknown key (did you mean num_blocks?")
+    assert "more problem" not in e.message and e.where == "s.yaml:5"
+    e = _err(tiny_scenario().replace("num_blocks:", "num_blokcs:").replace("max_num_seqs: 8", "max_num_seqs: x"))
+    assert e.message.startswith("cache.num_blokcs: unknown key") and "(and 1 more problem(s))" in e.message
+
+
 def test_wrong_type_names_path_and_line():
     e = _err(tiny_scenario(blocks="lots"))
     assert e.message.startswith("cache.num_blocks")

@@ -15,9 +15,10 @@ freed with a hash, in freeing order). A block only gets a hash while it is in
 use, so every hashed free block is in the tail: only tail blocks are ever
 evicted by allocation or taken back by a hit.
 
-The tail is a deque that a hit does not edit (freeing appends a whole row at C
-speed, where an ordered dict cost most of freeing): a block a hit took back
-leaves a dead entry behind, counted in ``tail_dead``. A block is in the tail at
+The tail is a deque that a hit does not edit (freeing adds a row's hashed
+blocks with one ``extend``; inserting them into an ordered dict one by one was
+about half the cost of freeing): a block a hit took back leaves a dead entry
+behind, counted in ``tail_dead``. A block is in the tail at
 most once, so its live entry is its latest and its dead ones come before it;
 popping the front skips a block's entries while it has dead ones.
 """
@@ -96,7 +97,7 @@ class BlockPool:
 
     def in_tail(self, b: int) -> bool:
         """Free and hashed (or wiped by a reset): such blocks are exactly the tail's."""
-        return self.ref_cnt[b] == 0 and self.block_key[b] is not None and b != NULL_BLOCK
+        return self.ref_cnt[b] == 0 and self.block_key[b] is not None  # (the null block's ref is 1)
 
     def tail_blocks(self) -> Iterator[int]:
         """The tail's live entries, oldest first."""
