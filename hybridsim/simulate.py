@@ -10,6 +10,7 @@ from a trace file.
 from __future__ import annotations
 
 import gc
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Iterator, Optional
@@ -87,14 +88,24 @@ def kv_groups(s: Scenario) -> list[GroupSpec]:
 _STREAM_BATCH_TOKENS = 1 << 16
 
 
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector off for the block, and back as it was after."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
+
+
 def _make_requests(workload: Workload, hash_bs: int) -> list[Request]:
     """The scheduler's requests, with the prompts' block hashes computed in one vectorised
     pass when the workload has its prompts as one array. The garbage collector is paused
     meanwhile: it would otherwise walk the growing token lists again and again."""
     wreqs = workload.requests
-    was_on = gc.isenabled()
-    gc.disable()
-    try:
+    with _collector_paused():
         hashes = None
         flat = workload.prompt_tokens
         if flat is not None:
@@ -104,9 +115,6 @@ def _make_requests(workload: Workload, hash_bs: int) -> list[Request]:
         return [Request(w.req_id, i, w.arrival_step, w.prompt, w.max_tokens, w.priority,
                         w.output_seed, hash_bs, hashes[i] if hashes is not None else None)
                 for i, w in enumerate(wreqs)]
-    finally:
-        if was_on:
-            gc.enable()
 
 
 class Simulation:
@@ -331,12 +339,7 @@ class Simulation:
         reference counting; a test checks), and the collector's passes over the long-lived
         ones (token lists, block rows) cost 3-6% of a trace's planning, more when a full
         collection lands in it."""
-        was_on = gc.isenabled()
-        gc.disable()
-        try:
+        with _collector_paused():
             for _ in self:
                 pass
-        finally:
-            if was_on:
-                gc.enable()
         return self.stats

@@ -303,9 +303,7 @@ class MambaAlignManager(MambaManager):
         new_len = running + 1 + S
         if new_len <= prev_len:
             return None
-        targets = list(range(running, new_len))
-        if checkpoint is not None and checkpoint < running:
-            targets.insert(0, checkpoint)
+        targets = align_targets(total, checkpoint, self.bs, S)
         live_at_target = 0
         for t in targets:
             if t < prev_len and base[t] != NULL_BLOCK:
@@ -382,7 +380,7 @@ class MambaAlignManager(MambaManager):
                 row.extend([NULL_BLOCK] * (running - prev_len))
             row.append(fresh[0])
             tail = row[prev_len:]
-        return tail, (len(row) * bs, (self.low.get(idx, 0) + 1) * bs)
+        return tail, self.quiet(req)
 
     def cache(self, req, num_computed, total, checkpoint, publish_end):
         """Publish the checkpoint and junction states, only inside the prompt: states
@@ -400,6 +398,16 @@ class MambaAlignManager(MambaManager):
             col = total // self.bs - 1
             if col < limit and row[col] != NULL_BLOCK:
                 self.pool.cache(row[col], self.key(hashes[col]), True)
+
+
+def align_targets(total: int, checkpoint: Optional[int], bs: int, S: int) -> list[int]:
+    """The columns an align-mode Mamba row fills for ``total`` tokens: the prefill
+    checkpoint (when before the running column), the running column, one per draft."""
+    running = (total - 1) // bs
+    targets = list(range(running, running + 1 + S))
+    if checkpoint is not None and checkpoint < running:
+        targets.insert(0, checkpoint)
+    return targets
 
 
 def _mamba_quiet(m: "MambaManager", req: Request) -> tuple[int, int]:

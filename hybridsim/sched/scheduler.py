@@ -159,11 +159,7 @@ class Scheduler:
         if stay:
             self._cruise[req] = (base_c + k, self._now)
         else:
-            del self._cruise[req]
-            req.cruising = False
-            self._awake.add(req)
-            if self._deferring:
-                self.kv.resume_publishing(req)
+            self._leave_bulk(req)
 
     def _land_spec(self, req: Request, run: SpecRun, stay: bool) -> None:
         """``_land`` for a run of speculative decoding: counters, tokens, draft round and the
@@ -188,11 +184,7 @@ class Scheduler:
             end = req.cruise_end
             if self._now < end:  # the rest of the run is not bulk any more
                 self._acc_by_step[self._now:end] -= run.accepted[j:end - run.start]
-            del self._cruise[req]
-            req.cruising = False
-            self._awake.add(req)
-            if self._deferring:
-                self.kv.resume_publishing(req)
+            self._leave_bulk(req)
 
     def sync(self) -> None:
         """Make every cruising request's attributes current (for observers such as sched.invariants)."""
@@ -625,6 +617,15 @@ class Scheduler:
         if self._deferring:
             self.kv.defer_publishing(req)
             self._book_publish(req, base[1] if type(base) is tuple else base.start)
+
+    def _leave_bulk(self, req: Request) -> None:
+        """End the request's bulk run (``_land`` brought it up to date): the pass handles it
+        again, and it publishes at each block boundary again."""
+        del self._cruise[req]
+        req.cruising = False
+        self._awake.add(req)
+        if self._deferring:
+            self.kv.resume_publishing(req)
 
     # ------------------------------------------------------------------ deferred publishing
     def _due_step(self, req: Request, computed: int, frm: int) -> int:
