@@ -90,13 +90,23 @@ _STREAM_BATCH_TOKENS = 1 << 16
 
 @contextmanager
 def _collector_paused() -> Iterator[None]:
-    """The cyclic garbage collector off for the block, and back as it was after."""
+    """The cyclic garbage collector off for the block, and back as it was after.
+
+    What the block made (token lists of a whole trace: millions of items) goes straight to
+    the collector's oldest generation, as ``gc.freeze`` + ``gc.unfreeze`` does: re-enabled
+    as is, the collector would first walk all of it as young objects (~14 ms after building
+    2,000 Mooncake requests), then again as middle-aged ones, although it outlives the run.
+    Cycles made meanwhile are still collected, by the next full collection. Skipped when
+    the program has frozen objects of its own (unfreezing would thaw those too)."""
     was_on = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         if was_on:
+            if gc.get_freeze_count() == 0:
+                gc.freeze()
+                gc.unfreeze()
             gc.enable()
 
 

@@ -180,7 +180,7 @@ def test_prefix_keys_of_groups_never_meet():
     groups = [GroupSpec(0, "mamba", 16, (0,), "align"), GroupSpec(1, "attention", 16, (0,)),
               GroupSpec(2, "mamba", 16, (1,), "align"), GroupSpec(3, "attention", 16, (1,))]
     kv = KVCacheManager(groups, 64, True)
-    hashes = [-(1 << 63), -2, 0, 1, (1 << 63) - 1, 12345678901234567]
+    hashes = [0, 1, 2, (1 << 63) - 1, 1 << 63, (1 << 64) - 1, 12345678901234567]
     assert [kv.managers[1].key(h) for h in hashes] == hashes  # the plain-keyed group
     keys = {(m.gid, h): m.key(h) for m in kv.managers for h in hashes}
     assert len(set(keys.values())) == len(keys)

@@ -33,12 +33,12 @@ _WIPED = object()  # block_key of a tail block whose prefix reset_prefix_cache f
 _DEAD_SLACK = 4096  # dead tail entries tolerated beyond the live ones (then the tail is rebuilt)
 
 
-# Prefix-cache keys. Block hashes are signed 64-bit ints. One group (KVCacheManager picks the
-# first attention group) keys its blocks by the hash alone, so its lookups and publishing read a
-# request's hash list as it is, with no arithmetic per block; every other group's key is
-# ``hash << 6 | group id`` lifted by 3 * 2**69, into [2**70, 2**71), where no hash lies: no
-# two groups can share a key.
-_LIFT = 3 << 69
+# Prefix-cache keys. Block hashes are ints in [0, 2**64) (sched.hashing). One group
+# (KVCacheManager picks the first attention group) keys its blocks by the hash alone, so its
+# lookups and publishing read a request's hash list as it is, with no arithmetic per block;
+# every other group's key is ``hash << 6 | group id`` lifted by 2**70, into [2**70, 2**71),
+# where no hash lies: no two groups can share a key.
+_LIFT = 1 << 70
 
 
 def key_lift(gid: int, plain: bool) -> Optional[int]:

@@ -1,12 +1,18 @@
 """Prefix block hashes of many prompts at once, equal to ``Request.update_hashes``.
 
-A request's block hashes are chained: block i's hash is ``hash((parent, tuple(block)))``
-with the previous block's hash as parent (0 for the first). Computing them one block at a
-time costs about a microsecond each, which adds up to most of building a simulation on a
-big trace. This module computes the very same values with numpy: CPython's hash of a tuple
-is a fixed xxHash-style mix of its items' hashes (Objects/tupleobject.c, unchanged since
-Python 3.8), and an int's hash is its value modulo 2**61 - 1 with its sign. Before it is
-first used, the vectorised version is compared with ``hash`` on a sample; if they differ
+A request's block hashes are chained: block i's hash is ``parent * P + hash(tuple(block))``
+modulo 2**64, with the previous block's hash as parent (0 for the first). The chain is
+linear so that numpy can compute every prompt's chain at once with one cumulative sum
+(``s_i = P**i * sum_t u_t * P**-t``, P odd so invertible modulo 2**64) instead of block
+level after block level; the mix of a block's tokens is CPython's tuple hash, which
+scrambles well enough that two different prefixes meet with odds of about 2**-64 (a
+difference in block j alone shifts the hash by P**(i-j) times a nonzero tuple-hash
+difference, and P is invertible). Computing the chain block by block in Python costs
+about a microsecond a block, most of building a simulation on a big trace: this module
+computes the very same values with numpy. CPython's hash of a tuple is a fixed
+xxHash-style mix of its items' hashes (Objects/tupleobject.c, unchanged since Python
+3.8), and an int's hash is its value modulo 2**61 - 1 with its sign. Before it is first
+used, the vectorised version is compared with ``hash`` on a sample; if they differ
 (another Python implementation), callers fall back to hashing block by block.
 """
 
@@ -26,8 +32,12 @@ _P5 = _U(2870177450012600261)
 _LEN_SALT = 2870177450012600261 ^ 3527539  # the tuple length is mixed in with this
 _ALL_ONES = _U(_MASK)
 _FOR_ALL_ONES = _U(1546275796)  # a tuple hash of -1 is replaced by this
+# the chain's multiplier: odd (invertible modulo 2**64) and 5 modulo 8, so that two runs of
+# one repeated block, m blocks apart in length, meet only if 2**64 divides the block's hash
+# times m (m's factors of two are all that 1 + P + ... + P**(m-1) has)
+_CHAIN = 0x9E3779B97F4A7C15
+_CHAIN_INV = pow(_CHAIN, -1, 1 << 64)
 _verified: Optional[bool] = None
-_VECTOR_MIN = 48  # prompts still hashing below which the chain goes on in plain Python
 
 
 def _int_hash(v: np.ndarray) -> np.ndarray:
@@ -58,6 +68,13 @@ def _finish(acc: np.ndarray, n: int) -> np.ndarray:
     return acc
 
 
+def _powers(base: int, n: int) -> np.ndarray:
+    """base**0 .. base**(n-1) modulo 2**64."""
+    out = np.full(n, base, dtype=_U)
+    out[0] = 1
+    return np.cumprod(out, dtype=_U)
+
+
 def block_hashes_many(tokens: np.ndarray, starts: Sequence[int], lengths: Sequence[int],
                       block_size: int) -> Optional[list[list[int]]]:
     """Chained block hashes of prompts ``tokens[starts[i] : starts[i] + lengths[i]]`` (one flat
@@ -78,7 +95,6 @@ def _hashes(tokens: np.ndarray, starts: Sequence[int], lengths: Sequence[int], b
         sizes = (nblocks * bs).tolist()
         blocks = np.concatenate([tokens[a:a + n] for a, n in zip(starts, sizes)]).reshape(total, bs)
         small = int(blocks.min()) >= 0 and int(blocks.max()) < int(_MOD)  # ids hash to themselves
-        first = np.cumsum(nblocks) - nblocks
         inner = np.empty(total, dtype=_U)  # hash(tuple(block)) of every block
         step = max(1, (1 << 17) // bs)  # blocks per slice: few numpy calls, lanes (1 MiB) still in cache
         for lo in range(0, total, step):
@@ -88,48 +104,26 @@ def _hashes(tokens: np.ndarray, starts: Sequence[int], lengths: Sequence[int], b
             for k in range(bs):
                 _mix(acc, lanes[k])
             inner[lo:lo + step] = _finish(acc, bs)
-        # the chain runs block by block, over all prompts with that many blocks at once
-        # (longest first: the prompts with more than j blocks are a prefix of ``order``)
-        order = np.argsort(-nblocks, kind="stable")
-        counts = nblocks[order]
-        width = int(counts[0])
-        active = np.searchsorted(-counts, -np.arange(width), side="left").tolist()
-        base = first[order]  # where each prompt's blocks start, in that order
-        parent = np.zeros(len(order), dtype=np.int64)
-        out = np.empty(total, dtype=np.int64)  # every block's hash, prompt after prompt
-        j = 0
-        while j < width and active[j] >= _VECTOR_MIN:
-            a = active[j]
-            at = base[:a] + j
-            acc = np.full(a, _P5, dtype=_U)
-            _mix(acc, _int_hash(parent[:a]))
-            _mix(acc, inner[at])
-            parent[:a] = _finish(acc, 2).view(np.int64)
-            out[at] = parent[:a]
-            j += 1
-    # the few long prompts left go on block by block (a numpy pass per block costs more)
-    starts = list(starts)
+        # every chain at once: block g of a prompt whose blocks start at f has the hash
+        # sum_{t=f..g} inner_t * P**(g-t) = P**g * (W_g - W_{f-1}), W the running sum of inner_t * P**-t
+        weighted = inner * _powers(_CHAIN_INV, total)
+        run = np.cumsum(weighted, dtype=_U)
+        first = np.cumsum(nblocks) - nblocks
+        has = nblocks > 0
+        before = run[first[has]] - weighted[first[has]]  # W_{f-1} of each prompt with blocks
+        out = (run - np.repeat(before, nblocks[has])) * _powers(_CHAIN, total)
     flat = out.tolist()
-    for r in range(active[j] if j < width else 0):
-        i = int(order[r])
-        n = int(nblocks[i])
-        p = int(parent[r])
-        at = int(base[r])
-        toks = tokens[starts[i] + j * bs: starts[i] + n * bs].tolist()
-        for k in range(n - j):
-            p = hash((p, tuple(toks[k * bs:(k + 1) * bs])))
-            flat[at + j + k] = p
     return [flat[a:a + n] for a, n in zip(first.tolist(), nblocks.tolist())]
 
 
 def _check() -> bool:
-    """Does the vectorised hash equal this interpreter's ``hash`` (asked once)?"""
+    """Does the vectorised hash equal block-by-block hashing with this interpreter's ``hash``
+    (asked once)?"""
     global _verified
     if _verified is None:
         rnd = random.Random(7)
-        # enough prompts that the chain runs vectorised for its first blocks, then block by block
         prompts = [[rnd.randrange(0, 1 << rnd.choice((8, 31, 62))) for _ in range(rnd.randrange(0, 90))]
-                   for _ in range(2 * _VECTOR_MIN)]
+                   for _ in range(40)]
         prompts.append([-1, -2, (1 << 63) - 1, -(1 << 63)] * 5)  # sign and reserved values
         flat = np.array([t for p in prompts for t in p], dtype=np.int64)
         lengths = [len(p) for p in prompts]
@@ -142,9 +136,9 @@ def _check() -> bool:
 
 def chained_hashes(tokens: Sequence[int], bs: int, parent: int = 0) -> list[int]:
     """Block by block (what ``Request.update_hashes`` extends a request's hashes with, and the
-    reference the vectorised version is checked against)."""
+    reference the vectorised version is checked against). Hashes are ints in [0, 2**64)."""
     out = []
     for i in range(len(tokens) // bs):
-        parent = hash((parent, tuple(tokens[i * bs:(i + 1) * bs])))
+        parent = (parent * _CHAIN + hash(tuple(tokens[i * bs:(i + 1) * bs]))) & _MASK
         out.append(parent)
     return out
