@@ -240,16 +240,19 @@ class MambaManager(KVManager):
             if b != NULL_BLOCK:
                 self.pool.free([b])
             return
-        free = [row[c] for c in range(keep_from - 1, low - 1, -1) if row[c] != NULL_BLOCK]
-        for c in range(low, keep_from):
-            row[c] = NULL_BLOCK
+        # (a prompt's row is dozens of null columns: sliced and filtered at C speed)
+        left = row[low:keep_from]
+        row[low:keep_from] = [NULL_BLOCK] * (keep_from - low)
         self.low[req.index] = keep_from
+        free = list(filter(None, reversed(left)))  # (NULL_BLOCK is 0) right to left
         if free:
             self.pool.free(free)
 
     def free(self, req: Request) -> None:
         self.low.pop(req.index, None)
-        super().free(req)
+        row = self.rows.pop(req.index, None)
+        if row:  # the live columns, right to left, nulls dropped at C speed (NULL_BLOCK is 0)
+            self.pool.free(list(filter(None, reversed(row))))
 
     def blocks_for_hit(self, req: Request, nblocks: int) -> list[int]:
         if nblocks == 0:
