@@ -460,6 +460,9 @@ def _format_pydantic(e: ValidationError, raw: Any, lines: _LineMap) -> InputErro
         if close:
             msg = f"unknown key (did you mean {close[0]}? it is missing)"
             told = 2
+        elif missing:  # not a near spelling, but the key it stands for is likely among these
+            msg = f"unknown key (not part of the scenario schema; missing here: {', '.join(missing)})"
+            told = 1 + len(missing)
     elif err["type"] == "missing":
         msg = "required key is missing"
     elif err["type"] == "union_tag_invalid":

@@ -46,6 +46,12 @@ def test_misspelt_key_is_named_not_the_missing_one():
     assert e.message.startswith("cache.num_blokcs: unknown key") and "(and 1 more problem(s))" in e.message
 
 
+def test_unknown_key_names_what_is_missing_beside_it():
+    """A key unlike any expected one still points at the required keys missing beside it."""
+    e = _err(tiny_scenario(spec=2, acc="{kind: bernoulli, p: 0.6}"))
+    assert e.message == "spec_decode.acceptance.p: unknown key (not part of the scenario schema; missing here: rate)"
+
+
 def test_wrong_type_names_path_and_line():
     e = _err(tiny_scenario(blocks="lots"))
     assert e.message.startswith("cache.num_blocks")
