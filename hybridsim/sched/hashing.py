@@ -1,19 +1,19 @@
 """Prefix block hashes of many prompts at once, equal to ``Request.update_hashes``.
 
 A request's block hashes are chained: block i's hash is ``parent * P + hash(tuple(block))``
-modulo 2**64, with the previous block's hash as parent (0 for the first). The chain is
-linear so that numpy can compute every prompt's chain at once with one cumulative sum
-(``s_i = P**i * sum_t u_t * P**-t``, P odd so invertible modulo 2**64) instead of block
-level after block level; the mix of a block's tokens is CPython's tuple hash, which
-scrambles well enough that two different prefixes meet with odds of about 2**-64 (a
-difference in block j alone shifts the hash by P**(i-j) times a nonzero tuple-hash
-difference, and P is invertible). Computing the chain block by block in Python costs
-about a microsecond a block, most of building a simulation on a big trace: this module
-computes the very same values with numpy. CPython's hash of a tuple is a fixed
-xxHash-style mix of its items' hashes (Objects/tupleobject.c, unchanged since Python
-3.8), and an int's hash is its value modulo 2**61 - 1 with its sign. Before it is first
-used, the vectorised version is compared with ``hash`` on a sample; if they differ
-(another Python implementation), callers fall back to hashing block by block.
+modulo 2**64, with the previous block's hash as parent (0 for the first). Two different
+prefixes meet with odds of about 2**-64: a difference in block j alone shifts block i's
+hash by P**(i-j) times a nonzero tuple-hash difference, and P is odd, so invertible.
+
+Hashing block by block in Python costs about a microsecond a block, most of building a
+simulation on a big trace; this module computes the very same values with numpy. The
+chain is linear so that every prompt's chain comes from one running sum
+(``s_i = P**i * sum_t u_t * P**-t``) instead of one numpy pass per block level. A
+block's own hash is CPython's tuple hash: a fixed xxHash-style mix of its items' hashes
+(Objects/tupleobject.c, unchanged since Python 3.8), an int's hash being its value
+modulo 2**61 - 1 with its sign. Before first use the vectorised version is compared with
+block-by-block hashing on a sample; if they differ (another Python implementation),
+callers fall back to hashing block by block.
 """
 
 from __future__ import annotations
