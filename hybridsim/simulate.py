@@ -127,6 +127,53 @@ def _make_requests(workload: Workload, hash_bs: int) -> list[Request]:
                 for i, w in enumerate(wreqs)]
 
 
+class _TrueOutputs:
+    """The requests' true continuations (what the model commits), generated on first need.
+
+    Shared by the simulated model and bulk decode (``Scheduler.enable_cruise``); it holds no
+    reference to the Simulation, so a dropped Simulation is freed at once, without waiting
+    for the cyclic collector."""
+
+    __slots__ = ("cont", "requests", "extra")
+
+    def __init__(self, cont: Continuation, requests: list[Request], num_speculative_tokens: int):
+        self.cont = cont
+        self.requests = requests
+        self.extra = num_speculative_tokens + 2  # drafts are verified past max_tokens
+
+    def tokens(self, req: Request, start: int, count: int) -> list[int]:
+        """Output tokens start .. start+count-1 as the model commits them (bulk decode)."""
+        stream = req.out_stream
+        if stream is None:
+            stream = self.stream(req)
+        return stream[start:start + count]
+
+    def stream(self, req: Request) -> list[int]:
+        """The request's true continuation, long enough to verify drafts past max_tokens.
+
+        A seeded continuation is generated for this and the following requests at once
+        (they usually start sampling soon after it), up to ~64k tokens a batch."""
+        extra = self.extra
+        if not isinstance(self.cont, SeededContinuation):
+            req.out_stream = self.cont.stream(req, req.max_tokens + extra)
+            return req.out_stream
+        batch, lengths, total = [], [], 0
+        reqs = self.requests
+        for i in range(req.index, len(reqs)):
+            r = reqs[i]
+            if r.out_stream is not None:
+                break  # the batch that reached here already covers what follows
+            n = r.max_tokens + extra
+            if batch and total + n > _STREAM_BATCH_TOKENS:
+                break
+            batch.append(r)
+            lengths.append(n)
+            total += n
+        for r, s in zip(batch, self.cont.streams(batch, lengths)):
+            r.out_stream = s
+        return req.out_stream
+
+
 class Simulation:
     """Iterate over ``(plan, outcome)``; ``stats`` fills in as it goes."""
 
@@ -150,16 +197,16 @@ class Simulation:
                                    acceptance_model(scenario.spec_decode.acceptance, scenario.seed),
                                    workload.vocab_size, cfg.max_model_len)
         self.drafter = drafter
+        self.requests = _make_requests(workload, min(g.block_size for g in self.groups))
+        self.outputs = _TrueOutputs(self.cont, self.requests, cfg.num_speculative_tokens)
         if bulk_decode:  # steady decodes advanced in bulk (same plans; see Scheduler.enable_cruise)
-            self.scheduler.enable_cruise(self._output_tokens,
-                                         drafter if isinstance(drafter, ModelDrafts) else None)
+            self.scheduler.enable_cruise(self.outputs.tokens, drafter if isinstance(drafter, ModelDrafts) else None)
         self.max_steps = scenario.execution.max_steps
         self.checker = checker  # sched.invariants (None: not checked)
         self.check_every = max(1, check_every)
         self.schedule_s = 0.0
         self.update_s = 0.0
         self.last_tokens = (0, 0)  # (prefill, decode) tokens of the last step
-        self.requests = _make_requests(workload, min(g.block_size for g in self.groups))
         self.faults: dict[int, list] = {}
         for f in scenario.faults:
             self.faults.setdefault(f.at_step, []).append(f)
@@ -243,7 +290,7 @@ class Simulation:
         stats = self.stats
         byid = self.scheduler.requests
         max_len = self.scheduler.cfg.max_model_len
-        stream_of = self._stream
+        stream_of = self.outputs.stream
         sampled: dict[str, tuple[int, ...]] = {}
         accepted: dict[str, int] = {}
         bulk = plan.num_bulk  # rows advanced in bulk: one decode token (+ drafts) each, sampled when read
@@ -296,38 +343,6 @@ class Simulation:
         stats.output_tokens += out_tokens
         self.last_tokens = (scheduled_tokens - decode_tokens, decode_tokens)
         return sampled, accepted
-
-    def _output_tokens(self, req: Request, start: int, count: int) -> list[int]:
-        """Output tokens start .. start+count-1 as the model commits them (bulk decode)."""
-        stream = req.out_stream
-        if stream is None:
-            stream = self._stream(req)
-        return stream[start:start + count]
-
-    def _stream(self, req: Request) -> list[int]:
-        """The request's true continuation, long enough to verify drafts past max_tokens.
-
-        A seeded continuation is generated for this and the following requests at once
-        (they usually start sampling soon after it), up to ~64k tokens a batch."""
-        extra = self.scheduler.cfg.num_speculative_tokens + 2
-        if not isinstance(self.cont, SeededContinuation):
-            req.out_stream = self.cont.stream(req, req.max_tokens + extra)
-            return req.out_stream
-        batch, lengths, total = [], [], 0
-        reqs = self.requests
-        for i in range(req.index, len(reqs)):
-            r = reqs[i]
-            if r.out_stream is not None:
-                break  # the batch that reached here already covers what follows
-            n = r.max_tokens + extra
-            if batch and total + n > _STREAM_BATCH_TOKENS:
-                break
-            batch.append(r)
-            lengths.append(n)
-            total += n
-        for r, s in zip(batch, self.cont.streams(batch, lengths)):
-            r.out_stream = s
-        return req.out_stream
 
     def _apply_faults(self, step: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
         names, forced = [], []

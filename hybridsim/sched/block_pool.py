@@ -71,7 +71,7 @@ class FreeQueue:
 
 class BlockPool:
     __slots__ = ("num_blocks", "ref_cnt", "block_key", "cached", "dups", "front", "next_fresh", "tail",
-                 "tail_dead", "num_tail", "evictions", "cached_this_step", "free_queue")
+                 "tail_dead", "num_tail", "evictions", "cached_this_step")
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
@@ -88,9 +88,13 @@ class BlockPool:
         self.num_tail = 0  # live entries
         self.evictions = 0
         self.cached_this_step: set[Hashable] = set()
-        self.free_queue = FreeQueue(self)
 
     # ------------------------------------------------------------------ queries
+    @property
+    def free_queue(self) -> FreeQueue:
+        """A view of the free queue (made on demand: a stored one would be a reference cycle)."""
+        return FreeQueue(self)
+
     @property
     def num_free(self) -> int:
         return len(self.front) + (self.num_blocks - self.next_fresh) + self.num_tail
