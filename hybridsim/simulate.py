@@ -96,8 +96,10 @@ def _collector_paused() -> Iterator[None]:
     the collector's oldest generation, as ``gc.freeze`` + ``gc.unfreeze`` does: re-enabled
     as is, the collector would first walk all of it as young objects (~14 ms after building
     2,000 Mooncake requests), then again as middle-aged ones, although it outlives the run.
-    Cycles made meanwhile are still collected, by the next full collection. Skipped when
-    the program has frozen objects of its own (unfreezing would thaw those too)."""
+    Cycles made meanwhile are still collected, but only by the next full collection, which
+    can be far off: so a simulation holds no reference cycle (dropping one frees it at once;
+    tests/test_scheduler.py). Skipped when the program has frozen objects of its own
+    (unfreezing would thaw those too)."""
     was_on = gc.isenabled()
     gc.disable()
     try:
