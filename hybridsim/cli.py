@@ -265,6 +265,9 @@ def validate(files: List[Path] = typer.Argument(..., help="scenario YAML files a
                           f"{s.cache.num_blocks} blocks")
                 for note in wl.notes:
                     out.print(f"   [yellow]note:[/] {note}")
+                why = s.cannot_execute()
+                if why:
+                    out.print(f"   [yellow]note:[/] {why}")
         return 0
 
     _guard(body)

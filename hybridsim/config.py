@@ -285,6 +285,14 @@ class Scenario(_Strict):
     def geometry(self) -> ModelGeometry:
         return self.model.geometry()
 
+    def cannot_execute(self) -> Optional[str]:
+        """Why this scenario can be planned but not executed (checks on), or None."""
+        if (self.cache.resolved_mode() == "all" and self.spec_decode.num_speculative_tokens > 0
+                and self.geometry().mamba is not None):
+            return ("executing mamba_cache_mode all with speculative decoding is not supported yet "
+                    "(plan it with --check off)")
+        return None
+
 
 class _CrossFieldError(ValueError):
     def __init__(self, path: tuple, msg: str):

@@ -194,3 +194,19 @@ def test_checked_run_labels_its_wall_time_as_the_whole_loop():
     text = console.export_text()
     assert "wall time (plan + execute + check)" in text and "of which planning (schedule + update)" in text
     assert "planning wall time" not in text
+
+
+def test_validate_tells_what_can_be_planned_but_not_executed(tmp_path):
+    """All mode with drafts plans but does not execute: validate says so up front, and a
+    checked run refuses it with the same words and exit 2."""
+    text = (REPO / "scenarios/all_mode.yaml").read_text()
+    text += "spec_decode: {num_speculative_tokens: 2, acceptance: {kind: bernoulli, rate: 0.6}}\n"
+    f = tmp_path / "allspec.yaml"
+    f.write_text(text)
+    v = hs("validate", f)
+    assert v.returncode == 0 and "mamba_cache_mode all with speculative decoding is not" in " ".join(v.stdout.split())
+    assert "not supported" not in hs("validate", "scenarios/all_mode.yaml").stdout
+    r = hs("run", f, "--check", "full")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "mamba_cache_mode all with speculative decoding is not" in " ".join((r.stdout + r.stderr).split())
+    assert hs("run", f, "--check", "off").returncode == 0

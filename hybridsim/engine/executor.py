@@ -85,9 +85,9 @@ class Executor:
         self.mcache: Optional[MambaStateCache] = None
         self.mlayer_group: list[int] = []
         if self.geo.mamba is not None:
-            if self.mode == "all" and self.S > 0:
-                raise InputError("executing mamba_cache_mode all with speculative decoding is not supported "
-                                 "yet (plan it with --check off)", "spec_decode.num_speculative_tokens")
+            why = scenario.cannot_execute()
+            if why:
+                raise InputError(why, "spec_decode.num_speculative_tokens")
             mg = self.geo.mamba
             rows = mg.conv_rows(self.S)
             oracle_probes = []
