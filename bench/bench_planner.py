@@ -34,6 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from calibration import calibrate  # noqa: E402  (bench/ is on sys.path when run as a script)
 from hybridsim.config import parse_scenario  # noqa: E402
 from hybridsim.simulate import Simulation  # noqa: E402
 from hybridsim.workload import build_workload  # noqa: E402
@@ -115,28 +116,6 @@ def time_whole(text: str) -> dict:
             "prefix_hit_tokens": stats.prefix_hit_tokens, "preemptions": stats.preemptions}
 
 
-def calibrate() -> float:
-    """Seconds for a fixed object-heavy pure-Python loop (scattered attribute, list and dict
-    accesses, like the planner's): this machine class has slow and fast phases, and this
-    figure, taken next to each measurement, tells which one a result came from."""
-    import random
-    import types
-
-    rnd = random.Random(0)
-    objs = [types.SimpleNamespace(a=i, b=[i] * 8, c={i: i}) for i in range(50_000)]
-    order = list(range(len(objs)))
-    rnd.shuffle(order)
-    t0 = time.perf_counter()
-    total = 0
-    for _ in range(4):
-        for i in order:
-            o = objs[i]
-            total += o.a + o.b[3] + o.c[o.a]
-            o.b.append(total & 7)
-            o.b.pop()
-    return time.perf_counter() - t0
-
-
 WORKLOADS = {
     "decode256": lambda: time_steady(decode_scenario(256, 0), 500),
     "decode64": lambda: time_steady(decode_scenario(64, 0), 500),
@@ -148,12 +127,48 @@ WORKLOADS = {
 }
 
 
+PEER_WORKLOADS = {  # what bench/peer_vllm.py replays: (scenario, steady steps timed or 0: the whole run)
+    "decode256": (lambda: decode_scenario(256, 0), 500),
+    "decode64": (lambda: decode_scenario(64, 0), 500),
+    "spec256": (lambda: decode_scenario(256, 3), 500),
+    "mooncake2000": (lambda: mooncake_scenario(2000), 0),
+}
+
+
+def export_peer_workload(name: str, path: Path) -> None:
+    """Write what the vLLM peer needs to run the same workload (bench/peer_vllm.py): the
+    scheduler and cache config, and per request its arrival step, prompt, max tokens and the
+    true continuation our simulated model commits (so both see the same output tokens)."""
+    make, steady = PEER_WORKLOADS[name]
+    loaded = parse_scenario(make(), "bench")
+    s = loaded.scenario
+    sim = Simulation(s, build_workload(loaded))
+    acc = s.spec_decode.acceptance
+    reqs = [{"id": r.req_id, "arrival_step": r.arrival_step, "prompt": list(r.prompt_ids),
+             "max_tokens": r.max_tokens, "outputs": sim.outputs.tokens(r, 0, r.max_tokens + 8)}
+            for r in sim.requests]
+    path.write_text(json.dumps({
+        "workload": name, "steady_steps": steady, "block_size": s.cache.block_size,
+        "num_blocks": s.cache.num_blocks, "mamba_cache_mode": s.cache.mamba_cache_mode,
+        "max_num_batched_tokens": s.scheduler.max_num_batched_tokens, "max_num_seqs": s.scheduler.max_num_seqs,
+        "max_model_len": s.scheduler.max_model_len, "num_speculative_tokens": s.spec_decode.num_speculative_tokens,
+        "acceptance_rate": getattr(acc, "rate", None), "peer_figure": PEER[name], "requests": reqs}))
+    print(f"{name}: {len(reqs)} requests written to {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("workload", choices=[*WORKLOADS, "all"])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--export", type=Path, metavar="PATH",
+                    help="write the workload for bench/peer_vllm.py (the vLLM peer) instead of timing it")
     args = ap.parse_args()
+    if args.export:
+        if args.workload not in PEER_WORKLOADS:
+            ap.error(f"--export: one of {', '.join(PEER_WORKLOADS)}")
+        export_peer_workload(args.workload, args.export)
+        return
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
     results = {}
     for name in names:

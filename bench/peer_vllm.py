@@ -1,0 +1,198 @@
+"""The peer side of issue 2's speed bar: vLLM 0.33's own V1 scheduler, driven offline.
+
+Runs in an environment with vLLM 0.33 installed (see bench/peer_setup.sh; not the project's
+venv), on a workload exported by the planner benchmark, so both sides plan the same requests:
+
+    .venv/bin/python bench/bench_planner.py mooncake2000 --export /tmp/mooncake2000.json
+    .peer-venv/bin/python bench/peer_vllm.py /tmp/mooncake2000.json --repeat 5
+
+What is driven: ``vllm.v1.core.sched.scheduler.Scheduler`` with its real KV cache manager
+(one Mamba2 group in align mode with one prefill-checkpoint block, one full-attention
+group, block 16, prefix caching with the engine's default sha256 block hashes), the
+engine core's loop (add the step's arrivals, ``schedule``, ``update_from_output``, drafts
+through ``update_draft_token_ids``), and a fake model that commits the same true
+continuation our simulated model does. Drafts (spec workloads) are right with the
+workload's acceptance rate in turn, as our Bernoulli acceptance model, with a different
+random stream. The model and structured-output configs are stand-ins holding only what
+the scheduler reads (no model weights or tokenizer exist here); vLLM's own structured-output
+manager returns at once for requests without structured output, as the stand-in does.
+
+Timed like the planner benchmark: whole workloads (mooncake2000) from building the
+scheduler and the requests (block hashing included) to the last step; steady workloads
+over their 500 steps once every request decodes. Each line shows the calibration
+(bench/calibration.py) so that it can be set beside hybridsim's figures of the same phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from calibration import calibrate  # noqa: E402
+
+
+class _Stand(SimpleNamespace):
+    """A config stand-in: the attributes given; any other one the scheduler reads is None
+    (and recorded, to be shown with the results)."""
+
+    read_missing: set = set()
+
+    def __getattr__(self, key):
+        if key.startswith("__"):
+            raise AttributeError(key)
+        _Stand.read_missing.add(key)
+        return None
+
+
+def make_scheduler(w: dict):
+    import torch
+    from vllm.config import CacheConfig, DeviceConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    bs = w["block_size"]
+    S = w["num_speculative_tokens"]
+    sched = SchedulerConfig(max_num_batched_tokens=w["max_num_batched_tokens"], max_num_seqs=w["max_num_seqs"],
+                            max_model_len=w["max_model_len"], enable_chunked_prefill=True, is_encoder_decoder=False)
+    cache = CacheConfig(block_size=bs, enable_prefix_caching=True, mamba_cache_mode=w["mamba_cache_mode"])
+    cache.num_gpu_blocks = w["num_blocks"]
+    cfg = VllmConfig(scheduler_config=sched, cache_config=cache, device_config=DeviceConfig(device="cpu"))
+    object.__setattr__(cfg, "model_config", _Stand(
+        uses_mrope=False, max_model_len=w["max_model_len"], runner_type="generate", is_diffusion=False,
+        is_encoder_decoder=False, supports_multimodal_inputs=False, multimodal_config=None))
+    if S:  # an n-gram-style drafter: no draft model, no lookahead slots
+        no = lambda: False  # noqa: E731
+        object.__setattr__(cfg, "speculative_config", _Stand(
+            num_speculative_tokens=S, method="ngram", num_speculative_tokens_per_batch_size=None,
+            use_eagle=no, use_eagle_block_drop=no, needs_eagle_block_drop=no, use_dspark=no, use_dflash=no,
+            uses_draft_model=no, disable_eagle_block_drop=True, disable_lookahead_block_hashes=True,
+            max_num_new_slots_for_drafting=0))
+    # the recordings' NemotronH-style geometry (shared/vllm-recorded: config line)
+    mamba = MambaSpec(block_size=bs, shapes=((3, 288), (8, 32, 16)), dtypes=(torch.bfloat16, torch.float32),
+                      mamba_cache_mode=w["mamba_cache_mode"], num_speculative_blocks=S,
+                      num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=bs)
+    attn = FullAttentionSpec(block_size=bs, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    kv = KVCacheConfig(num_blocks=w["num_blocks"], kv_cache_tensors=[],
+                       kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.mixer"], mamba),
+                                        KVCacheGroupSpec(["model.layers.1.mixer.attn"], attn)],
+                       hash_block_size=bs, cache_hit_alignment_tokens=bs)
+    structured = SimpleNamespace(accept_tokens=lambda req, toks: True, validate_tokens=lambda req, toks: toks,
+                                 grammar_bitmask=lambda *a, **k: None)
+    return Scheduler(cfg, kv, structured, block_size=bs)
+
+
+def run_once(w: dict, seed: int) -> dict:
+    """One run; returns seconds (whole run, or the steady window), steps and plan totals."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    hash_fn = get_hash_fn_by_name("sha256")  # the engine's default prefix_caching_hash_algo
+    init_none_hash(hash_fn)
+    hasher = get_request_block_hasher(w["block_size"], hash_fn)
+    truth = {r["id"]: r["outputs"] for r in w["requests"]}
+    S = w["num_speculative_tokens"]
+    rate = w["acceptance_rate"] or 0.0
+    rnd = random.Random(seed)
+    steady = w["steady_steps"]
+
+    t0 = time.perf_counter()
+    sched = make_scheduler(w)
+    arrivals = [(r["arrival_step"], Request(r["id"], r["prompt"], SamplingParams(max_tokens=r["max_tokens"],
+                                                                                   ignore_eos=True),
+                                            None, arrival_time=0.0, block_hasher=hasher))
+                for r in w["requests"]]
+    n = len(arrivals)
+    i = step = hit_tokens = 0
+    window = None
+    while i < n or sched.has_unfinished_requests():
+        while i < n and arrivals[i][0] <= step:
+            sched.add_request(arrivals[i][1])
+            i += 1
+        out = sched.schedule()
+        for new in out.scheduled_new_reqs:
+            hit_tokens += new.num_computed_tokens
+        ids, sampled = [], []
+        for rid in out.num_scheduled_tokens:
+            req = sched.requests[rid]
+            ids.append(rid)
+            if req.num_computed_tokens < req.num_tokens:  # a prefill chunk: nothing sampled
+                sampled.append([])
+                continue
+            t = truth[rid]
+            o = req.num_output_tokens
+            drafts = out.scheduled_spec_decode_tokens.get(rid, ())
+            k = 0  # drafts equal to the true continuation are accepted, then the bonus token
+            while k < len(drafts) and drafts[k] == t[o + k]:
+                k += 1
+            sampled.append(t[o:o + k + 1])
+        sched.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: j for j, r in enumerate(ids)},
+                                                        sampled_token_ids=sampled))
+        if S:
+            d_ids, d_toks = [], []
+            for rid, toks in zip(ids, sampled):
+                req = sched.requests.get(rid)
+                if not toks or req is None or req.is_finished():
+                    continue
+                t = truth[rid]
+                o = req.num_output_tokens
+                right, drafts = True, []
+                for j in range(S):
+                    right = right and rnd.random() < rate
+                    drafts.append(t[o + j] if right else t[o + j] + 1)
+                d_ids.append(rid)
+                d_toks.append(drafts)
+            sched.update_draft_token_ids(DraftTokenIds(d_ids, d_toks))
+        step += 1
+        if steady:
+            if window is None and i == n and len(sched.running) == n and all(
+                    r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running):
+                window = (time.perf_counter(), step)
+            elif window is not None and step - window[1] == steady:
+                dt = time.perf_counter() - window[0]
+                return {"seconds": dt, "steps": steady, "steps_per_s": steady / dt}
+    dt = time.perf_counter() - t0
+    if steady:
+        raise SystemExit(f"{w['workload']}: the run ended before {steady} steady steps")
+    return {"seconds": dt, "steps": step, "steps_per_s": step / dt, "prefix_hit_tokens": hit_tokens}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("workload", type=Path, help="a file written by bench_planner.py NAME --export PATH")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    try:
+        import vllm
+    except ImportError:
+        raise SystemExit("error: vllm is not installed in this Python (see bench/peer_setup.sh)")
+    w = json.loads(args.workload.read_text())
+    cal = calibrate()
+    runs = [run_once(w, seed) for seed in range(args.repeat)]
+    cal = min(cal, calibrate())
+    key = "steps_per_s" if w["steady_steps"] else "seconds"
+    med = statistics.median(r[key] for r in runs)
+    shown = f"{med:,.1f} steps/s" if key == "steps_per_s" else f"{med:.3f} s ({runs[0]['steps']} steps)"
+    extra = f"   prefix-hit tokens {runs[0]['prefix_hit_tokens']:,}" if "prefix_hit_tokens" in runs[0] else ""
+    print(f"vLLM {vllm.__version__} {w['workload']:14s} {shown:>22s}   runs {[round(r[key], 3) for r in runs]}   "
+          f"calibration {cal * 1e3:.0f} ms{extra}")
+    if _Stand.read_missing:
+        print(f"  (config attributes the scheduler read as None: {', '.join(sorted(_Stand.read_missing))})")
+    if args.json:
+        args.json.write_text(json.dumps({"vllm": vllm.__version__, "workload": w["workload"], key: med,
+                                         "runs": [round(r[key], 4) for r in runs], "calibration_ms": round(cal * 1e3, 1),
+                                         **{k: v for k, v in runs[0].items() if k not in (key,)}}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
