@@ -132,6 +132,7 @@ PEER_WORKLOADS = {  # what bench/peer_vllm.py replays: (scenario, steady steps t
     "decode64": (lambda: decode_scenario(64, 0), 500),
     "spec256": (lambda: decode_scenario(256, 3), 500),
     "mooncake2000": (lambda: mooncake_scenario(2000), 0),
+    "mooncake_full": (lambda: mooncake_scenario(None), 0),
 }
 
 

@@ -82,14 +82,17 @@ def make_scheduler(w: dict):
     kv = KVCacheConfig(num_blocks=w["num_blocks"], kv_cache_tensors=[],
                        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.mixer"], mamba),
                                         KVCacheGroupSpec(["model.layers.1.mixer.attn"], attn)],
-                       hash_block_size=bs, cache_hit_alignment_tokens=bs)
+                       hash_block_size=bs, cache_hit_alignment_tokens=bs,
+                       # as the engine resolves it (0: Mamba keeps only the latest replay boundary)
+                       prefix_cache_retention_interval=cache.prefix_cache_retention_interval)
     structured = SimpleNamespace(accept_tokens=lambda req, toks: True, validate_tokens=lambda req, toks: toks,
                                  grammar_bitmask=lambda *a, **k: None)
     return Scheduler(cfg, kv, structured, block_size=bs)
 
 
-def run_once(w: dict, seed: int) -> dict:
-    """One run; returns seconds (whole run, or the steady window), steps and plan totals."""
+def run_once(w: dict, seed: int, steps_log: list | None = None) -> dict:
+    """One run; returns seconds (whole run, or the steady window), steps and plan totals.
+    ``steps_log``: filled with every step's plan, for bench/peer_compare.py (slows the run)."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -121,6 +124,13 @@ def run_once(w: dict, seed: int) -> dict:
         out = sched.schedule()
         for new in out.scheduled_new_reqs:
             hit_tokens += new.num_computed_tokens
+        if steps_log is not None:
+            steps_log.append({
+                "step": step,
+                "sched": {rid: [sched.requests[rid].num_computed_tokens - k, k]
+                          for rid, k in out.num_scheduled_tokens.items()},
+                "hits": {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs},
+                "preempted": sorted(out.preempted_req_ids or ())})
         ids, sampled = [], []
         for rid in out.num_scheduled_tokens:
             req = sched.requests[rid]
@@ -171,6 +181,8 @@ def main() -> None:
     ap.add_argument("workload", type=Path, help="a file written by bench_planner.py NAME --export PATH")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--steps", type=Path, metavar="PATH",
+                    help="also write every step's plan of one more (untimed) run, for bench/peer_compare.py")
     args = ap.parse_args()
     try:
         import vllm
@@ -188,6 +200,11 @@ def main() -> None:
           f"calibration {cal * 1e3:.0f} ms{extra}")
     if _Stand.read_missing:
         print(f"  (config attributes the scheduler read as None: {', '.join(sorted(_Stand.read_missing))})")
+    if args.steps:
+        log: list = []
+        run_once(dict(w, steady_steps=0), 0, log)
+        args.steps.write_text(json.dumps({"vllm": vllm.__version__, "workload": w["workload"], "steps": log}))
+        print(f"  {len(log)} steps written to {args.steps}")
     if args.json:
         args.json.write_text(json.dumps({"vllm": vllm.__version__, "workload": w["workload"], key: med,
                                          "runs": [round(r[key], 4) for r in runs], "calibration_ms": round(cal * 1e3, 1),

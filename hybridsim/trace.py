@@ -35,7 +35,7 @@ from .sched.plan import ScheduledRequest, StepOutcome, StepPlan
 from .workload.base import WorkloadRequest
 
 FORMAT = "hybridsim-trace"
-VERSION = 1
+VERSION = 2  # 2: align-mode prefill checkpoints at vLLM 0.33's position (sched.plan.prefill_checkpoint)
 
 
 def _dumps(obj) -> str:
@@ -198,7 +198,12 @@ def read_trace(path: str | Path, check: bool = True) -> Trace:
         hint = " (a vLLM recording? use `hybridsim convert` first)" if header.get("type") == "config" else ""
         raise InputError(f"line 1 is not a hybridsim trace header{hint}", f"{p}:{ln}")
     if header.get("version") != VERSION:
-        raise InputError(f"trace version {header.get('version')!r} is not supported (this is {VERSION})", f"{p}:{ln}")
+        why = ("; version 1 placed align-mode prefill checkpoints where the engine does not (sequences whose "
+               "length is a multiple of the block size), so its plans do not execute as recorded: "
+               "re-record it from its scenario with `hybridsim run SCENARIO --check off --record`"
+               if header.get("version") == 1 else "")
+        raise InputError(f"trace version {header.get('version')!r} is not supported (this is {VERSION}){why}",
+                         f"{p}:{ln}")
     for key in ("scenario", "groups", "requests"):
         if key not in header:
             raise InputError(f"header is missing {key!r}", f"{p}:{ln}")

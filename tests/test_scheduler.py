@@ -57,6 +57,31 @@ def test_final_chunk_gets_checkpoint_column():
     assert [i for i, b in enumerate(mamba_row) if b] == [10, 11]
 
 
+def test_block_multiple_prompt_keeps_its_checkpoint_one_block_before_the_end():
+    """vLLM 0.33 (bench/peer_vllm.py, its own scheduler on these prompts): a prefill
+    checkpoint leaves a token to compute, so a 608-token prompt keeps the state at 592 in
+    column 36, and the state at its very end is not kept; a chunk cut by the budget right
+    at the checkpoint publishes its end state."""
+    a = token_block(21, 608, 32000).tolist()
+    other = token_block(22, 100, 32000).tolist()
+    wl = manual_workload([a, a + other, a[:600] + other], [0, 10, 20], [3, 3, 3])
+    sim, recs = simulate(tiny_scenario(budget=1024, max_len=4096, blocks=1024, seqs=4), wl)
+    first = {s.req_id: (p.step, s) for p, _ in recs for s in p.scheduled if s.is_new}
+    row = first["r0"][1].new_block_ids[0]
+    assert first["r0"][1].num_scheduled_tokens == 608
+    assert [i for i, b in enumerate(row) if b] == [36, 37]  # checkpoint (592), running (608)
+    # the engine: 592 and 592 (the old rule here gave 608 and 0)
+    assert first["r1"][1].prefix_hit_tokens == 592
+    assert first["r2"][1].prefix_hit_tokens == 592
+    assert sim.checks.tallies["sched.invariants"].failures == 0
+
+    # budget 592: r0's first chunk ends at its checkpoint and publishes it (the engine: 592)
+    wl = manual_workload([a, a[:600] + other], [0, 10], [3, 3])
+    sim, recs = simulate(tiny_scenario(budget=592, max_len=4096, blocks=1024, seqs=4), wl)
+    first = {s.req_id: s for p, _ in recs for s in p.scheduled if s.is_new}
+    assert first["r0"].num_scheduled_tokens == 592 and first["r1"].prefix_hit_tokens == 592
+
+
 def test_spec_rollback_and_draft_accounting():
     text = tiny_scenario(spec=3, acc="{kind: pattern, accepted: [1]}", n=1, pmin=40, pmax=40, omin=30, omax=30,
                          prefix=8, frac=0.0)

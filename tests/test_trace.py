@@ -120,3 +120,13 @@ def test_interrupted_run_leaves_no_partial_trace(tmp_path, monkeypatch):
         runner.plan_scenario(parse_scenario(tiny_scenario(), "t.yaml"), record=good, progress=exploding_progress)
     assert good.read_text() == "keep me\n"
     assert not (tmp_path / "t.jsonl.partial").exists()
+
+
+def test_version_1_trace_refused_with_why(trace_file):
+    """Version 1 placed align-mode prefill checkpoints elsewhere: its plans would execute with
+    failing state checks, so it is refused, with what to do."""
+    _corrupt(trace_file, 1, lambda d: d.__setitem__("version", 1))
+    with pytest.raises(InputError) as ei:
+        read_trace(trace_file)
+    assert ei.value.where == f"{trace_file}:1"
+    assert "version 1 is not supported (this is 2)" in ei.value.message and "re-record" in ei.value.message

@@ -10,8 +10,9 @@ per group. The semantics are the engine's (research/vllm-hybrid.md §3, seeds
   step's accept bias, temporal state taken from the bias column) and the accepted
   count resets to 1. Draft rows write the state after each query token into
   ``curr + t``; after acceptance, a state that lands on a block boundary is copied
-  into that boundary's block. A prefill chunk passing the last full block ``L`` of
-  the sequence also writes the state at ``L`` into its checkpoint column (vLLM 0.33).
+  into that boundary's block. A prefill chunk passing the sequence's checkpoint ``L``
+  (the last block boundary before its last token: ``sched.plan.prefill_checkpoint``) also
+  writes the state at ``L`` into its checkpoint column (vLLM 0.33).
 * ``none``: column 0 is the running state, columns 1..S the draft states; a step
   without drafts after an accepted run migrates column A-1 into column 0.
 * ``all``: a state at every block boundary the chunk crosses; the running state is
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
+
+from ..sched.plan import prefill_checkpoint
 
 
 def cdiv(a: int, b: int) -> int:
@@ -134,11 +137,12 @@ class AlignTracker(MambaStateTracker):
         return p
 
     def checkpoint(self, p: RowPlan, num_tokens_known: int) -> None:
-        """0.33: a prefill chunk passing the sequence's last full block also keeps the state there."""
+        """0.33: a prefill chunk passing the sequence's checkpoint (``prefill_checkpoint``)
+        also keeps the state there."""
         bs = self.bs
-        last_full = num_tokens_known - num_tokens_known % bs
-        if p.c < last_full < p.c + p.n:
-            p.boundary.append((last_full - p.c - 1, last_full // bs - 1))
+        point = prefill_checkpoint(num_tokens_known, bs)
+        if p.c < point < p.c + p.n:
+            p.boundary.append((point - p.c - 1, point // bs - 1))
 
     def post(self, p, accepted, sampled):
         super().post(p, accepted, sampled)

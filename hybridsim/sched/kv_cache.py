@@ -14,6 +14,7 @@ from typing import Optional
 from .block_pool import BlockPool
 from .groups import GroupSpec
 from .managers import _INF, NULL_BLOCK, AttentionManager, KVManager, MambaAlignManager, align_targets, make_manager
+from .plan import prefill_checkpoint
 from .request import Request
 
 NO_BOUND = _INF  # a quiet bound never crossed; ``next_publish_at`` without attention groups
@@ -109,7 +110,7 @@ class KVCacheManager:
             need += p.fresh
         if admit_tokens is not None and admit_tokens > total:
             bs = self.block_size
-            full_ckpt = admit_tokens // bs - 1 if admit_tokens % bs and admit_tokens > bs else None
+            full_ckpt = prefill_checkpoint(admit_tokens, bs) // bs - 1 if admit_tokens > bs else None
             full = sum(m.plan(req, num_computed, admit_tokens, hit_rows[i], full_ckpt).fresh
                        for i, m in enumerate(managers))
             need = max(need, full)
@@ -166,7 +167,7 @@ class KVCacheManager:
         hit_rows = hit.blocks
         full_ckpt = None
         if admit_tokens is not None and admit_tokens > total:
-            full_ckpt = admit_tokens // bs - 1 if admit_tokens % bs and admit_tokens > bs else None
+            full_ckpt = prefill_checkpoint(admit_tokens, bs) // bs - 1 if admit_tokens > bs else None
         else:
             admit_tokens = None
         todo = []  # per group: (statics, hit row, fresh blocks, Mamba target columns)

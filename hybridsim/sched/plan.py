@@ -9,6 +9,15 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 
+def prefill_checkpoint(num_tokens: int, bs: int) -> int:
+    """Where align mode keeps a sequence's prefill checkpoint state: the last block boundary
+    that leaves at least one token to compute, ``(num_tokens - 1) // bs * bs`` (vLLM 0.33;
+    for a length that is a multiple of ``bs``, one block before the end). A final prefill
+    chunk that passes it writes the state there into column ``point // bs - 1``. The
+    scheduler plans that column and the executor fills it: both read the rule here."""
+    return (num_tokens - 1) // bs * bs
+
+
 class ScheduledRequest(NamedTuple):
     """One request's share of a step (a NamedTuple: immutable and cheap on the hot path)."""
 

@@ -20,7 +20,7 @@ from typing import Iterable, Optional
 import numpy as np
 
 from .kv_cache import NO_BOUND, KVCacheManager, PrefixHit
-from .plan import Cruise, ScheduledRequest, SpecRun, StepOutcome, StepPlan
+from .plan import Cruise, ScheduledRequest, SpecRun, StepOutcome, StepPlan, prefill_checkpoint
 from .request import Request, Status
 
 _Sched = ScheduledRequest  # built with tuple.__new__ on the hot path (all ten fields, in order)
@@ -446,8 +446,11 @@ class Scheduler:
         """Align-mode chunking: a prefill chunk that does not finish the prefill ends on a
         block boundary; it also stops at the end of the longest cached prefix (the
         junction with another request's blocks) so that the state there is
-        materialised and published; a chunk that passes the last full block of the
-        sequence gets a checkpoint column holding the state there.
+        materialised and published; a final chunk that passes the sequence's prefill
+        checkpoint (``prefill_checkpoint``: the last block boundary before its last token)
+        gets a checkpoint column holding the state there, and a chunk ending on that
+        point publishes its end state (a state at the very end of a sequence whose length
+        is a multiple of the block size is not kept: the checkpoint before it is).
 
         The junction is measured once, when the request is admitted (the
         recorded engine keeps it even after the blocks behind it are evicted).
@@ -469,9 +472,9 @@ class Scheduler:
             end = end // bs * bs
         if end <= start:
             return 0, None, False
-        last_full = num_tokens - num_tokens % bs
-        checkpoint = last_full // bs - 1 if start < last_full < end else None
-        return end - start, checkpoint, at_junction or end == last_full
+        point = prefill_checkpoint(num_tokens, bs)
+        checkpoint = point // bs - 1 if start < point < end else None
+        return end - start, checkpoint, at_junction or end == point
 
     def _pick_victim(self) -> Request:
         if self.cfg.policy == "priority":

@@ -1,0 +1,68 @@
+"""Step-by-step comparison of our plans with vLLM 0.33's on a bench workload.
+
+    .venv/bin/python bench/bench_planner.py mooncake2000 --export /tmp/m.json
+    .peer-venv/bin/python bench/peer_vllm.py /tmp/m.json --repeat 1 --steps /tmp/m.steps.json
+    .venv/bin/python bench/peer_compare.py /tmp/m.json /tmp/m.steps.json
+
+Compares, step by step, which requests are scheduled with how many tokens after how many
+computed ones, the prefix hit of every admission and the preempted requests (what
+``hybridsim fidelity`` compares on the recordings, on workloads too large to record).
+Our final step, which only reports the last finished requests, has no counterpart in the
+driver's loop and is not compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from bench_planner import PEER_WORKLOADS, Simulation, build_workload, parse_scenario
+
+
+def our_steps(name: str) -> list[dict]:
+    make, _ = PEER_WORKLOADS[name]
+    loaded = parse_scenario(make(), "bench")
+    out = []
+    for plan, _ in Simulation(loaded.scenario, build_workload(loaded)):
+        out.append({"step": plan.step,
+                    "sched": {s.req_id: [s.num_computed_tokens, s.num_scheduled_tokens] for s in plan.scheduled},
+                    "hits": {s.req_id: s.prefix_hit_tokens for s in plan.scheduled if s.is_new},
+                    "preempted": sorted(plan.preempted)})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("workload", type=Path, help="the file bench_planner.py --export wrote")
+    ap.add_argument("peer_steps", type=Path, help="the file peer_vllm.py --steps wrote")
+    ap.add_argument("--show", type=int, default=8, help="differing steps to print")
+    args = ap.parse_args()
+    name = json.loads(args.workload.read_text())["workload"]
+    peer = json.loads(args.peer_steps.read_text())
+    ours = our_steps(name)
+    theirs = peer["steps"]
+    if len(ours) == len(theirs) + 1 and not ours[-1]["sched"]:
+        ours = ours[:-1]  # (our report-only last step)
+    same = 0
+    shown = 0
+    for a, b in zip(ours, theirs):
+        if a == b:
+            same += 1
+        elif shown < args.show:
+            shown += 1
+            diff = {k: (a[k], b[k]) for k in ("sched", "hits", "preempted") if a[k] != b[k]}
+            for k, (x, y) in diff.items():
+                if isinstance(x, dict):
+                    keys = sorted(set(x) | set(y), key=lambda r: (len(r), r))
+                    diff[k] = {r: (x.get(r), y.get(r)) for r in keys if x.get(r) != y.get(r)}
+            print(f"step {a['step']}: (ours, vLLM) {diff}")
+    n = max(len(ours), len(theirs))
+    print(f"{name}: {same:,} of {n:,} steps identical ({100 * same / n:.2f}%); steps: ours {len(ours):,}, "
+          f"vLLM {peer['vllm']} {len(theirs):,}")
+    sys.exit(0 if same == n else 1)
+
+
+if __name__ == "__main__":
+    main()
