@@ -148,12 +148,21 @@ def export_peer_workload(name: str, path: Path) -> None:
     reqs = [{"id": r.req_id, "arrival_step": r.arrival_step, "prompt": list(r.prompt_ids),
              "max_tokens": r.max_tokens, "outputs": sim.outputs.tokens(r, 0, r.max_tokens + 8)}
             for r in sim.requests]
+    accepted: dict[str, list[int]] = {}
+    if s.spec_decode.num_speculative_tokens:
+        # the drafts our acceptance model accepts, round by round (a round: one verification),
+        # so that the peer's drafts are right exactly as often and its plans can be compared
+        for plan, out in Simulation(s, build_workload(loaded)):
+            for row in plan.scheduled:
+                if row.spec_token_ids:
+                    accepted.setdefault(row.req_id, []).append(out.accepted[row.req_id])
     path.write_text(json.dumps({
         "workload": name, "steady_steps": steady, "block_size": s.cache.block_size,
         "num_blocks": s.cache.num_blocks, "mamba_cache_mode": s.cache.mamba_cache_mode,
         "max_num_batched_tokens": s.scheduler.max_num_batched_tokens, "max_num_seqs": s.scheduler.max_num_seqs,
         "max_model_len": s.scheduler.max_model_len, "num_speculative_tokens": s.spec_decode.num_speculative_tokens,
-        "acceptance_rate": getattr(acc, "rate", None), "peer_figure": PEER[name], "requests": reqs}))
+        "acceptance_rate": getattr(acc, "rate", None), "accepted": accepted, "peer_figure": PEER[name],
+        "requests": reqs}))
     print(f"{name}: {len(reqs)} requests written to {path}")
 
 

@@ -11,9 +11,10 @@ What is driven: ``vllm.v1.core.sched.scheduler.Scheduler`` with its real KV cach
 group, block 16, prefix caching with the engine's default sha256 block hashes), the
 engine core's loop (add the step's arrivals, ``schedule``, ``update_from_output``, drafts
 through ``update_draft_token_ids``), and a fake model that commits the same true
-continuation our simulated model does. Drafts (spec workloads) are right with the
-workload's acceptance rate in turn, as our Bernoulli acceptance model, with a different
-random stream. The model and structured-output configs are stand-ins holding only what
+continuation our simulated model does. Drafts (spec workloads) are right as often as
+ours, round by round (the export carries how many drafts our acceptance model accepts in each
+of a request's verification rounds; without it, each is right with the workload's rate in
+turn, from its own random stream). The model and structured-output configs are stand-ins holding only what
 the scheduler reads (no model weights or tokenizer exist here); vLLM's own structured-output
 manager returns at once for requests without structured output, as the stand-in does.
 
@@ -106,6 +107,8 @@ def run_once(w: dict, seed: int, steps_log: list | None = None) -> dict:
     S = w["num_speculative_tokens"]
     rate = w["acceptance_rate"] or 0.0
     rnd = random.Random(seed)
+    ours = w.get("accepted") or {}  # our acceptance, round by round: the peer's drafts follow it
+    rounds: dict[str, int] = {}
     steady = w["steady_steps"]
 
     t0 = time.perf_counter()
@@ -155,10 +158,16 @@ def run_once(w: dict, seed: int, steps_log: list | None = None) -> dict:
                     continue
                 t = truth[rid]
                 o = req.num_output_tokens
-                right, drafts = True, []
-                for j in range(S):
-                    right = right and rnd.random() < rate
-                    drafts.append(t[o + j] if right else t[o + j] + 1)
+                if ours:
+                    j = rounds.get(rid, 0)
+                    rounds[rid] = j + 1
+                    seq = ours.get(rid, ())
+                    k = seq[j] if j < len(seq) else 0
+                else:
+                    k = 0
+                    while k < S and rnd.random() < rate:
+                        k += 1
+                drafts = [t[o + j] if j < k else t[o + j] + 1 for j in range(S)]
                 d_ids.append(rid)
                 d_toks.append(drafts)
             sched.update_draft_token_ids(DraftTokenIds(d_ids, d_toks))
