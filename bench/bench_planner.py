@@ -127,12 +127,31 @@ WORKLOADS = {
 }
 
 
+def pressure_scenario() -> str:
+    """A small pool (160 blocks) under chunked prefill, shared prefixes and recompute
+    preemption: for comparing plans with the peer where memory runs short (not timed)."""
+    return f"""name: pressure
+seed: 3
+{MODEL.replace("num_blocks: 262144", "num_blocks: 160")}
+scheduler: {{max_num_batched_tokens: 256, max_num_seqs: 16, max_model_len: 4096}}
+workload:
+  kind: synthetic
+  num_requests: 60
+  arrival: {{kind: fixed, per_step: 3}}
+  prompt_len: {{dist: uniform, min: 100, max: 640}}
+  output_len: {{dist: uniform, min: 5, max: 60}}
+  shared_prefix: {{len: 320, fraction: 0.5}}
+execution: {{max_steps: 100000, check: off}}
+"""
+
+
 PEER_WORKLOADS = {  # what bench/peer_vllm.py replays: (scenario, steady steps timed or 0: the whole run)
     "decode256": (lambda: decode_scenario(256, 0), 500),
     "decode64": (lambda: decode_scenario(64, 0), 500),
     "spec256": (lambda: decode_scenario(256, 3), 500),
     "mooncake2000": (lambda: mooncake_scenario(2000), 0),
     "mooncake_full": (lambda: mooncake_scenario(None), 0),
+    "pressure": (pressure_scenario, 0),
 }
 
 
@@ -161,14 +180,14 @@ def export_peer_workload(name: str, path: Path) -> None:
         "num_blocks": s.cache.num_blocks, "mamba_cache_mode": s.cache.mamba_cache_mode,
         "max_num_batched_tokens": s.scheduler.max_num_batched_tokens, "max_num_seqs": s.scheduler.max_num_seqs,
         "max_model_len": s.scheduler.max_model_len, "num_speculative_tokens": s.spec_decode.num_speculative_tokens,
-        "acceptance_rate": getattr(acc, "rate", None), "accepted": accepted, "peer_figure": PEER[name],
+        "acceptance_rate": getattr(acc, "rate", None), "accepted": accepted, "peer_figure": PEER.get(name),
         "requests": reqs}))
     print(f"{name}: {len(reqs)} requests written to {path}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("workload", choices=[*WORKLOADS, "all"])
+    ap.add_argument("workload", choices=[*WORKLOADS, *(w for w in PEER_WORKLOADS if w not in WORKLOADS), "all"])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--export", type=Path, metavar="PATH",
@@ -179,6 +198,8 @@ def main() -> None:
             ap.error(f"--export: one of {', '.join(PEER_WORKLOADS)}")
         export_peer_workload(args.workload, args.export)
         return
+    if args.workload not in WORKLOADS and args.workload != "all":
+        ap.error(f"{args.workload} is for comparing plans with the peer (--export), not timed")
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
     results = {}
     for name in names:

@@ -21,27 +21,23 @@ from pathlib import Path
 from bench_planner import PEER_WORKLOADS, Simulation, build_workload, parse_scenario
 
 
+def steps_of(sim) -> list[dict]:
+    """Every step of a simulation, in the shape peer_vllm.py --steps writes."""
+    return [{"step": plan.step,
+             "sched": {s.req_id: [s.num_computed_tokens, s.num_scheduled_tokens] for s in plan.scheduled},
+             "hits": {s.req_id: s.prefix_hit_tokens for s in plan.scheduled if s.is_new},
+             "preempted": sorted(plan.preempted)}
+            for plan, _ in sim]
+
+
 def our_steps(name: str) -> list[dict]:
     make, _ = PEER_WORKLOADS[name]
     loaded = parse_scenario(make(), "bench")
-    out = []
-    for plan, _ in Simulation(loaded.scenario, build_workload(loaded)):
-        out.append({"step": plan.step,
-                    "sched": {s.req_id: [s.num_computed_tokens, s.num_scheduled_tokens] for s in plan.scheduled},
-                    "hits": {s.req_id: s.prefix_hit_tokens for s in plan.scheduled if s.is_new},
-                    "preempted": sorted(plan.preempted)})
-    return out
+    return steps_of(Simulation(loaded.scenario, build_workload(loaded)))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("workload", type=Path, help="the file bench_planner.py --export wrote")
-    ap.add_argument("peer_steps", type=Path, help="the file peer_vllm.py --steps wrote")
-    ap.add_argument("--show", type=int, default=8, help="differing steps to print")
-    args = ap.parse_args()
-    name = json.loads(args.workload.read_text())["workload"]
-    peer = json.loads(args.peer_steps.read_text())
-    ours = our_steps(name)
+def compare(name: str, ours: list[dict], peer: dict, show: int) -> bool:
+    """Print the first ``show`` differing steps and the share of identical ones."""
     theirs = peer["steps"]
     if len(ours) == len(theirs) + 1 and not ours[-1]["sched"]:
         ours = ours[:-1]  # (our report-only last step)
@@ -50,7 +46,7 @@ def main() -> None:
     for a, b in zip(ours, theirs):
         if a == b:
             same += 1
-        elif shown < args.show:
+        elif shown < show:
             shown += 1
             diff = {k: (a[k], b[k]) for k in ("sched", "hits", "preempted") if a[k] != b[k]}
             for k, (x, y) in diff.items():
@@ -61,7 +57,18 @@ def main() -> None:
     n = max(len(ours), len(theirs))
     print(f"{name}: {same:,} of {n:,} steps identical ({100 * same / n:.2f}%); steps: ours {len(ours):,}, "
           f"vLLM {peer['vllm']} {len(theirs):,}")
-    sys.exit(0 if same == n else 1)
+    return same == n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("workload", type=Path, help="the file bench_planner.py --export wrote")
+    ap.add_argument("peer_steps", type=Path, help="the file peer_vllm.py --steps wrote")
+    ap.add_argument("--show", type=int, default=8, help="differing steps to print")
+    args = ap.parse_args()
+    name = json.loads(args.workload.read_text())["workload"]
+    ok = compare(name, our_steps(name), json.loads(args.peer_steps.read_text()), args.show)
+    sys.exit(0 if ok else 1)
 
 
 if __name__ == "__main__":
