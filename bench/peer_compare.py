@@ -22,11 +22,12 @@ from bench_planner import PEER_WORKLOADS, Simulation, build_workload, parse_scen
 
 
 def steps_of(sim) -> list[dict]:
-    """Every step of a simulation, in the shape peer_vllm.py --steps writes."""
+    """Every step of a simulation, in the shape peer_vllm.py --steps writes (free blocks after
+    the step's update)."""
     return [{"step": plan.step,
              "sched": {s.req_id: [s.num_computed_tokens, s.num_scheduled_tokens] for s in plan.scheduled},
              "hits": {s.req_id: s.prefix_hit_tokens for s in plan.scheduled if s.is_new},
-             "preempted": sorted(plan.preempted)}
+             "preempted": sorted(plan.preempted), "free": sim.kv.pool.num_free}
             for plan, _ in sim]
 
 
@@ -48,7 +49,7 @@ def compare(name: str, ours: list[dict], peer: dict, show: int) -> bool:
             same += 1
         elif shown < show:
             shown += 1
-            diff = {k: (a[k], b[k]) for k in ("sched", "hits", "preempted") if a[k] != b[k]}
+            diff = {k: (a.get(k), b.get(k)) for k in ("sched", "hits", "preempted", "free") if a.get(k) != b.get(k)}
             for k, (x, y) in diff.items():
                 if isinstance(x, dict):
                     keys = sorted(set(x) | set(y), key=lambda r: (len(r), r))

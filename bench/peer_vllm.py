@@ -150,6 +150,8 @@ def run_once(w: dict, seed: int, steps_log: list | None = None) -> dict:
             sampled.append(t[o:o + k + 1])
         sched.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: j for j, r in enumerate(ids)},
                                                         sampled_token_ids=sampled))
+        if steps_log is not None:
+            steps_log[-1]["free"] = sched.kv_cache_manager.block_pool.get_num_free_blocks()
         if S:
             d_ids, d_toks = [], []
             for rid, toks in zip(ids, sampled):

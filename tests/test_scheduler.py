@@ -354,3 +354,20 @@ def test_a_dropped_simulation_is_freed_without_the_cyclic_collector():
         gc.garbage.clear()
         if was_on:
             gc.enable()
+
+
+def test_resumed_prefill_checkpoint_follows_its_prefill_end():
+    """A resumed request replays its outputs as prefill up to one token before its last: the
+    checkpoint is that prefill's (vLLM 0.33, bench/probes/peer_press.py), not the sequence's."""
+    from hybridsim.simulate import Simulation
+
+    prompt = token_block(41, 416, 32000).tolist()
+    loaded = parse_scenario(tiny_scenario(budget=1024, max_len=4096, blocks=1024, seqs=4), "t.yaml")
+    sim = Simulation(loaded.scenario, manual_workload([prompt], [0], [6]))  # (not run)
+    req = sim.requests[0]
+    req.append_output([7])  # 417 tokens: prefill end 416, its checkpoint 400 (column 24)
+    req.junction = 0
+    n, checkpoint, publish = sim.scheduler._align_split(req, 0, 417, None)
+    assert (n, checkpoint, publish) == (417, 24, False)
+    req.append_output([8])  # 418 tokens: prefill end 417, checkpoint 416 (column 25)
+    assert sim.scheduler._align_split(req, 0, 418, None) == (418, 25, False)

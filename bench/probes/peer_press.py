@@ -1,15 +1,13 @@
-"""A memory-pressure workload on which our plans still differ from vLLM 0.33's (open finding).
+"""A memory-pressure workload compared step by step with vLLM 0.33 (resumed block-multiple prefills).
 
     .venv/bin/python bench/probes/peer_press.py write /tmp/press.json
     .peer-venv/bin/python bench/peer_vllm.py /tmp/press.json --repeat 1 --steps /tmp/press.steps.json
     .venv/bin/python bench/probes/peer_press.py compare /tmp/press.json /tmp/press.steps.json
 
 60 requests, 160 blocks, budget 256, 16 seats; half the prompts are block multiples and many
-share 320- or 480-token prefixes (some prompts are a prefix of a shared one). 2026-11-23:
-steps 0-218 identical, then at step 219 we admit r45 (416 tokens, a block multiple) and vLLM
-waits a step; 317 of 334 steps identical. Not explained yet (the admission room for a
-416-token prompt is 26 attention + 2 Mamba blocks on both sides by reading; the pool state
-before step 219 is not compared). The synthetic `pressure` export is 100% identical.
+share 320- or 480-token prefixes (some prompts are a prefix of a shared one). It found two
+differences about resumed requests (docs/fidelity.md, points 1 and 3): 2026-11-23, 317 of 334
+steps identical before, 334 of 334 after.
 The model's outputs are the ones written in the file (random tokens), on both sides.
 """
 

@@ -292,9 +292,9 @@ class Executor:
             r = self.reqs[s.req_id]
             p = self.tracker.plan_row(s.req_id, s.num_computed_tokens, s.num_scheduled_tokens,
                                       len(s.spec_token_ids))
-            prefilling = s.num_computed_tokens < max(r.prompt_len, len(r.tokens) - 1)
-            if self.mode == "align" and prefilling and not s.spec_token_ids:
-                self.tracker.checkpoint(p, len(r.tokens))
+            prefill_end = max(r.prompt_len, len(r.tokens) - 1)  # (a resumed request replays its outputs)
+            if self.mode == "align" and s.num_computed_tokens < prefill_end and not s.spec_token_ids:
+                self.tracker.checkpoint(p, prefill_end)
             plans.append(p)
         reqs = [self.reqs[s.req_id] for s in plan.scheduled]
         # prefix hits handed out: the hit block must hold the state at the hit length

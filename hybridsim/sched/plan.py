@@ -10,11 +10,13 @@ from typing import NamedTuple, Optional
 
 
 def prefill_checkpoint(num_tokens: int, bs: int) -> int:
-    """Where align mode keeps a sequence's prefill checkpoint state: the last block boundary
-    that leaves at least one token to compute, ``(num_tokens - 1) // bs * bs`` (vLLM 0.33;
-    for a length that is a multiple of ``bs``, one block before the end). A final prefill
-    chunk that passes it writes the state there into column ``point // bs - 1``. The
-    scheduler plans that column and the executor fills it: both read the rule here."""
+    """Where align mode keeps the checkpoint state of a prefill of ``num_tokens`` tokens (a
+    resumed request's prefill ends one token before its last): the last block boundary that
+    leaves at least one token to compute, ``(num_tokens - 1) // bs * bs`` (vLLM 0.33; for a
+    length that is a multiple of ``bs``, one block before the end). A final prefill chunk
+    that passes it writes the state there into column ``point // bs - 1``. The scheduler
+    plans that column (and counts it in a request's admission room) and the executor fills
+    it: all read the rule here."""
     return (num_tokens - 1) // bs * bs
 
 

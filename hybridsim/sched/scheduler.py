@@ -420,8 +420,10 @@ class Scheduler:
                 n, checkpoint, publish = self._align_split(req, c, n, hit)
             if n <= 0:
                 break
+            # room for the whole sequence, every token of a resumed one included (the engine's
+            # full-sequence check counts ``num_tokens``, one more than its prefill)
             new_blocks = kv.allocate(req, c, n, hit, checkpoint, publish,
-                                     admit_tokens=max(req.num_prompt_tokens, len(req.token_ids) - 1))
+                                     admit_tokens=min(len(req.token_ids), cfg.max_model_len))
             if new_blocks is None:
                 break
             waiting.popleft()
@@ -446,8 +448,9 @@ class Scheduler:
         """Align-mode chunking: a prefill chunk that does not finish the prefill ends on a
         block boundary; it also stops at the end of the longest cached prefix (the
         junction with another request's blocks) so that the state there is
-        materialised and published; a final chunk that passes the sequence's prefill
-        checkpoint (``prefill_checkpoint``: the last block boundary before its last token)
+        materialised and published; a final chunk that passes the prefill checkpoint
+        (``prefill_checkpoint``: the last block boundary before the prefill's last token)
+        of its prefill (a resumed request's prefill ends one token before its last)
         gets a checkpoint column holding the state there, and a chunk ending on that
         point publishes its end state (a state at the very end of a sequence whose length
         is a multiple of the block size is not kept: the checkpoint before it is).
@@ -472,7 +475,7 @@ class Scheduler:
             end = end // bs * bs
         if end <= start:
             return 0, None, False
-        point = prefill_checkpoint(num_tokens, bs)
+        point = prefill_checkpoint(prefill_end, bs)
         checkpoint = point // bs - 1 if start < point < end else None
         return end - start, checkpoint, at_junction or end == point
 
