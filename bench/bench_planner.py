@@ -163,7 +163,6 @@ def export_peer_workload(name: str, path: Path) -> None:
     loaded = parse_scenario(make(), "bench")
     s = loaded.scenario
     sim = Simulation(s, build_workload(loaded))
-    acc = s.spec_decode.acceptance
     reqs = [{"id": r.req_id, "arrival_step": r.arrival_step, "prompt": list(r.prompt_ids),
              "max_tokens": r.max_tokens, "outputs": sim.outputs.tokens(r, 0, r.max_tokens + 8)}
             for r in sim.requests]
@@ -180,8 +179,7 @@ def export_peer_workload(name: str, path: Path) -> None:
         "num_blocks": s.cache.num_blocks, "mamba_cache_mode": s.cache.mamba_cache_mode,
         "max_num_batched_tokens": s.scheduler.max_num_batched_tokens, "max_num_seqs": s.scheduler.max_num_seqs,
         "max_model_len": s.scheduler.max_model_len, "num_speculative_tokens": s.spec_decode.num_speculative_tokens,
-        "acceptance_rate": getattr(acc, "rate", None), "accepted": accepted, "peer_figure": PEER.get(name),
-        "requests": reqs}))
+        "accepted": accepted, "requests": reqs}))
     print(f"{name}: {len(reqs)} requests written to {path}")
 
 

@@ -13,8 +13,7 @@ engine core's loop (add the step's arrivals, ``schedule``, ``update_from_output`
 through ``update_draft_token_ids``), and a fake model that commits the same true
 continuation our simulated model does. Drafts (spec workloads) are right as often as
 ours, round by round (the export carries how many drafts our acceptance model accepts in each
-of a request's verification rounds; without it, each is right with the workload's rate in
-turn, from its own random stream). The model and structured-output configs are stand-ins holding only what
+of a request's verification rounds). The model and structured-output configs are stand-ins holding only what
 the scheduler reads (no model weights or tokenizer exist here); vLLM's own structured-output
 manager returns at once for requests without structured output, as the stand-in does.
 
@@ -28,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import time
@@ -91,7 +89,7 @@ def make_scheduler(w: dict):
     return Scheduler(cfg, kv, structured, block_size=bs)
 
 
-def run_once(w: dict, seed: int, steps_log: list | None = None) -> dict:
+def run_once(w: dict, steps_log: list | None = None) -> dict:
     """One run; returns seconds (whole run, or the steady window), steps and plan totals.
     ``steps_log``: filled with every step's plan, for bench/peer_compare.py (slows the run)."""
     from vllm.sampling_params import SamplingParams
@@ -105,9 +103,7 @@ def run_once(w: dict, seed: int, steps_log: list | None = None) -> dict:
     hasher = get_request_block_hasher(w["block_size"], hash_fn)
     truth = {r["id"]: r["outputs"] for r in w["requests"]}
     S = w["num_speculative_tokens"]
-    rate = w["acceptance_rate"] or 0.0
-    rnd = random.Random(seed)
-    ours = w.get("accepted") or {}  # our acceptance, round by round: the peer's drafts follow it
+    ours = w["accepted"]  # our acceptance, round by round: the peer's drafts follow it
     rounds: dict[str, int] = {}
     steady = w["steady_steps"]
 
@@ -160,15 +156,10 @@ def run_once(w: dict, seed: int, steps_log: list | None = None) -> dict:
                     continue
                 t = truth[rid]
                 o = req.num_output_tokens
-                if ours:
-                    j = rounds.get(rid, 0)
-                    rounds[rid] = j + 1
-                    seq = ours.get(rid, ())
-                    k = seq[j] if j < len(seq) else 0
-                else:
-                    k = 0
-                    while k < S and rnd.random() < rate:
-                        k += 1
+                j = rounds.get(rid, 0)
+                rounds[rid] = j + 1
+                seq = ours.get(rid, ())
+                k = seq[j] if j < len(seq) else 0
                 drafts = [t[o + j] if j < k else t[o + j] + 1 for j in range(S)]
                 d_ids.append(rid)
                 d_toks.append(drafts)
@@ -201,7 +192,7 @@ def main() -> None:
         raise SystemExit("error: vllm is not installed in this Python (see bench/peer_setup.sh)")
     w = json.loads(args.workload.read_text())
     cal = calibrate()
-    runs = [run_once(w, seed) for seed in range(args.repeat)]
+    runs = [run_once(w) for _ in range(args.repeat)]
     cal = min(cal, calibrate())
     key = "steps_per_s" if w["steady_steps"] else "seconds"
     med = statistics.median(r[key] for r in runs)
@@ -213,7 +204,7 @@ def main() -> None:
         print(f"  (config attributes the scheduler read as None: {', '.join(sorted(_Stand.read_missing))})")
     if args.steps:
         log: list = []
-        run_once(dict(w, steady_steps=0), 0, log)
+        run_once(dict(w, steady_steps=0), log)
         args.steps.write_text(json.dumps({"vllm": vllm.__version__, "workload": w["workload"], "steps": log}))
         print(f"  {len(log)} steps written to {args.steps}")
     if args.json:

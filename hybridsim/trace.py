@@ -198,8 +198,8 @@ def read_trace(path: str | Path, check: bool = True) -> Trace:
         hint = " (a vLLM recording? use `hybridsim convert` first)" if header.get("type") == "config" else ""
         raise InputError(f"line 1 is not a hybridsim trace header{hint}", f"{p}:{ln}")
     if header.get("version") != VERSION:
-        why = ("; version 1 placed align-mode prefill checkpoints where the engine does not (sequences whose "
-               "length is a multiple of the block size), so its plans do not execute as recorded: "
+        why = ("; version 1 placed align-mode prefill checkpoints where the engine does not (prefills whose "
+               "length is a multiple of the block size, resumed requests), so its plans do not execute as recorded: "
                "re-record it from its scenario with `hybridsim run SCENARIO --check off --record`"
                if header.get("version") == 1 else "")
         raise InputError(f"trace version {header.get('version')!r} is not supported (this is {VERSION}){why}",

@@ -43,7 +43,7 @@ def make_workload() -> dict:
                      "outputs": tokens(80)})
     return {"workload": "press", "steady_steps": 0, "block_size": 16, "num_blocks": BLOCKS,
             "mamba_cache_mode": "align", "max_num_batched_tokens": BUDGET, "max_num_seqs": SEATS,
-            "max_model_len": MAX_LEN, "num_speculative_tokens": 0, "acceptance_rate": None, "accepted": {},
+            "max_model_len": MAX_LEN, "num_speculative_tokens": 0, "accepted": {},
             "requests": reqs}
 
 

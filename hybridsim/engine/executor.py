@@ -22,7 +22,7 @@ from ..errors import InputError
 from ..layers.mamba import MambaProbe
 from ..layers.mla import MLAProbe
 from ..oracle import MambaOracle, mla_expected
-from ..sched.plan import StepOutcome, StepPlan
+from ..sched.plan import StepOutcome, StepPlan, prefill_end
 from .cache import BlockMap, MambaStateCache, PagedTensor
 from .mamba_state import TRACKERS, Bugs, Copy, RowPlan
 from .metadata import build_batch, chunk_metadata, chunk_metadata_varlen
@@ -292,9 +292,9 @@ class Executor:
             r = self.reqs[s.req_id]
             p = self.tracker.plan_row(s.req_id, s.num_computed_tokens, s.num_scheduled_tokens,
                                       len(s.spec_token_ids))
-            prefill_end = max(r.prompt_len, len(r.tokens) - 1)  # (a resumed request replays its outputs)
-            if self.mode == "align" and s.num_computed_tokens < prefill_end and not s.spec_token_ids:
-                self.tracker.checkpoint(p, prefill_end)
+            end = prefill_end(r.prompt_len, len(r.tokens))
+            if self.mode == "align" and s.num_computed_tokens < end and not s.spec_token_ids:
+                self.tracker.checkpoint(p, end)
             plans.append(p)
         reqs = [self.reqs[s.req_id] for s in plan.scheduled]
         # prefix hits handed out: the hit block must hold the state at the hit length

@@ -110,7 +110,7 @@ class KVCacheManager:
             need += p.fresh
         if admit_tokens is not None and admit_tokens > total:
             bs = self.block_size
-            full_ckpt = prefill_checkpoint(admit_tokens, bs) // bs - 1 if admit_tokens > bs else None
+            full_ckpt = _admission_checkpoint(admit_tokens, bs)
             full = sum(m.plan(req, num_computed, admit_tokens, hit_rows[i], full_ckpt).fresh
                        for i, m in enumerate(managers))
             need = max(need, full)
@@ -167,7 +167,7 @@ class KVCacheManager:
         hit_rows = hit.blocks
         full_ckpt = None
         if admit_tokens is not None and admit_tokens > total:
-            full_ckpt = prefill_checkpoint(admit_tokens, bs) // bs - 1 if admit_tokens > bs else None
+            full_ckpt = _admission_checkpoint(admit_tokens, bs)
         else:
             admit_tokens = None
         todo = []  # per group: (statics, hit row, fresh blocks, Mamba target columns)
@@ -464,6 +464,12 @@ class KVCacheManager:
                 if hasattr(m, "num_cached"):
                     m.num_cached.clear()
         return ok
+
+
+def _admission_checkpoint(admit_tokens: int, bs: int) -> Optional[int]:
+    """The checkpoint column a request's whole sequence of ``admit_tokens`` would take, for
+    the admission-room count (only the number of columns matters there)."""
+    return prefill_checkpoint(admit_tokens, bs) // bs - 1 if admit_tokens > bs else None
 
 
 def _first_mamba_columns(total: int, checkpoint: Optional[int], h: int, S: int, bs: int) -> tuple[list, int]:

@@ -9,9 +9,15 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 
+def prefill_end(num_prompt_tokens: int, num_tokens: int) -> int:
+    """Where a request's prefill ends: its prompt, or for a resumed request that replays its
+    outputs, every token but the last (which the first decode step computes)."""
+    return max(num_prompt_tokens, num_tokens - 1)
+
+
 def prefill_checkpoint(num_tokens: int, bs: int) -> int:
-    """Where align mode keeps the checkpoint state of a prefill of ``num_tokens`` tokens (a
-    resumed request's prefill ends one token before its last): the last block boundary that
+    """Where align mode keeps the checkpoint state of a prefill of ``num_tokens`` tokens (see
+    ``prefill_end``): the last block boundary that
     leaves at least one token to compute, ``(num_tokens - 1) // bs * bs`` (vLLM 0.33; for a
     length that is a multiple of ``bs``, one block before the end). A final prefill chunk
     that passes it writes the state there into column ``point // bs - 1``. The scheduler

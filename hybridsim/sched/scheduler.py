@@ -20,7 +20,7 @@ from typing import Iterable, Optional
 import numpy as np
 
 from .kv_cache import NO_BOUND, KVCacheManager, PrefixHit
-from .plan import Cruise, ScheduledRequest, SpecRun, StepOutcome, StepPlan, prefill_checkpoint
+from .plan import Cruise, ScheduledRequest, SpecRun, StepOutcome, StepPlan, prefill_checkpoint, prefill_end
 from .request import Request, Status
 
 _Sched = ScheduledRequest  # built with tuple.__new__ on the hot path (all ten fields, in order)
@@ -448,9 +448,9 @@ class Scheduler:
         """Align-mode chunking: a prefill chunk that does not finish the prefill ends on a
         block boundary; it also stops at the end of the longest cached prefix (the
         junction with another request's blocks) so that the state there is
-        materialised and published; a final chunk that passes the prefill checkpoint
-        (``prefill_checkpoint``: the last block boundary before the prefill's last token)
-        of its prefill (a resumed request's prefill ends one token before its last)
+        materialised and published; a final chunk that passes the prefill's checkpoint
+        (``prefill_checkpoint``: the last block boundary before the prefill's last token;
+        a resumed request's prefill, ``prefill_end``, stops one token before its last)
         gets a checkpoint column holding the state there, and a chunk ending on that
         point publishes its end state (a state at the very end of a sequence whose length
         is a multiple of the block size is not kept: the checkpoint before it is).
@@ -461,9 +461,8 @@ class Scheduler:
         Returns (tokens, checkpoint column or None, publish the chunk-end state).
         """
         bs = self.bs
-        num_tokens = len(req.token_ids)
-        prefill_end = max(req.num_prompt_tokens, num_tokens - 1)
-        if start >= prefill_end:
+        end_of_prefill = prefill_end(req.num_prompt_tokens, len(req.token_ids))
+        if start >= end_of_prefill:
             return n, None, False
         end = start + n
         junction = hit.attention_tokens if hit is not None else req.junction
@@ -471,11 +470,11 @@ class Scheduler:
         if start < junction < end:
             end = junction
             at_junction = True
-        elif end < prefill_end:
+        elif end < end_of_prefill:
             end = end // bs * bs
         if end <= start:
             return 0, None, False
-        point = prefill_checkpoint(prefill_end, bs)
+        point = prefill_checkpoint(end_of_prefill, bs)
         checkpoint = point // bs - 1 if start < point < end else None
         return end - start, checkpoint, at_junction or end == point
 
