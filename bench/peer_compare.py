@@ -18,7 +18,9 @@ import json
 import sys
 from pathlib import Path
 
-from bench_planner import PEER_WORKLOADS, Simulation, build_workload, parse_scenario
+from bench_planner import MODEL, PEER_WORKLOADS, Simulation, build_workload, parse_scenario
+
+from hybridsim.workload.base import Workload, WorkloadRequest
 
 
 def steps_of(sim) -> list[dict]:
@@ -35,6 +37,42 @@ def our_steps(name: str) -> list[dict]:
     make, _ = PEER_WORKLOADS[name]
     loaded = parse_scenario(make(), "bench")
     return steps_of(Simulation(loaded.scenario, build_workload(loaded)))
+
+
+class GivenOutputs:
+    """The outputs written in an export, as the model's continuation (both sides commit them)."""
+
+    def __init__(self, outputs: dict[str, list[int]]):
+        self.outputs = outputs
+
+    def stream(self, req, n: int) -> list[int]:
+        return list(self.outputs[req.req_id][:n])
+
+
+def steps_from_export(w: dict) -> list[dict]:
+    """Our plans for an export that holds everything itself (config, prompts, outputs), with no
+    scenario behind it (bench/peer_fuzz.py, bench/probes/peer_press.py). No drafts."""
+    if w["num_speculative_tokens"]:
+        raise ValueError("steps_from_export: drafts need our acceptance model (export a named workload)")
+    longest = max(len(r["prompt"]) for r in w["requests"])
+    thr = w.get("long_prefill_token_threshold", 0)
+    text = f"""name: {w['workload']}
+seed: 0
+{MODEL.replace("num_blocks: 262144", f"num_blocks: {w['num_blocks']}")}
+scheduler: {{max_num_batched_tokens: {w['max_num_batched_tokens']}, max_num_seqs: {w['max_num_seqs']},
+             max_model_len: {w['max_model_len']}, long_prefill_token_threshold: {thr}}}
+workload:
+  kind: synthetic
+  num_requests: {len(w["requests"])}
+  prompt_len: {{dist: uniform, min: 1, max: {longest}}}
+  output_len: {{dist: fixed, value: 1}}
+execution: {{max_steps: 100000, check: off}}
+"""
+    loaded = parse_scenario(text, w["workload"])
+    wl = Workload([WorkloadRequest(r["id"], r["arrival_step"], tuple(r["prompt"]), r["max_tokens"])
+                   for r in w["requests"]], 32000, w["workload"])
+    outputs = {r["id"]: r["outputs"] for r in w["requests"]}
+    return steps_of(Simulation(loaded.scenario, wl, continuation=GivenOutputs(outputs)))
 
 
 def compare(name: str, ours: list[dict], peer: dict, show: int) -> bool:

@@ -59,7 +59,8 @@ def make_scheduler(w: dict):
     bs = w["block_size"]
     S = w["num_speculative_tokens"]
     sched = SchedulerConfig(max_num_batched_tokens=w["max_num_batched_tokens"], max_num_seqs=w["max_num_seqs"],
-                            max_model_len=w["max_model_len"], enable_chunked_prefill=True, is_encoder_decoder=False)
+                            max_model_len=w["max_model_len"], enable_chunked_prefill=True, is_encoder_decoder=False,
+                            long_prefill_token_threshold=w.get("long_prefill_token_threshold", 0))
     cache = CacheConfig(block_size=bs, enable_prefix_caching=True, mamba_cache_mode=w["mamba_cache_mode"])
     cache.num_gpu_blocks = w["num_blocks"]
     cfg = VllmConfig(scheduler_config=sched, cache_config=cache, device_config=DeviceConfig(device="cpu"))
@@ -180,19 +181,39 @@ def run_once(w: dict, steps_log: list | None = None) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("workload", type=Path, help="a file written by bench_planner.py NAME --export PATH")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("workload", type=Path, nargs="+",
+                    help="files written by bench_planner.py NAME --export PATH (or bench/peer_fuzz.py write)")
+    ap.add_argument("--repeat", type=int, default=3, help="timed runs per workload (0: none, plans only)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--steps", type=Path, metavar="PATH",
                     help="also write every step's plan of one more (untimed) run, for bench/peer_compare.py")
+    ap.add_argument("--steps-dir", type=Path, metavar="DIR",
+                    help="as --steps, for each workload: DIR/<workload file's stem>.steps.json")
     args = ap.parse_args()
+    if len(args.workload) > 1 and (args.steps or args.json):
+        ap.error("--steps and --json take one workload (use --steps-dir for several)")
+    if args.repeat < 0:
+        ap.error("--repeat: 0 or more")
     try:
         import vllm
     except ImportError:
         raise SystemExit("error: vllm is not installed in this Python (see bench/peer_setup.sh)")
-    w = json.loads(args.workload.read_text())
+    for path in args.workload:
+        w = json.loads(path.read_text())
+        if args.repeat:
+            time_workload(w, args.repeat, args.json)
+        steps = args.steps or (args.steps_dir / f"{path.stem}.steps.json" if args.steps_dir else None)
+        if steps:
+            log: list = []
+            run_once(dict(w, steady_steps=0), log)
+            steps.write_text(json.dumps({"vllm": vllm.__version__, "workload": w["workload"], "steps": log}))
+            print(f"  {w['workload']}: {len(log)} steps written to {steps}")
+
+
+def time_workload(w: dict, repeat: int, json_path: Path | None) -> None:
+    import vllm
     cal = calibrate()
-    runs = [run_once(w) for _ in range(args.repeat)]
+    runs = [run_once(w) for _ in range(repeat)]
     cal = min(cal, calibrate())
     key = "steps_per_s" if w["steady_steps"] else "seconds"
     med = statistics.median(r[key] for r in runs)
@@ -202,13 +223,8 @@ def main() -> None:
           f"calibration {cal * 1e3:.0f} ms{extra}")
     if _Stand.read_missing:
         print(f"  (config attributes the scheduler read as None: {', '.join(sorted(_Stand.read_missing))})")
-    if args.steps:
-        log: list = []
-        run_once(dict(w, steady_steps=0), log)
-        args.steps.write_text(json.dumps({"vllm": vllm.__version__, "workload": w["workload"], "steps": log}))
-        print(f"  {len(log)} steps written to {args.steps}")
-    if args.json:
-        args.json.write_text(json.dumps({"vllm": vllm.__version__, "workload": w["workload"], key: med,
+    if json_path:
+        json_path.write_text(json.dumps({"vllm": vllm.__version__, "workload": w["workload"], key: med,
                                          "runs": [round(r[key], 4) for r in runs], "calibration_ms": round(cal * 1e3, 1),
                                          **{k: v for k, v in runs[0].items() if k not in (key,)}}, indent=2))
 

@@ -111,6 +111,16 @@ def test_budget_below_one_block_in_align_mode():
     assert "max_num_batched_tokens" in e.message
 
 
+def test_long_prefill_threshold_above_model_length():
+    """vLLM's SchedulerConfig refuses it; so do we, naming the key and its line."""
+    text = tiny_scenario(max_len=256, pmax=200).replace(
+        "max_model_len: 256}", "max_model_len: 256, long_prefill_token_threshold: 300}")
+    e = _err(text)
+    assert e.message.startswith("scheduler.long_prefill_token_threshold: long_prefill_token_threshold (300) is "
+                                "more than max_model_len (256)")
+    assert e.where == "s.yaml:6"
+
+
 def test_prompt_longer_than_model():
     e = _err(tiny_scenario(pmax=5000))
     assert "workload.prompt_len" in e.message

@@ -371,3 +371,45 @@ def test_resumed_prefill_checkpoint_follows_its_prefill_end():
     assert (n, checkpoint, publish) == (417, 24, False)
     req.append_output([8])  # 418 tokens: prefill end 417, checkpoint 416 (column 25)
     assert sim.scheduler._align_split(req, 0, 418, None) == (418, 25, False)
+
+
+def test_resumed_prefill_ending_on_a_block_boundary_stops_there():
+    """vLLM 0.33 (bench/peer_fuzz.py, fuzz_1_36): a final chunk that has no checkpoint column to
+    write never runs past the sequence's last block boundary before its last token, so a
+    resumed prefill ending on a boundary stops there, one token short of the sequence."""
+    from hybridsim.simulate import Simulation
+
+    prompt = token_block(43, 416, 32000).tolist()
+    loaded = parse_scenario(tiny_scenario(budget=1024, max_len=4096, blocks=1024, seqs=4), "t.yaml")
+    sim = Simulation(loaded.scenario, manual_workload([prompt], [0], [40]))  # (not run)
+    req = sim.requests[0]
+    req.append_output(list(range(1, 18)))  # 433 tokens: prefill end 432, its checkpoint 416
+    req.junction = 0
+    # from 416 the checkpoint is behind: the chunk stops at 432 (the old rule ran to 433)
+    assert sim.scheduler._align_split(req, 416, 17, None) == (16, None, False)
+    # from 400 the chunk writes the checkpoint column (416) and runs on to the end
+    assert sim.scheduler._align_split(req, 400, 33, None) == (33, 25, False)
+
+
+def test_long_prefill_threshold_is_off_with_one_request():
+    """vLLM 0.33: the threshold keeps a long prefill from starving others; with one request
+    running or waiting there is no one to starve, so the whole budget is used."""
+    text = tiny_scenario(n=1, pmin=200, pmax=200, budget=256, max_len=1024).replace(
+        "max_model_len: 1024}", "max_model_len: 1024, long_prefill_token_threshold: 32}")
+    _, recs = simulate(text)
+    assert recs[0][0].scheduled[0].num_scheduled_tokens == 200
+    _, recs = simulate(text.replace("num_requests: 1", "num_requests: 2"))
+    assert [s.num_scheduled_tokens for s in recs[0][0].scheduled] == [32, 32]
+
+
+def test_chunk_ending_exactly_at_the_junction_publishes_its_state():
+    """vLLM 0.33 (fuzz_1_0): the state at the junction with a cached prefix is kept whether the
+    chunk was cut there or the budget ends it there; a later request sharing that prefix hits it."""
+    a = token_block(51, 200, 32000).tolist()
+    x, y = token_block(52, 140, 32000).tolist(), token_block(53, 4, 32000).tolist()
+    wl = manual_workload([a, a[:60] + x, a[:60] + y], [0, 12, 30], [3, 3, 3])
+    sim, recs = simulate(tiny_scenario(budget=48, max_len=1024, blocks=256, seqs=4), wl)
+    first = {s.req_id: s for p, _ in recs for s in p.scheduled if s.is_new}
+    assert first["r1"].prefix_hit_tokens == 0 and first["r1"].num_scheduled_tokens == 48  # ends at the junction
+    assert first["r2"].prefix_hit_tokens == 48  # (0 when only a cut chunk published)
+    assert sim.checks.tallies["sched.invariants"].failures == 0

@@ -19,10 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_planner import MODEL, Simulation, parse_scenario  # noqa: E402
-from peer_compare import compare, steps_of  # noqa: E402
-
-from hybridsim.workload.base import Workload, WorkloadRequest  # noqa: E402
+from peer_compare import compare, steps_from_export  # noqa: E402
 
 BLOCKS, BUDGET, SEATS, MAX_LEN = 160, 256, 16, 4096
 
@@ -47,43 +44,12 @@ def make_workload() -> dict:
             "requests": reqs}
 
 
-class _Given:
-    """The outputs written in the workload file, as the model's continuation."""
-
-    def __init__(self, outputs: dict[str, list[int]]):
-        self.outputs = outputs
-
-    def stream(self, req, n: int) -> list[int]:
-        return list(self.outputs[req.req_id][:n])
-
-
-def our_steps(w: dict) -> list[dict]:
-    longest = max(len(r["prompt"]) for r in w["requests"])
-    text = f"""name: press
-seed: 0
-{MODEL.replace("num_blocks: 262144", f"num_blocks: {BLOCKS}")}
-scheduler: {{max_num_batched_tokens: {BUDGET}, max_num_seqs: {SEATS}, max_model_len: {MAX_LEN}}}
-workload:
-  kind: synthetic
-  num_requests: {len(w["requests"])}
-  arrival: {{kind: fixed, per_step: 3}}
-  prompt_len: {{dist: uniform, min: 20, max: {longest}}}
-  output_len: {{dist: uniform, min: 5, max: 60}}
-execution: {{max_steps: 100000, check: off}}
-"""
-    loaded = parse_scenario(text, "press")
-    wl = Workload([WorkloadRequest(r["id"], r["arrival_step"], tuple(r["prompt"]), r["max_tokens"])
-                   for r in w["requests"]], 32000, "press")
-    outputs = {r["id"]: r["outputs"] for r in w["requests"]}
-    return steps_of(Simulation(loaded.scenario, wl, continuation=_Given(outputs)))
-
-
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "write":
         Path(sys.argv[2]).write_text(json.dumps(make_workload()))
     elif len(sys.argv) == 4 and sys.argv[1] == "compare":
         w = json.loads(Path(sys.argv[2]).read_text())
-        compare("press", our_steps(w), json.loads(Path(sys.argv[3]).read_text()), 3)
+        compare("press", steps_from_export(w), json.loads(Path(sys.argv[3]).read_text()), 3)
     else:
         raise SystemExit(__doc__.split("\n\n")[1])
 

@@ -15,6 +15,7 @@ from typing import Optional
 
 from .block_pool import NULL_BLOCK, BlockPool, key_lift
 from .groups import GroupSpec, cdiv
+from .plan import prefill_checkpoint
 from .request import Request
 
 
@@ -386,20 +387,26 @@ class MambaAlignManager(MambaManager):
         return tail, self.quiet(req)
 
     def cache(self, req, num_computed, total, checkpoint, publish_end):
-        """Publish the checkpoint and junction states, only inside the prompt: states
-        at boundaries in generated tokens are never published (as recorded upstream)."""
+        """Publish the states kept for later requests (vLLM 0.33 keeps two boundaries of a
+        request, its "reachable" ones): the prompt's replay point (``prefill_checkpoint`` of
+        the prompt) and the junction (``Request.junction``, the longest attention hit at
+        admission; for a resumed request it may lie in its own outputs). The checkpoint
+        column is published when it sits on one of them, and the chunk's end state when the
+        scheduler says it does (``publish_end``). No other state is published."""
         if checkpoint is None and not publish_end:
             return
         row = self.rows.get(req.index)
         if row is None:
             return
         hashes = req.block_hashes
-        limit = req.num_prompt_tokens // self.bs  # boundaries up to the prompt's last full block
-        if checkpoint is not None and checkpoint < limit and row[checkpoint] != NULL_BLOCK:
-            self.pool.cache(row[checkpoint], self.key(hashes[checkpoint]), True)
-        if publish_end and total % self.bs == 0:
-            col = total // self.bs - 1
-            if col < limit and row[col] != NULL_BLOCK:
+        bs = self.bs
+        if checkpoint is not None and row[checkpoint] != NULL_BLOCK:
+            at = (checkpoint + 1) * bs
+            if at == req.junction or at == prefill_checkpoint(req.num_prompt_tokens, bs):
+                self.pool.cache(row[checkpoint], self.key(hashes[checkpoint]), True)
+        if publish_end and total % bs == 0:
+            col = total // bs - 1
+            if row[col] != NULL_BLOCK:
                 self.pool.cache(row[col], self.key(hashes[col]), True)
 
 

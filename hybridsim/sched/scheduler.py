@@ -127,6 +127,7 @@ class Scheduler:
         self._pub_at: dict[int, list[tuple[int, int, Request]]] = {}  # (seat, run, request)
         self._pub_steps: list[int] = []
         self._at_seat = -1
+        self._long_thr = 0  # the long-prefill threshold of the step being scheduled (schedule)
 
     def enable_cruise(self, tokens, drafter=None) -> None:
         """Advance steady decodes in bulk. ``tokens(req, start, count)`` returns the output
@@ -242,7 +243,10 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         running = self.running
-        long_thr = cfg.long_prefill_token_threshold
+        # the long-prefill threshold keeps a long prefill from starving other requests: with
+        # one request running or waiting there is nobody to starve (vLLM 0.33)
+        long_thr = cfg.long_prefill_token_threshold if len(running) + len(self.waiting) > 1 else 0
+        self._long_thr = long_thr
         max_len = cfg.max_model_len
         align = cfg.align_split
 
@@ -412,8 +416,8 @@ class Scheduler:
             n = len(req.token_ids) - c
             if not cfg.enable_chunked_prefill and n > budget:
                 break
-            if 0 < cfg.long_prefill_token_threshold < n:
-                n = cfg.long_prefill_token_threshold
+            if 0 < self._long_thr < n:
+                n = self._long_thr
             n = min(n, budget)
             checkpoint, publish = None, False
             if cfg.align_split:
@@ -422,12 +426,12 @@ class Scheduler:
                 break
             # room for the whole sequence, every token of a resumed one included (the engine's
             # full-sequence check counts ``num_tokens``, one more than its prefill)
+            req.junction = hit.attention_tokens  # (read by the Mamba managers' publishing)
             new_blocks = kv.allocate(req, c, n, hit, checkpoint, publish,
                                      admit_tokens=min(len(req.token_ids), cfg.max_model_len))
             if new_blocks is None:
                 break
             waiting.popleft()
-            req.junction = hit.attention_tokens
             req.seat = self._seats
             self._seats += 1
             self.running.append(req)
@@ -464,19 +468,28 @@ class Scheduler:
         end_of_prefill = prefill_end(req.num_prompt_tokens, len(req.token_ids))
         if start >= end_of_prefill:
             return n, None, False
-        end = start + n
+        whole = start + n
+        end = whole
         junction = hit.attention_tokens if hit is not None else req.junction
-        at_junction = False
         if start < junction < end:
             end = junction
-            at_junction = True
         elif end < end_of_prefill:
             end = end // bs * bs
+        point = prefill_checkpoint(end_of_prefill, bs)
+        if whole >= end_of_prefill and point <= start:
+            # a final chunk with no checkpoint column to write: never past the sequence's last
+            # block boundary before its last token (a resumed prefill ending on a boundary
+            # stops there, one token short of the end)
+            last = prefill_checkpoint(len(req.token_ids), bs)
+            if start < last < end:
+                end = last
         if end <= start:
             return 0, None, False
-        point = prefill_checkpoint(end_of_prefill, bs)
         checkpoint = point // bs - 1 if start < point < end else None
-        return end - start, checkpoint, at_junction or end == point
+        # the state at the chunk's end is kept if it is at the prompt's replay point or at the
+        # junction, whether the chunk was cut there or ends there anyway (MambaAlignManager.cache)
+        replay = prefill_checkpoint(req.num_prompt_tokens, bs)
+        return end - start, checkpoint, end == replay or (end == junction and junction > start)
 
     def _pick_victim(self) -> Request:
         if self.cfg.policy == "priority":

@@ -1,0 +1,127 @@
+"""Random small workloads planned by us and by vLLM 0.33's scheduler, compared step by step.
+
+    .venv/bin/python bench/peer_fuzz.py write DIR [--count 40] [--seed 1]
+    .peer-venv/bin/python bench/peer_vllm.py DIR/fuzz_*.json --repeat 0 --steps-dir DIR
+    .venv/bin/python bench/peer_fuzz.py compare DIR
+
+Where the named workloads (bench_planner.py --export) are large and regular, these are small
+and awkward: pools a few blocks above one longest request (so preemption and resumption are
+common), token budgets and seats from tight to loose, a long-prefill threshold or none,
+prompts of every length from one token up, many of them whole multiples of the block size,
+prefixes shared between prompts (a prompt may be a prefix or an exact copy of another), and
+outputs that stop at max_model_len. Each file holds its config, prompts and the outputs both
+sides commit (the Mamba2 + attention config of the recordings: align mode, block 16, prefix
+caching). ``compare`` prints each workload's share of identical steps and the first
+differing steps, and exits 1 if any step differs anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+from peer_compare import compare, steps_from_export
+
+from hybridsim.errors import InputError
+
+BS = 16
+
+
+def make_workload(name: str, rnd: random.Random) -> dict:
+    max_len = rnd.choice([128, 256, 512, 1024])
+    # one longest request: its attention blocks, and the Mamba group's (previous state,
+    # prefill checkpoint, running state); then from no room to spare to a roomy pool
+    floor = -(-max_len // BS) + 3 + 1
+    num_blocks = floor + rnd.choice([0, 1, 2, 5, 10, 30, 100])
+    budget = rnd.choice([32, 48, 64, 100, 128, 256, 512, 2048])
+    seats = rnd.choice([1, 2, 3, 4, 8, 16, 32])
+    thr = rnd.choice([0, 0, 0, 17, 40, 64, 200])
+    vocab = rnd.choice([50, 30000])  # a small vocabulary repeats blocks inside a prompt
+
+    def tokens(n: int) -> list[int]:
+        return [rnd.randrange(1, vocab) for _ in range(n)]
+
+    shared = [tokens(rnd.randrange(1, max_len // 2)) for _ in range(rnd.randrange(1, 4))]
+    reqs: list[dict] = []
+    per_step = rnd.choice([1, 2, 3, 6])
+    for i in range(rnd.randrange(6, 50)):
+        max_tokens = rnd.choice([1, 2, 5, 20, 60, max_len])
+        kind = rnd.random()
+        if kind < 0.35:
+            length = BS * rnd.randrange(1, max_len // BS)  # a whole number of blocks
+        elif kind < 0.45:
+            length = rnd.randrange(1, BS)
+        else:
+            length = rnd.randrange(1, max_len)
+        if reqs and rnd.random() < 0.15:  # the same prompt again (a full hit)
+            prompt = list(rnd.choice(reqs)["prompt"])
+        elif rnd.random() < 0.6:
+            base = rnd.choice(shared)
+            prompt = (base + tokens(max(length - len(base), 0)))[:max(length, 1)]
+        else:
+            prompt = tokens(length)
+        prompt = prompt[:max_len - 1]
+        reqs.append({"id": f"r{i}", "arrival_step": i // per_step, "prompt": prompt, "max_tokens": max_tokens,
+                     "outputs": tokens(max_tokens + 8)})
+    return {"workload": name, "steady_steps": 0, "block_size": BS, "num_blocks": num_blocks,
+            "mamba_cache_mode": "align", "max_num_batched_tokens": budget, "max_num_seqs": seats,
+            "max_model_len": max_len, "long_prefill_token_threshold": thr, "num_speculative_tokens": 0,
+            "accepted": {}, "requests": reqs}
+
+
+def write(out: Path, count: int, seed: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    written = 0
+    k = 0
+    while written < count:
+        name = f"fuzz_{seed}_{k}"
+        w = make_workload(name, random.Random(f"{seed}/{k}"))
+        k += 1
+        try:
+            steps_from_export(w)  # a config our validation refuses is drawn again
+        except InputError:
+            continue
+        (out / f"{name}.json").write_text(json.dumps(w))
+        written += 1
+    print(f"{count} workloads written to {out}")
+
+
+def compare_dir(out: Path, show: int) -> bool:
+    files = sorted(p for p in out.glob("fuzz_*.json") if not p.name.endswith(".steps.json"))
+    if not files:
+        raise SystemExit(f"error: {out}: no fuzz_*.json workloads (run `peer_fuzz.py write {out}` first)")
+    ok = 0
+    for path in files:
+        steps = path.with_name(f"{path.stem}.steps.json")
+        if not steps.exists():
+            raise SystemExit(f"error: {steps}: missing (run bench/peer_vllm.py on the workloads with --steps-dir)")
+        w = json.loads(path.read_text())
+        ok += compare(w["workload"], steps_from_export(w), json.loads(steps.read_text()), show)
+    print(f"{ok} of {len(files)} workloads identical at every step")
+    return ok == len(files)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("write", help="write random workloads")
+    w.add_argument("dir", type=Path)
+    w.add_argument("--count", type=int, default=40)
+    w.add_argument("--seed", type=int, default=1)
+    c = sub.add_parser("compare", help="compare our plans with the peer's steps")
+    c.add_argument("dir", type=Path)
+    c.add_argument("--show", type=int, default=3, help="differing steps to print per workload")
+    args = ap.parse_args()
+    if args.cmd == "write":
+        if args.count < 1:
+            ap.error("--count: 1 or more")
+        write(args.dir, args.count, args.seed)
+    else:
+        sys.exit(0 if compare_dir(args.dir, args.show) else 1)
+
+
+if __name__ == "__main__":
+    main()

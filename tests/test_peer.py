@@ -1,0 +1,71 @@
+"""Our plans against vLLM 0.33's own scheduler, run live beside ours (``pytest -m peer``).
+
+Needs vLLM 0.33 in a Python of its own: ``bench/peer_setup.sh`` makes ``.peer-venv`` (or point
+HYBRIDSIM_PEER_PYTHON at one). Not part of ``make test``: vLLM is not a dependency. What CI keeps
+of these comparisons is in test_fidelity.py (the recordings, and fuzz workloads with the steps
+vLLM planned for them, tests/data/peer033)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "bench" / "probes"))
+
+pytestmark = pytest.mark.peer
+
+
+@pytest.fixture
+def peer() -> str:
+    """The Python with vLLM 0.33 in it (the test is skipped when there is none)."""
+    py = os.environ.get("HYBRIDSIM_PEER_PYTHON") or str(REPO / ".peer-venv" / "bin" / "python")
+    if not Path(py).exists():
+        pytest.skip(f"no vLLM peer at {py}: run bench/peer_setup.sh (or set HYBRIDSIM_PEER_PYTHON)")
+    return py
+
+
+def peer_steps(peer: str, files: list[Path], out: Path) -> None:
+    """vLLM's plans for each workload file, written to OUT/<stem>.steps.json."""
+    r = subprocess.run([peer, str(REPO / "bench" / "peer_vllm.py"), *map(str, files), "--repeat", "0",
+                        "--steps-dir", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("name", ["decode64", "spec256", "mooncake2000", "pressure"])
+def test_named_workload_identical(name, peer, tmp_path, capsys):
+    from bench_planner import export_peer_workload
+    from peer_compare import compare, our_steps
+
+    path = tmp_path / f"{name}.json"
+    export_peer_workload(name, path)
+    peer_steps(peer, [path], tmp_path)
+    steps = json.loads((tmp_path / f"{name}.steps.json").read_text())
+    assert compare(name, our_steps(name), steps, 5), capsys.readouterr().out
+
+
+def test_memory_pressure_workload_identical(peer, tmp_path, capsys):
+    from peer_compare import compare, steps_from_export
+    from peer_press import make_workload
+
+    path = tmp_path / "press.json"
+    w = make_workload()
+    path.write_text(json.dumps(w))
+    peer_steps(peer, [path], tmp_path)
+    steps = json.loads((tmp_path / "press.steps.json").read_text())
+    assert compare("press", steps_from_export(w), steps, 5), capsys.readouterr().out
+
+
+@pytest.mark.parametrize("seed", [int(os.environ.get("HYBRIDSIM_PEER_FUZZ_SEED", "3"))])
+def test_random_workloads_identical(seed, peer, tmp_path, capsys):
+    from peer_fuzz import compare_dir, write
+
+    write(tmp_path, 40, seed)
+    peer_steps(peer, sorted(tmp_path.glob("fuzz_*.json")), tmp_path)
+    assert compare_dir(tmp_path, 3), capsys.readouterr().out
