@@ -29,7 +29,9 @@ def steps_of(sim) -> list[dict]:
     return [{"step": plan.step,
              "sched": {s.req_id: [s.num_computed_tokens, s.num_scheduled_tokens] for s in plan.scheduled},
              "hits": {s.req_id: s.prefix_hit_tokens for s in plan.scheduled if s.is_new},
-             "preempted": sorted(plan.preempted), "free": sim.kv.pool.num_free}
+             "preempted": sorted(plan.preempted), "free": sim.kv.pool.num_free,
+             "blocks": {s.req_id: [list(g) for g in s.new_block_ids] for s in plan.scheduled
+                        if s.new_block_ids is not None}}
             for plan, _ in sim]
 
 
@@ -49,6 +51,14 @@ class GivenOutputs:
         return list(self.outputs[req.req_id][:n])
 
 
+def model_text(w: dict) -> str:
+    """The scenario's model and cache keys for an export (the recordings' geometry)."""
+    caching = "true" if w.get("enable_prefix_caching", True) else "false"
+    return (MODEL.replace("num_blocks: 262144", f"num_blocks: {w['num_blocks']}")
+            .replace("enable_prefix_caching: true", f"enable_prefix_caching: {caching}")
+            .replace("mamba_cache_mode: align", f"mamba_cache_mode: {w['mamba_cache_mode']}"))
+
+
 def steps_from_export(w: dict) -> list[dict]:
     """Our plans for an export that holds everything itself (config, prompts, outputs), with no
     scenario behind it (bench/peer_fuzz.py, bench/probes/peer_press.py). No drafts."""
@@ -58,7 +68,7 @@ def steps_from_export(w: dict) -> list[dict]:
     thr = w.get("long_prefill_token_threshold", 0)
     text = f"""name: {w['workload']}
 seed: 0
-{MODEL.replace("num_blocks: 262144", f"num_blocks: {w['num_blocks']}")}
+{model_text(w)}
 scheduler: {{max_num_batched_tokens: {w['max_num_batched_tokens']}, max_num_seqs: {w['max_num_seqs']},
              max_model_len: {w['max_model_len']}, long_prefill_token_threshold: {thr}}}
 workload:
@@ -80,6 +90,9 @@ def compare(name: str, ours: list[dict], peer: dict, show: int) -> bool:
     theirs = peer["steps"]
     if len(ours) == len(theirs) + 1 and not ours[-1]["sched"]:
         ours = ours[:-1]  # (our report-only last step)
+    if theirs:  # what the peer's log has (logs written before block ids were recorded lack them)
+        keys = set(theirs[0])
+        ours = [{k: v for k, v in a.items() if k in keys} for a in ours]
     same = 0
     shown = 0
     for a, b in zip(ours, theirs):
@@ -87,7 +100,8 @@ def compare(name: str, ours: list[dict], peer: dict, show: int) -> bool:
             same += 1
         elif shown < show:
             shown += 1
-            diff = {k: (a.get(k), b.get(k)) for k in ("sched", "hits", "preempted", "free") if a.get(k) != b.get(k)}
+            diff = {k: (a.get(k), b.get(k)) for k in ("sched", "hits", "preempted", "free", "blocks")
+                    if a.get(k) != b.get(k)}
             for k, (x, y) in diff.items():
                 if isinstance(x, dict):
                     keys = sorted(set(x) | set(y), key=lambda r: (len(r), r))

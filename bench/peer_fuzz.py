@@ -30,7 +30,7 @@ from hybridsim.errors import InputError
 BS = 16
 
 
-def make_workload(name: str, rnd: random.Random) -> dict:
+def make_workload(name: str, rnd: random.Random, mode: str = "align") -> dict:
     max_len = rnd.choice([128, 256, 512, 1024])
     # one longest request: its attention blocks, and the Mamba group's (previous state,
     # prefill checkpoint, running state); then from no room to spare to a roomy pool
@@ -67,18 +67,19 @@ def make_workload(name: str, rnd: random.Random) -> dict:
         reqs.append({"id": f"r{i}", "arrival_step": i // per_step, "prompt": prompt, "max_tokens": max_tokens,
                      "outputs": tokens(max_tokens + 8)})
     return {"workload": name, "steady_steps": 0, "block_size": BS, "num_blocks": num_blocks,
-            "mamba_cache_mode": "align", "max_num_batched_tokens": budget, "max_num_seqs": seats,
+            "mamba_cache_mode": mode, "enable_prefix_caching": mode != "none", "max_num_batched_tokens": budget, "max_num_seqs": seats,
             "max_model_len": max_len, "long_prefill_token_threshold": thr, "num_speculative_tokens": 0,
             "accepted": {}, "requests": reqs}
 
 
-def write(out: Path, count: int, seed: int) -> None:
+def write(out: Path, count: int, seed: int, modes: tuple[str, ...] = ("align",)) -> None:
     out.mkdir(parents=True, exist_ok=True)
     written = 0
     k = 0
     while written < count:
         name = f"fuzz_{seed}_{k}"
-        w = make_workload(name, random.Random(f"{seed}/{k}"))
+        mode = random.Random(f"{seed}/{k}/mode").choice(modes)  # (its own stream: align-only seeds unchanged)
+        w = make_workload(name, random.Random(f"{seed}/{k}"), mode)
         k += 1
         try:
             steps_from_export(w)  # a config our validation refuses is drawn again
@@ -111,6 +112,8 @@ def main() -> None:
     w.add_argument("dir", type=Path)
     w.add_argument("--count", type=int, default=40)
     w.add_argument("--seed", type=int, default=1)
+    w.add_argument("--modes", default="align", help="Mamba cache modes to draw from, comma-separated: "
+                   "align, none (none: prefix caching off; vLLM 0.33 has no mode all)")
     c = sub.add_parser("compare", help="compare our plans with the peer's steps")
     c.add_argument("dir", type=Path)
     c.add_argument("--show", type=int, default=3, help="differing steps to print per workload")
@@ -118,7 +121,10 @@ def main() -> None:
     if args.cmd == "write":
         if args.count < 1:
             ap.error("--count: 1 or more")
-        write(args.dir, args.count, args.seed)
+        modes = tuple(args.modes.split(","))
+        if not set(modes) <= {"align", "none"}:
+            ap.error("--modes: align and/or none, comma-separated (vLLM 0.33 has no mode all)")
+        write(args.dir, args.count, args.seed, modes)
     else:
         sys.exit(0 if compare_dir(args.dir, args.show) else 1)
 

@@ -26,6 +26,7 @@ over their 500 steps once every request decodes. Each line shows the calibration
 from __future__ import annotations
 
 import argparse
+import math
 import json
 import statistics
 import sys
@@ -61,7 +62,9 @@ def make_scheduler(w: dict):
     sched = SchedulerConfig(max_num_batched_tokens=w["max_num_batched_tokens"], max_num_seqs=w["max_num_seqs"],
                             max_model_len=w["max_model_len"], enable_chunked_prefill=True, is_encoder_decoder=False,
                             long_prefill_token_threshold=w.get("long_prefill_token_threshold", 0))
-    cache = CacheConfig(block_size=bs, enable_prefix_caching=True, mamba_cache_mode=w["mamba_cache_mode"])
+    mode = w["mamba_cache_mode"]
+    cache = CacheConfig(block_size=bs, enable_prefix_caching=w.get("enable_prefix_caching", True),
+                        mamba_cache_mode=mode)
     cache.num_gpu_blocks = w["num_blocks"]
     cfg = VllmConfig(scheduler_config=sched, cache_config=cache, device_config=DeviceConfig(device="cpu"))
     object.__setattr__(cfg, "model_config", _Stand(
@@ -75,9 +78,12 @@ def make_scheduler(w: dict):
             uses_draft_model=no, disable_eagle_block_drop=True, disable_lookahead_block_hashes=True,
             max_num_new_slots_for_drafting=0))
     # the recordings' NemotronH-style geometry (shared/vllm-recorded: config line)
-    mamba = MambaSpec(block_size=bs, shapes=((3, 288), (8, 32, 16)), dtypes=(torch.bfloat16, torch.float32),
-                      mamba_cache_mode=w["mamba_cache_mode"], num_speculative_blocks=S,
-                      num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=bs)
+    # (align mode: one prefill-checkpoint block, as the recordings; mode none: one block holds a
+    # request's whole state, so its block is max_model_len tokens long, as the engine sizes it)
+    ckpt = dict(num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=bs) if mode == "align" else {}
+    mamba = MambaSpec(block_size=w["max_model_len"] if mode == "none" else bs, shapes=((3, 288), (8, 32, 16)),
+                      dtypes=(torch.bfloat16, torch.float32), mamba_cache_mode=mode, num_speculative_blocks=S,
+                      **ckpt)
     attn = FullAttentionSpec(block_size=bs, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
     kv = KVCacheConfig(num_blocks=w["num_blocks"], kv_cache_tensors=[],
                        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.mixer"], mamba),
@@ -87,7 +93,19 @@ def make_scheduler(w: dict):
                        prefix_cache_retention_interval=cache.prefix_cache_retention_interval)
     structured = SimpleNamespace(accept_tokens=lambda req, toks: True, validate_tokens=lambda req, toks: toks,
                                  grammar_bitmask=lambda *a, **k: None)
-    return Scheduler(cfg, kv, structured, block_size=bs)
+    # the scheduling granularity is the least common multiple of the groups' block sizes
+    return Scheduler(cfg, kv, structured, block_size=math.lcm(bs, mamba.block_size))
+
+
+def block_ids(out) -> dict:
+    """Per request: the block ids the step hands out, per group (a new request: its whole rows;
+    a running one: the new tails, when any), as ``hybridsim fidelity`` reads them off recordings."""
+    blocks = {new.req_id: [list(g) for g in new.block_ids] for new in out.scheduled_new_reqs}
+    cached = out.scheduled_cached_reqs
+    for rid, new_ids in zip(cached.req_ids, cached.new_block_ids):
+        if new_ids is not None:
+            blocks[rid] = [list(g) for g in new_ids]
+    return blocks
 
 
 def run_once(w: dict, steps_log: list | None = None) -> dict:
@@ -130,7 +148,8 @@ def run_once(w: dict, steps_log: list | None = None) -> dict:
                 "sched": {rid: [sched.requests[rid].num_computed_tokens - k, k]
                           for rid, k in out.num_scheduled_tokens.items()},
                 "hits": {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs},
-                "preempted": sorted(out.preempted_req_ids or ())})
+                "preempted": sorted(out.preempted_req_ids or ()),
+                "blocks": block_ids(out)})
         ids, sampled = [], []
         for rid in out.num_scheduled_tokens:
             req = sched.requests[rid]

@@ -35,7 +35,8 @@ from .sched.plan import ScheduledRequest, StepOutcome, StepPlan
 from .workload.base import WorkloadRequest
 
 FORMAT = "hybridsim-trace"
-VERSION = 2  # 2: align-mode prefill checkpoints at vLLM 0.33's position (sched.plan.prefill_checkpoint)
+VERSION = 3  # 2: align-mode prefill checkpoints at vLLM 0.33's position (sched.plan.prefill_checkpoint);
+# 3: and in vLLM 0.33's column (sched.plan.checkpoint_column)
 
 
 def _dumps(obj) -> str:
@@ -198,10 +199,12 @@ def read_trace(path: str | Path, check: bool = True) -> Trace:
         hint = " (a vLLM recording? use `hybridsim convert` first)" if header.get("type") == "config" else ""
         raise InputError(f"line 1 is not a hybridsim trace header{hint}", f"{p}:{ln}")
     if header.get("version") != VERSION:
-        why = ("; version 1 placed align-mode prefill checkpoints where the engine does not (prefills whose "
-               "length is a multiple of the block size, resumed requests), so its plans do not execute as recorded: "
-               "re-record it from its scenario with `hybridsim run SCENARIO --check off --record`"
-               if header.get("version") == 1 else "")
+        old = {1: "placed align-mode prefill checkpoints where the engine does not (prefills whose length is a "
+                  "multiple of the block size, resumed requests)",
+               2: "kept a resumed request's align-mode checkpoint state in another column than the engine does "
+                  "(prefills that end on a block boundary)"}.get(header.get("version"))
+        why = (f"; version {header.get('version')} {old}, so its plans do not execute as recorded: re-record it "
+               "from its scenario with `hybridsim run SCENARIO --check off --record`" if old else "")
         raise InputError(f"trace version {header.get('version')!r} is not supported (this is {VERSION}){why}",
                          f"{p}:{ln}")
     for key in ("scenario", "groups", "requests"):

@@ -56,7 +56,8 @@ def test_cut_recording_is_bad_input(tmp_path):
 # for them (bench/peer_vllm.py --steps-dir), kept because our plans once differed on each: the
 # long-prefill threshold with one request left (fuzz_1_9), a resumed prefill ending on a block
 # boundary (fuzz_1_36), a chunk ending exactly at the junction (fuzz_1_0), a junction inside a
-# resumed request's own outputs (fuzz_1_17, fuzz_1_20). tests/data/peer033/README.md.
+# resumed request's own outputs (fuzz_1_17, fuzz_1_20), a resumed request's checkpoint column
+# (fuzz_5_13: block ids). Block ids are compared too. tests/data/peer033/README.md.
 PEER033 = sorted((Path(__file__).parent / "data" / "peer033").glob("*.json.gz"))
 
 
@@ -73,4 +74,4 @@ def test_plans_identical_to_vllm_on_fuzz_workloads(case, capsys):
 
 
 def test_peer033_cases_present():
-    assert len(PEER033) == 5
+    assert len(PEER033) == 6

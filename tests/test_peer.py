@@ -62,10 +62,14 @@ def test_memory_pressure_workload_identical(peer, tmp_path, capsys):
     assert compare("press", steps_from_export(w), steps, 5), capsys.readouterr().out
 
 
-@pytest.mark.parametrize("seed", [int(os.environ.get("HYBRIDSIM_PEER_FUZZ_SEED", "3"))])
-def test_random_workloads_identical(seed, peer, tmp_path, capsys):
+SEED = int(os.environ.get("HYBRIDSIM_PEER_FUZZ_SEED", "3"))
+
+
+@pytest.mark.parametrize("seed,modes", [(SEED, ("align",)), (SEED + 1, ("none",))], ids=["align", "none"])
+def test_random_workloads_identical(seed, modes, peer, tmp_path, capsys):
+    """Every step identical, block ids included (mode none: prefix caching off)."""
     from peer_fuzz import compare_dir, write
 
-    write(tmp_path, 40, seed)
+    write(tmp_path, 40, seed, modes)
     peer_steps(peer, sorted(tmp_path.glob("fuzz_*.json")), tmp_path)
     assert compare_dir(tmp_path, 3), capsys.readouterr().out

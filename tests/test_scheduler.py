@@ -357,18 +357,24 @@ def test_a_dropped_simulation_is_freed_without_the_cyclic_collector():
 
 
 def test_resumed_prefill_checkpoint_follows_its_prefill_end():
-    """A resumed request replays its outputs as prefill up to one token before its last: the
-    checkpoint is that prefill's (vLLM 0.33, bench/probes/peer_press.py), not the sequence's."""
+    """A resumed request replays its outputs as prefill up to one token before its last; whether
+    a chunk stops short of the last token (and where a final chunk keeps its checkpoint) follows
+    that prefill's end (vLLM 0.33, bench/probes/peer_press.py, bench/peer_fuzz.py)."""
     from hybridsim.simulate import Simulation
 
     prompt = token_block(41, 416, 32000).tolist()
     loaded = parse_scenario(tiny_scenario(budget=1024, max_len=4096, blocks=1024, seqs=4), "t.yaml")
     sim = Simulation(loaded.scenario, manual_workload([prompt], [0], [6]))  # (not run)
     req = sim.requests[0]
-    req.append_output([7])  # 417 tokens: prefill end 416, its checkpoint 400 (column 24)
+    req.append_output([7])  # 417 tokens: prefill end 416
     req.junction = 0
     n, checkpoint, publish = sim.scheduler._align_split(req, 0, 417, None)
-    assert (n, checkpoint, publish) == (417, 24, False)
+    # the chunk also computes the last token, so its checkpoint is the last boundary before
+    # 417: 416, in column 25 (vLLM 0.33's block ids, bench/peer_fuzz.py fuzz_5_13; not 400)
+    assert (n, checkpoint, publish) == (417, 25, False)
+    # a chunk cut at the prefill's end keeps the prefill's checkpoint, 400 (column 24; the
+    # prompt's replay point, so published by the manager); its end state, at 416, is not kept
+    assert sim.scheduler._align_split(req, 0, 416, None) == (416, 24, False)
     req.append_output([8])  # 418 tokens: prefill end 417, checkpoint 416 (column 25)
     assert sim.scheduler._align_split(req, 0, 418, None) == (418, 25, False)
 
@@ -387,8 +393,9 @@ def test_resumed_prefill_ending_on_a_block_boundary_stops_there():
     req.junction = 0
     # from 416 the checkpoint is behind: the chunk stops at 432 (the old rule ran to 433)
     assert sim.scheduler._align_split(req, 416, 17, None) == (16, None, False)
-    # from 400 the chunk writes the checkpoint column (416) and runs on to the end
-    assert sim.scheduler._align_split(req, 400, 33, None) == (33, 25, False)
+    # from 400 it passes the prefill's checkpoint (416), so it runs on to the end and keeps
+    # the state at the last boundary before its last token, 432 (column 26)
+    assert sim.scheduler._align_split(req, 400, 33, None) == (33, 26, False)
 
 
 def test_long_prefill_threshold_is_off_with_one_request():

@@ -122,11 +122,21 @@ def test_interrupted_run_leaves_no_partial_trace(tmp_path, monkeypatch):
     assert not (tmp_path / "t.jsonl.partial").exists()
 
 
-def test_version_1_trace_refused_with_why(trace_file):
-    """Version 1 placed align-mode prefill checkpoints elsewhere: its plans would execute with
-    failing state checks, so it is refused, with what to do."""
-    _corrupt(trace_file, 1, lambda d: d.__setitem__("version", 1))
+@pytest.mark.parametrize("old", [1, 2])
+def test_older_trace_versions_refused_with_why(trace_file, old):
+    """Versions 1 and 2 placed align-mode prefill checkpoints elsewhere: their plans would execute
+    with failing state checks, so they are refused, with why and what to do."""
+    _corrupt(trace_file, 1, lambda d: d.__setitem__("version", old))
     with pytest.raises(InputError) as ei:
         read_trace(trace_file)
     assert ei.value.where == f"{trace_file}:1"
-    assert "version 1 is not supported (this is 2)" in ei.value.message and "re-record" in ei.value.message
+    m = ei.value.message
+    assert f"version {old} is not supported (this is 3); version {old} " in m and "re-record" in m
+    assert ("resumed requests" if old == 1 else "column") in m
+
+
+def test_unknown_trace_version_refused(trace_file):
+    _corrupt(trace_file, 1, lambda d: d.__setitem__("version", 9))
+    with pytest.raises(InputError) as ei:
+        read_trace(trace_file)
+    assert ei.value.message == "trace version 9 is not supported (this is 3)"

@@ -10,9 +10,9 @@ per group. The semantics are the engine's (research/vllm-hybrid.md §3, seeds
   step's accept bias, temporal state taken from the bias column) and the accepted
   count resets to 1. Draft rows write the state after each query token into
   ``curr + t``; after acceptance, a state that lands on a block boundary is copied
-  into that boundary's block. A prefill chunk passing the prefill's checkpoint ``L``
-  (the last block boundary before the prefill's last token: ``sched.plan.prefill_checkpoint``)
-  also writes the state at ``L`` into its checkpoint column (vLLM 0.33).
+  into that boundary's block. A final prefill chunk passing its checkpoint (the last block
+  boundary before the chunk's last token, ``sched.plan.checkpoint_at``) also writes the state
+  there into that boundary's column (vLLM 0.33).
 * ``none``: column 0 is the running state, columns 1..S the draft states; a step
   without drafts after an accepted run migrates column A-1 into column 0.
 * ``all``: a state at every block boundary the chunk crosses; the running state is
@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..sched.plan import prefill_checkpoint
+from ..sched.plan import checkpoint_at
 
 
 def cdiv(a: int, b: int) -> int:
@@ -137,12 +137,11 @@ class AlignTracker(MambaStateTracker):
         return p
 
     def checkpoint(self, p: RowPlan, prefill_end: int) -> None:
-        """0.33: a prefill chunk passing the prefill's checkpoint (``prefill_checkpoint``)
-        also keeps the state there."""
-        bs = self.bs
-        point = prefill_checkpoint(prefill_end, bs)
-        if p.c < point < p.c + p.n:
-            p.boundary.append((point - p.c - 1, point // bs - 1))
+        """0.33: a final prefill chunk passing its checkpoint (``checkpoint_at``) also keeps
+        the state there."""
+        at = checkpoint_at(p.c, p.c + p.n, prefill_end, self.bs)
+        if at is not None:
+            p.boundary.append((at - p.c - 1, at // self.bs - 1))
 
     def post(self, p, accepted, sampled):
         super().post(p, accepted, sampled)

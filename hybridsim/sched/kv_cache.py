@@ -437,6 +437,14 @@ class KVCacheManager:
             m.publish(req, m.rows[idx], ntok, ntok)
         return self.next_publish_at(req)
 
+    def publish_computed(self, req: Request) -> None:
+        """Publish the attention blocks full of the request's computed tokens. With drafts,
+        vLLM 0.33 caches them after each step's update, not only when the request is next
+        scheduled; only a request freed before that (finished, or preempted first) shows it."""
+        idx = req.index
+        for m in self.attn:
+            m.publish(req, m.rows[idx], req.num_computed_tokens, len(req.token_ids))
+
     def publish_block(self, req: Request, m: AttentionManager, i: int) -> None:
         """Publish block ``i`` of the request's row in group ``m`` alone (ordered catch-up)."""
         idx = req.index

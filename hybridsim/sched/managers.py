@@ -401,7 +401,7 @@ class MambaAlignManager(MambaManager):
         hashes = req.block_hashes
         bs = self.bs
         if checkpoint is not None and row[checkpoint] != NULL_BLOCK:
-            at = (checkpoint + 1) * bs
+            at = (checkpoint + 1) * bs  # (sched.plan.checkpoint_at)
             if at == req.junction or at == prefill_checkpoint(req.num_prompt_tokens, bs):
                 self.pool.cache(row[checkpoint], self.key(hashes[checkpoint]), True)
         if publish_end and total % bs == 0:

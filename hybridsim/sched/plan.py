@@ -20,10 +20,23 @@ def prefill_checkpoint(num_tokens: int, bs: int) -> int:
     ``prefill_end``): the last block boundary that
     leaves at least one token to compute, ``(num_tokens - 1) // bs * bs`` (vLLM 0.33; for a
     length that is a multiple of ``bs``, one block before the end). A final prefill chunk
-    that passes it writes the state there into column ``point // bs - 1``. The scheduler
-    plans that column (and counts it in a request's admission room) and the executor fills
-    it: all read the rule here."""
+    that passes it keeps a state there (``checkpoint_at`` says where exactly), and the
+    engine's scheduler stops a final chunk that does not pass it before its last token."""
     return (num_tokens - 1) // bs * bs
+
+
+def checkpoint_at(start: int, end: int, prefill_end: int, bs: int) -> Optional[int]:
+    """Where a prefill chunk from ``start`` to ``end`` keeps a checkpoint state, or None (vLLM
+    0.33's Mamba manager): only a final chunk (``end >= prefill_end``) does, at the last block
+    boundary before its end that leaves a token to compute, ``prefill_checkpoint(end)``, when
+    the chunk passes it; the state is held in that boundary's column, ``at // bs - 1``. For a
+    chunk ending where the prefill ends this is the prefill's checkpoint; a resumed request's
+    final chunk also computes its last token, one past its prefill, and when the prefill ends
+    on a block boundary its checkpoint is that boundary. Scheduler and executor both read it."""
+    if end < prefill_end:
+        return None
+    at = prefill_checkpoint(end, bs)
+    return at if start < at < end else None
 
 
 class ScheduledRequest(NamedTuple):

@@ -20,7 +20,8 @@ from typing import Iterable, Optional
 import numpy as np
 
 from .kv_cache import NO_BOUND, KVCacheManager, PrefixHit
-from .plan import Cruise, ScheduledRequest, SpecRun, StepOutcome, StepPlan, prefill_checkpoint, prefill_end
+from .plan import (Cruise, ScheduledRequest, SpecRun, StepOutcome, StepPlan, checkpoint_at, prefill_checkpoint,
+                   prefill_end)
 from .request import Request, Status
 
 _Sched = ScheduledRequest  # built with tuple.__new__ on the hot path (all ten fields, in order)
@@ -449,15 +450,15 @@ class Scheduler:
 
     def _align_split(self, req: Request, start: int, n: int,
                      hit: Optional[PrefixHit]) -> tuple[int, Optional[int], bool]:
-        """Align-mode chunking: a prefill chunk that does not finish the prefill ends on a
-        block boundary; it also stops at the end of the longest cached prefix (the
-        junction with another request's blocks) so that the state there is
-        materialised and published; a final chunk that passes the prefill's checkpoint
-        (``prefill_checkpoint``: the last block boundary before the prefill's last token;
-        a resumed request's prefill, ``prefill_end``, stops one token before its last)
-        gets a checkpoint column holding the state there, and a chunk ending on that
-        point publishes its end state (a state at the very end of a sequence whose length
-        is a multiple of the block size is not kept: the checkpoint before it is).
+        """Align-mode chunking (vLLM 0.33): a prefill chunk that does not finish the prefill
+        ends on a block boundary; it also stops at the end of the longest cached prefix (the
+        junction with another request's blocks) so that the state there is materialised and
+        published. A final chunk that passes its checkpoint (``checkpoint_at``: the last
+        block boundary before the chunk's last token) gets a column holding the state there;
+        one that does not pass the prefill's checkpoint (``prefill_checkpoint`` of
+        ``prefill_end``) stops at the sequence's last boundary before its last token. The
+        chunk's end state is published when the chunk ends at the prompt's replay point or
+        at the junction.
 
         The junction is measured once, when the request is admitted (the
         recorded engine keeps it even after the blocks behind it are evicted).
@@ -485,7 +486,8 @@ class Scheduler:
                 end = last
         if end <= start:
             return 0, None, False
-        checkpoint = point // bs - 1 if start < point < end else None
+        at = checkpoint_at(start, end, end_of_prefill, bs)
+        checkpoint = None if at is None else at // bs - 1
         # the state at the chunk's end is kept if it is at the prompt's replay point or at the
         # junction, whether the chunk was cut there or ends there anyway (MambaAlignManager.cache)
         replay = prefill_checkpoint(req.num_prompt_tokens, bs)
@@ -500,6 +502,8 @@ class Scheduler:
         if req.cruising:
             self._land(req, False)
         self._awake.discard(req)
+        if self.cfg.num_speculative_tokens:  # (what the engine cached after the last update)
+            self.kv.publish_computed(req)
         self.kv.free(req)
         req.status = Status.PREEMPTED
         req.num_computed_tokens = 0
@@ -524,8 +528,10 @@ class Scheduler:
                 continue
             req = reqs[s[0]]
             drafts = s[7]
+            generated = len(tokens)
             if drafts:
                 acc = accepted.get(s[0], len(tokens) - 1)
+                generated = acc + 1  # (the model's outputs may already stop short of these)
                 rejected = len(drafts) - acc
                 if rejected > 0 and req.num_computed_tokens > 0:
                     req.num_computed_tokens -= rejected
@@ -533,6 +539,10 @@ class Scheduler:
             room = min(req.max_tokens - (len(toks) - req.num_prompt_tokens), max_len - len(toks))
             if room < len(tokens):
                 tokens = tokens[:max(room, 0)]
+            if len(tokens) < generated:
+                # a stop inside the new tokens: the computed count covers the kept ones but
+                # the last (vLLM 0.33; it bounds what the finished request publishes)
+                req.num_computed_tokens -= generated - len(tokens)
             toks.extend(tokens)
             if len(toks) // req.hash_block_size > len(req.block_hashes):
                 req.update_hashes()
@@ -544,6 +554,8 @@ class Scheduler:
             self.running.remove(req)
             self._awake.discard(req)
             req.status = Status.FINISHED
+            if self.cfg.num_speculative_tokens:  # cached after the update, then freed (vLLM 0.33)
+                self.kv.publish_computed(req)
             self.kv.free(req)
             self._finished_since_last.append(req.req_id)
         self._now = plan.step + 1
