@@ -420,3 +420,20 @@ def test_chunk_ending_exactly_at_the_junction_publishes_its_state():
     assert first["r1"].prefix_hit_tokens == 0 and first["r1"].num_scheduled_tokens == 48  # ends at the junction
     assert first["r2"].prefix_hit_tokens == 48  # (0 when only a cut chunk published)
     assert sim.checks.tallies["sched.invariants"].failures == 0
+
+
+def test_with_drafts_a_finishing_request_caches_its_computed_blocks():
+    """vLLM 0.33 with drafts caches the blocks full of computed tokens after each update, so a
+    request's last full block is cached before it is freed (spec256's block ids); a stop inside
+    a step's new tokens leaves the computed count covering the kept ones but the last."""
+    for max_tokens, cached in ((13, True), (12, False)):
+        text = tiny_scenario(spec=3, acc="{kind: pattern, accepted: [3]}", n=1, pmin=20, pmax=20,
+                             omin=max_tokens, omax=max_tokens, prefix=8, frac=0.0)
+        sim, recs = simulate(text)
+        req = sim.requests[0]
+        # 20 prompt tokens, then 4 a step: the last step computes 28..31 and commits 4 tokens
+        # (13: 33 tokens, 32 computed, block 1 full) or keeps 3 of them (12: 32 tokens, 31 computed)
+        assert len(req.token_ids) == 20 + max_tokens
+        assert req.num_computed_tokens == (32 if cached else 31)
+        assert (req.block_hashes[1] in sim.kv.pool.cached) is cached
+        assert sim.checks.tallies["sched.invariants"].failures == 0
