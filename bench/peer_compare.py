@@ -5,8 +5,10 @@
     .venv/bin/python bench/peer_compare.py /tmp/m.json /tmp/m.steps.json
 
 Compares, step by step, which requests are scheduled with how many tokens after how many
-computed ones, the prefix hit of every admission and the preempted requests (what
-``hybridsim fidelity`` compares on the recordings, on workloads too large to record).
+computed ones, the prefix hit of every admission, the preempted requests, the free blocks after
+the step and the block ids it hands out (what ``hybridsim fidelity`` compares on the recordings,
+on workloads too large to record; a peer log written before block ids were logged is compared
+without them).
 Our final step, which only reports the last finished requests, has no counterpart in the
 driver's loop and is not compared.
 """

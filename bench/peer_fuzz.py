@@ -90,15 +90,20 @@ def write(out: Path, count: int, seed: int, modes: tuple[str, ...] = ("align",))
     print(f"{count} workloads written to {out}")
 
 
+def _bad_input(msg: str) -> None:
+    print(f"error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def compare_dir(out: Path, show: int) -> bool:
     files = sorted(p for p in out.glob("fuzz_*.json") if not p.name.endswith(".steps.json"))
     if not files:
-        raise SystemExit(f"error: {out}: no fuzz_*.json workloads (run `peer_fuzz.py write {out}` first)")
+        _bad_input(f"{out}: no fuzz_*.json workloads (run `peer_fuzz.py write {out}` first)")
     ok = 0
     for path in files:
         steps = path.with_name(f"{path.stem}.steps.json")
         if not steps.exists():
-            raise SystemExit(f"error: {steps}: missing (run bench/peer_vllm.py on the workloads with --steps-dir)")
+            _bad_input(f"{steps}: missing (run bench/peer_vllm.py on the workloads with --steps-dir)")
         w = json.loads(path.read_text())
         ok += compare(w["workload"], steps_from_export(w), json.loads(steps.read_text()), show)
     print(f"{ok} of {len(files)} workloads identical at every step")

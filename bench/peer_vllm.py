@@ -26,8 +26,8 @@ over their 500 steps once every request decodes. Each line shows the calibration
 from __future__ import annotations
 
 import argparse
-import math
 import json
+import math
 import statistics
 import sys
 import time

@@ -329,8 +329,8 @@ def cross_field_problems(s: Scenario) -> list[tuple[tuple, str]]:
     sched = s.scheduler
     if sched.long_prefill_token_threshold > sched.max_model_len:
         out.append((("scheduler", "long_prefill_token_threshold"),
-                    f"long_prefill_token_threshold ({sched.long_prefill_token_threshold}) is more than "
-                    f"max_model_len ({sched.max_model_len}); the engine refuses that"))
+                    f"{sched.long_prefill_token_threshold} is more than max_model_len ({sched.max_model_len}); "
+                    "the engine refuses that"))
     if geo.mamba is not None:
         if s.cache.mamba_cache_mode in ("align", "all") and not s.cache.enable_prefix_caching:
             out.append((("cache", "mamba_cache_mode"),

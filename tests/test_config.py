@@ -116,8 +116,8 @@ def test_long_prefill_threshold_above_model_length():
     text = tiny_scenario(max_len=256, pmax=200).replace(
         "max_model_len: 256}", "max_model_len: 256, long_prefill_token_threshold: 300}")
     e = _err(text)
-    assert e.message.startswith("scheduler.long_prefill_token_threshold: long_prefill_token_threshold (300) is "
-                                "more than max_model_len (256)")
+    assert e.message == ("scheduler.long_prefill_token_threshold: 300 is more than max_model_len (256); "
+                         "the engine refuses that")
     assert e.where == "s.yaml:6"
 
 

@@ -128,7 +128,6 @@ class Scheduler:
         self._pub_at: dict[int, list[tuple[int, int, Request]]] = {}  # (seat, run, request)
         self._pub_steps: list[int] = []
         self._at_seat = -1
-        self._long_thr = 0  # the long-prefill threshold of the step being scheduled (schedule)
 
     def enable_cruise(self, tokens, drafter=None) -> None:
         """Advance steady decodes in bulk. ``tokens(req, start, count)`` returns the output
@@ -247,7 +246,6 @@ class Scheduler:
         # the long-prefill threshold keeps a long prefill from starving other requests: with
         # one request running or waiting there is nobody to starve (vLLM 0.33)
         long_thr = cfg.long_prefill_token_threshold if len(running) + len(self.waiting) > 1 else 0
-        self._long_thr = long_thr
         max_len = cfg.max_model_len
         align = cfg.align_split
 
@@ -385,7 +383,7 @@ class Scheduler:
 
         self._at_seat = _AFTER_PASS
         if not preempted:
-            self._schedule_waiting(scheduled, budget)
+            self._schedule_waiting(scheduled, budget, long_thr)
 
         self.pass_preempted = tuple(r.req_id for r in preempted)  # for sched.invariants
         preempted_ids = tuple(self._pending_preempted) + self.pass_preempted
@@ -399,7 +397,7 @@ class Scheduler:
         return StepPlan(step, (), preempted_ids, finished, faults, forced, cruise=Cruise(*snapshot),
                         admitted=tuple(scheduled[n_running_rows:]))
 
-    def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> None:
+    def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int, long_thr: int) -> None:
         cfg = self.cfg
         kv = self.kv
         waiting = self.waiting
@@ -417,8 +415,8 @@ class Scheduler:
             n = len(req.token_ids) - c
             if not cfg.enable_chunked_prefill and n > budget:
                 break
-            if 0 < self._long_thr < n:
-                n = self._long_thr
+            if 0 < long_thr < n:
+                n = long_thr
             n = min(n, budget)
             checkpoint, publish = None, False
             if cfg.align_split:
