@@ -155,6 +155,17 @@ PEER_WORKLOADS = {  # what bench/peer_vllm.py replays: (scenario, steady steps t
 }
 
 
+def accepted_rounds(sim: Simulation) -> dict[str, list[int]]:
+    """Per request, the drafts our acceptance model accepts in each verification round, so that
+    the peer's drafts are right exactly as often and its plans can be compared (runs ``sim``)."""
+    accepted: dict[str, list[int]] = {}
+    for plan, out in sim:
+        for row in plan.scheduled:
+            if row.spec_token_ids:
+                accepted.setdefault(row.req_id, []).append(out.accepted[row.req_id])
+    return accepted
+
+
 def export_peer_workload(name: str, path: Path) -> None:
     """Write what the vLLM peer needs to run the same workload (bench/peer_vllm.py): the
     scheduler and cache config, and per request its arrival step, prompt, max tokens and the
@@ -166,14 +177,7 @@ def export_peer_workload(name: str, path: Path) -> None:
     reqs = [{"id": r.req_id, "arrival_step": r.arrival_step, "prompt": list(r.prompt_ids),
              "max_tokens": r.max_tokens, "outputs": sim.outputs.tokens(r, 0, r.max_tokens + 8)}
             for r in sim.requests]
-    accepted: dict[str, list[int]] = {}
-    if s.spec_decode.num_speculative_tokens:
-        # the drafts our acceptance model accepts, round by round (a round: one verification),
-        # so that the peer's drafts are right exactly as often and its plans can be compared
-        for plan, out in Simulation(s, build_workload(loaded)):
-            for row in plan.scheduled:
-                if row.spec_token_ids:
-                    accepted.setdefault(row.req_id, []).append(out.accepted[row.req_id])
+    accepted = accepted_rounds(Simulation(s, build_workload(loaded))) if s.spec_decode.num_speculative_tokens else {}
     path.write_text(json.dumps({
         "workload": name, "steady_steps": steady, "block_size": s.cache.block_size,
         "num_blocks": s.cache.num_blocks, "mamba_cache_mode": s.cache.mamba_cache_mode,

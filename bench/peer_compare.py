@@ -61,18 +61,23 @@ def model_text(w: dict) -> str:
             .replace("mamba_cache_mode: align", f"mamba_cache_mode: {w['mamba_cache_mode']}"))
 
 
-def steps_from_export(w: dict) -> list[dict]:
-    """Our plans for an export that holds everything itself (config, prompts, outputs), with no
-    scenario behind it (bench/peer_fuzz.py, bench/probes/peer_press.py). No drafts."""
-    if w["num_speculative_tokens"]:
-        raise ValueError("steps_from_export: drafts need our acceptance model (export a named workload)")
+def simulation_from_export(w: dict) -> Simulation:
+    """Our simulation of an export that holds everything itself (config, prompts, outputs), with
+    no scenario behind it (bench/peer_fuzz.py, bench/probes/peer_press.py). Drafts, when the
+    export has them, are accepted by the Bernoulli model its ``acceptance_rate`` and ``seed`` name
+    (the export's ``accepted`` is what that model decided, for the peer's drafts)."""
+    S = w["num_speculative_tokens"]
+    if S and "acceptance_rate" not in w:
+        raise ValueError("an export with drafts and no acceptance_rate: use its named workload (our_steps)")
+    acc = f"{{kind: bernoulli, rate: {w['acceptance_rate']}}}" if S else "{kind: none}"
     longest = max(len(r["prompt"]) for r in w["requests"])
     thr = w.get("long_prefill_token_threshold", 0)
     text = f"""name: {w['workload']}
-seed: 0
+seed: {w.get('seed', 0)}
 {model_text(w)}
 scheduler: {{max_num_batched_tokens: {w['max_num_batched_tokens']}, max_num_seqs: {w['max_num_seqs']},
              max_model_len: {w['max_model_len']}, long_prefill_token_threshold: {thr}}}
+spec_decode: {{num_speculative_tokens: {S}, acceptance: {acc}}}
 workload:
   kind: synthetic
   num_requests: {len(w["requests"])}
@@ -84,7 +89,12 @@ execution: {{max_steps: 100000, check: off}}
     wl = Workload([WorkloadRequest(r["id"], r["arrival_step"], tuple(r["prompt"]), r["max_tokens"])
                    for r in w["requests"]], 32000, w["workload"])
     outputs = {r["id"]: r["outputs"] for r in w["requests"]}
-    return steps_of(Simulation(loaded.scenario, wl, continuation=GivenOutputs(outputs)))
+    return Simulation(loaded.scenario, wl, continuation=GivenOutputs(outputs))
+
+
+def steps_from_export(w: dict) -> list[dict]:
+    """Our plans for an export that holds everything itself (``simulation_from_export``)."""
+    return steps_of(simulation_from_export(w))
 
 
 def compare(name: str, ours: list[dict], peer: dict, show: int) -> bool:

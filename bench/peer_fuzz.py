@@ -23,7 +23,8 @@ import random
 import sys
 from pathlib import Path
 
-from peer_compare import compare, steps_from_export
+from bench_planner import accepted_rounds
+from peer_compare import compare, simulation_from_export, steps_from_export
 
 from hybridsim.errors import InputError
 
@@ -72,19 +73,28 @@ def make_workload(name: str, rnd: random.Random, mode: str = "align") -> dict:
             "accepted": {}, "requests": reqs}
 
 
-def write(out: Path, count: int, seed: int, modes: tuple[str, ...] = ("align",)) -> None:
+def write(out: Path, count: int, seed: int, modes: tuple[str, ...] = ("align",), drafts: bool = False) -> None:
+    """``drafts``: half of the workloads draft 1-3 tokens a step, accepted by a Bernoulli model
+    (ours decides, round by round; the export's ``accepted`` makes the peer's drafts as right)."""
     out.mkdir(parents=True, exist_ok=True)
     written = 0
     k = 0
     while written < count:
         name = f"fuzz_{seed}_{k}"
-        mode = random.Random(f"{seed}/{k}/mode").choice(modes)  # (its own stream: align-only seeds unchanged)
+        # (mode and drafts draw from streams of their own: earlier seeds' workloads are unchanged)
+        mode = random.Random(f"{seed}/{k}/mode").choice(modes)
         w = make_workload(name, random.Random(f"{seed}/{k}"), mode)
+        spec = random.Random(f"{seed}/{k}/drafts")
+        if drafts and spec.random() < 0.5:
+            w.update(num_speculative_tokens=spec.choice([1, 2, 3]), acceptance_rate=spec.choice([0.3, 0.7, 1.0]),
+                     seed=spec.randrange(1 << 16))
         k += 1
-        try:
-            steps_from_export(w)  # a config our validation refuses is drawn again
+        try:  # a config our validation refuses is drawn again
+            sim = simulation_from_export(w)
         except InputError:
             continue
+        if w["num_speculative_tokens"]:
+            w["accepted"] = accepted_rounds(sim)
         (out / f"{name}.json").write_text(json.dumps(w))
         written += 1
     print(f"{count} workloads written to {out}")
@@ -117,6 +127,7 @@ def main() -> None:
     w.add_argument("dir", type=Path)
     w.add_argument("--count", type=int, default=40)
     w.add_argument("--seed", type=int, default=1)
+    w.add_argument("--drafts", action="store_true", help="half of the workloads with speculative drafts")
     w.add_argument("--modes", default="align", help="Mamba cache modes to draw from, comma-separated: "
                    "align, none (none: prefix caching off; vLLM 0.33 has no mode all)")
     c = sub.add_parser("compare", help="compare our plans with the peer's steps")
@@ -129,7 +140,7 @@ def main() -> None:
         modes = tuple(args.modes.split(","))
         if not set(modes) <= {"align", "none"}:
             ap.error("--modes: align and/or none, comma-separated (vLLM 0.33 has no mode all)")
-        write(args.dir, args.count, args.seed, modes)
+        write(args.dir, args.count, args.seed, modes, args.drafts)
     else:
         sys.exit(0 if compare_dir(args.dir, args.show) else 1)
 

@@ -160,6 +160,8 @@ def run_once(w: dict, steps_log: list | None = None) -> dict:
             t = truth[rid]
             o = req.num_output_tokens
             drafts = out.scheduled_spec_decode_tokens.get(rid, ())
+            if drafts:  # a verification round: the next proposal is for the next one
+                rounds[rid] = rounds.get(rid, 0) + 1
             k = 0  # drafts equal to the true continuation are accepted, then the bonus token
             while k < len(drafts) and drafts[k] == t[o + k]:
                 k += 1
@@ -176,8 +178,8 @@ def run_once(w: dict, steps_log: list | None = None) -> dict:
                     continue
                 t = truth[rid]
                 o = req.num_output_tokens
+                # (proposals a preemption discards are never verified: rounds count verifications)
                 j = rounds.get(rid, 0)
-                rounds[rid] = j + 1
                 seq = ours.get(rid, ())
                 k = seq[j] if j < len(seq) else 0
                 drafts = [t[o + j] if j < k else t[o + j] + 1 for j in range(S)]
