@@ -36,7 +36,7 @@ from .workload.base import WorkloadRequest
 
 FORMAT = "hybridsim-trace"
 VERSION = 3  # 2: align-mode prefill checkpoints at vLLM 0.33's position (sched.plan.prefill_checkpoint);
-# 3: and in vLLM 0.33's column (sched.plan.checkpoint_column)
+# 3: and in vLLM 0.33's column (sched.plan.checkpoint_at)
 
 
 def _dumps(obj) -> str:

@@ -14,7 +14,7 @@ from typing import Optional
 from .block_pool import BlockPool
 from .groups import GroupSpec
 from .managers import _INF, NULL_BLOCK, AttentionManager, KVManager, MambaAlignManager, align_targets, make_manager
-from .plan import prefill_checkpoint
+from .plan import checkpoint_at
 from .request import Request
 
 NO_BOUND = _INF  # a quiet bound never crossed; ``next_publish_at`` without attention groups
@@ -429,21 +429,23 @@ class KVCacheManager:
                 out.append((m, done, full))
         return out
 
-    def publish_deferred(self, req: Request, ntok: int) -> int:
-        """Publish what the step-by-step path would have by the time the request had ``ntok``
-        committed tokens (its block hashes cover them); returns ``next_publish_at``."""
+    def _publish_full(self, req: Request, ntok: int) -> None:
+        """Publish, in every attention group, the blocks full of the first ``ntok`` tokens."""
         idx = req.index
         for m in self.attn:
             m.publish(req, m.rows[idx], ntok, ntok)
+
+    def publish_deferred(self, req: Request, ntok: int) -> int:
+        """Publish what the step-by-step path would have by the time the request had ``ntok``
+        committed tokens (its block hashes cover them); returns ``next_publish_at``."""
+        self._publish_full(req, ntok)
         return self.next_publish_at(req)
 
     def publish_computed(self, req: Request) -> None:
         """Publish the attention blocks full of the request's computed tokens. With drafts,
         vLLM 0.33 caches them after each step's update, not only when the request is next
         scheduled; only a request freed before that (finished, or preempted first) shows it."""
-        idx = req.index
-        for m in self.attn:
-            m.publish(req, m.rows[idx], req.num_computed_tokens, len(req.token_ids))
+        self._publish_full(req, min(req.num_computed_tokens, len(req.token_ids)))
 
     def publish_block(self, req: Request, m: AttentionManager, i: int) -> None:
         """Publish block ``i`` of the request's row in group ``m`` alone (ordered catch-up)."""
@@ -475,9 +477,10 @@ class KVCacheManager:
 
 
 def _admission_checkpoint(admit_tokens: int, bs: int) -> Optional[int]:
-    """The checkpoint column a request's whole sequence of ``admit_tokens`` would take, for
-    the admission-room count (only the number of columns matters there)."""
-    return prefill_checkpoint(admit_tokens, bs) // bs - 1 if admit_tokens > bs else None
+    """The checkpoint column a request's whole sequence of ``admit_tokens`` would take in one
+    chunk, for the admission-room count (only the number of columns matters there)."""
+    at = checkpoint_at(0, admit_tokens, admit_tokens, bs)
+    return None if at is None else at // bs - 1
 
 
 def _first_mamba_columns(total: int, checkpoint: Optional[int], h: int, S: int, bs: int) -> tuple[list, int]:

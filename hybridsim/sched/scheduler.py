@@ -423,9 +423,9 @@ class Scheduler:
                 n, checkpoint, publish = self._align_split(req, c, n, hit)
             if n <= 0:
                 break
+            req.junction = hit.attention_tokens  # (read by the Mamba managers' publishing)
             # room for the whole sequence, every token of a resumed one included (the engine's
             # full-sequence check counts ``num_tokens``, one more than its prefill)
-            req.junction = hit.attention_tokens  # (read by the Mamba managers' publishing)
             new_blocks = kv.allocate(req, c, n, hit, checkpoint, publish,
                                      admit_tokens=min(len(req.token_ids), cfg.max_model_len))
             if new_blocks is None:
