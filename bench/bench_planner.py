@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from calibration import calibrate  # noqa: E402  (bench/ is on sys.path when run as a script)
 from hybridsim.config import parse_scenario  # noqa: E402
+from hybridsim.sched.plan import PLACEHOLDER_DRAFT  # noqa: E402
 from hybridsim.simulate import Simulation  # noqa: E402
 from hybridsim.workload import build_workload  # noqa: E402
 
@@ -161,7 +162,7 @@ def accepted_rounds(sim: Simulation) -> dict[str, list[int]]:
     accepted: dict[str, list[int]] = {}
     for plan, out in sim:
         for row in plan.scheduled:
-            if row.spec_token_ids:
+            if row.spec_token_ids and row.spec_token_ids[0] != PLACEHOLDER_DRAFT:  # (padding is no round)
                 accepted.setdefault(row.req_id, []).append(out.accepted[row.req_id])
     return accepted
 

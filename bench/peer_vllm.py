@@ -160,8 +160,8 @@ def run_once(w: dict, steps_log: list | None = None) -> dict:
             t = truth[rid]
             o = req.num_output_tokens
             drafts = out.scheduled_spec_decode_tokens.get(rid, ())
-            if drafts:  # a verification round: the next proposal is for the next one
-                rounds[rid] = rounds.get(rid, 0) + 1
+            if drafts and drafts[0] != -1:  # a verification round: the next proposal is for the next one
+                rounds[rid] = rounds.get(rid, 0) + 1  # (-1: padding of a new request, no proposal behind it)
             k = 0  # drafts equal to the true continuation are accepted, then the bonus token
             while k < len(drafts) and drafts[k] == t[o + k]:
                 k += 1

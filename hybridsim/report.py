@@ -33,6 +33,7 @@ def summary_table(res: RunResult) -> Table:
         ("prefix hit tokens (rate)", f"{st.prefix_hit_tokens:,} ({100 * st.hit_rate:.1f}% of prompt tokens)"),
         ("drafts scheduled / accepted", f"{st.drafts_scheduled:,} / {st.drafts_accepted:,}"
                                         + (f" ({100 * st.acceptance_rate:.1f}%)" if st.drafts_scheduled else "")),
+        *([("admissions padded with placeholder drafts", f"{st.padded_rows:,}")] if st.padded_rows else []),
         ("peak blocks in use", f"{st.peak_blocks_in_use:,}"),
         ("cached blocks evicted", f"{st.evictions:,}"),
     ]

@@ -22,7 +22,7 @@ from .outputs import Continuation, DraftSource, ModelDrafts, SeededContinuation,
 from .sched.groups import GroupSpec, plan_groups
 from .sched.hashing import block_hashes_many
 from .sched.kv_cache import KVCacheManager
-from .sched.plan import StepOutcome, StepPlan
+from .sched.plan import PLACEHOLDER_DRAFT, StepOutcome, StepPlan
 from .sched.request import Request, Status
 from .sched.scheduler import Scheduler, SchedulerConfig
 from .workload.base import Workload
@@ -45,6 +45,7 @@ class RunStats:
     prefix_queries: int = 0
     drafts_scheduled: int = 0
     drafts_accepted: int = 0
+    padded_rows: int = 0  # admissions padded with placeholder drafts (PLACEHOLDER_DRAFT), not counted above
     peak_blocks_in_use: int = 0
     evictions: int = 0
     stalled: bool = False
@@ -329,8 +330,11 @@ class Simulation:
                     k += 1
                 toks = tuple(stream[o:o + k + 1])
                 accepted[rid] = k  # what the verifier accepted, before any length cap
-                stats.drafts_scheduled += nd
-                stats.drafts_accepted += k
+                if drafts[0] == PLACEHOLDER_DRAFT:  # padding, never a proposal (and never accepted)
+                    stats.padded_rows += 1
+                else:
+                    stats.drafts_scheduled += nd
+                    stats.drafts_accepted += k
             else:
                 toks = (stream[o],)
             room = req.max_tokens - o

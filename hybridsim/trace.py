@@ -18,7 +18,8 @@ Every further line is one step::
 
 ``c`` is num_computed_tokens before the step, ``n`` the tokens scheduled
 (drafts included), ``blocks`` the new tail of each KV group's block row (the
-whole row for ``new`` requests), ``spec`` the draft tokens, ``out`` the tokens
+whole row for ``new`` requests), ``spec`` the draft tokens (-1: a placeholder draft, padding that is
+computed and never accepted; see ``sched.plan.PLACEHOLDER_DRAFT``), ``out`` the tokens
 committed after the step, ``acc`` the drafts accepted, ``done`` the requests that finished with this step. Keys at their default
 (empty, 0, false) are left out. The writer is deterministic: same plans, same bytes.
 """
@@ -31,7 +32,7 @@ from typing import IO, Iterator
 
 from .errors import InputError, not_json
 from .sched.groups import GroupSpec
-from .sched.plan import ScheduledRequest, StepOutcome, StepPlan
+from .sched.plan import PLACEHOLDER_DRAFT, ScheduledRequest, StepOutcome, StepPlan
 from .workload.base import WorkloadRequest
 
 FORMAT = "hybridsim-trace"
@@ -152,10 +153,13 @@ def _parse_step(d: dict, where: str) -> tuple[StepPlan, StepOutcome]:
         if blocks is not None and not (isinstance(blocks, list) and all(isinstance(g, list) for g in blocks)):
             raise InputError("blocks must be a list of lists (one per KV group)", w)
         prompt = s.get("prompt")
+        spec = s.get("spec", [])
+        if not (isinstance(spec, list) and all(type(t) is int and t >= PLACEHOLDER_DRAFT for t in spec)):
+            raise InputError("spec must be a list of draft token ids (-1: a placeholder draft)", w)
         sched.append(ScheduledRequest(
             rid, c, n, tuple(tuple(g) for g in blocks) if blocks is not None else None,
             is_new=bool(s.get("new")), resumed=bool(s.get("resumed")), prefix_hit_tokens=int(s.get("hit", 0)),
-            spec_token_ids=tuple(s.get("spec", ())),
+            spec_token_ids=tuple(spec),
             prompt_token_ids=tuple(prompt) if prompt is not None else None,
             num_prompt_tokens=len(prompt) if prompt is not None else 0))
     plan = StepPlan(step, tuple(sched), tuple(d.get("preempted", ())), tuple(d.get("finished", ())),
@@ -292,6 +296,8 @@ def check_accounting(trace: Trace) -> None:
                 raise InputError(f"request {rid} accepted {acc} of {len(s.spec_token_ids)} drafts", where)
             if out and len(out) > acc + 1:
                 raise InputError(f"request {rid} commits {len(out)} tokens but accepted {acc} drafts", where)
+            if PLACEHOLDER_DRAFT in s.spec_token_ids[:acc]:
+                raise InputError(f"request {rid} accepted {acc} drafts, placeholder drafts (-1) among them", where)
             rejected = len(s.spec_token_ids) - acc if out else 0
             computed[rid] = c + n - max(rejected, 0)
             tokens[rid] += len(out)

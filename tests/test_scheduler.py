@@ -437,3 +437,67 @@ def test_with_drafts_a_finishing_request_caches_its_computed_blocks():
         assert req.num_computed_tokens == (32 if cached else 31)
         assert (req.block_hashes[1] in sim.kv.pool.cached) is cached
         assert sim.checks.tallies["sched.invariants"].failures == 0
+
+
+def _first_rows(recs):
+    return {s.req_id: (p.step, s) for p, _ in recs for s in p.scheduled if s.is_new}
+
+
+def test_one_token_admission_is_padded_to_a_uniform_draft_row():
+    """vLLM 0.33 (fuzz_6_31, fuzz_7_12): with drafts on, a request admitted with one token to
+    compute is padded to 1 + num_speculative_tokens tokens with placeholder drafts, which are
+    computed and never accepted (even by a model that accepts every real draft), unless the
+    step ran no request and the admission has no prefix hit, or a running request continues
+    its prefill in the step."""
+    from hybridsim.sched.plan import PLACEHOLDER_DRAFT
+
+    S = 3
+    a = token_block(61, 32, 32000).tolist()
+    long = token_block(62, 200, 32000).tolist()
+    prompts = [a + [5], [7], a + [6], long, a + [8]]
+    wl = manual_workload(prompts, [0, 0, 4, 8, 9], [30, 30, 6, 6, 6])
+    text = tiny_scenario(spec=S, acc="{kind: pattern, accepted: [3]}", budget=128, blocks=256).replace(
+        "max_model_len: 1024}", "max_model_len: 1024, long_prefill_token_threshold: 16}")
+    sim, recs = simulate(text, wl)
+    first = _first_rows(recs)
+    # r1 (one-token prompt) came in the first step, which ran no request: not padded
+    assert first["r1"][1].num_scheduled_tokens == 1 and first["r1"][1].spec_token_ids == ()
+    # r2 hits r0's 32 cached tokens while r0 and r1 decode: padded
+    step, row = first["r2"]
+    assert (row.num_computed_tokens, row.num_scheduled_tokens) == (32, 1 + S)
+    assert row.spec_token_ids == (PLACEHOLDER_DRAFT,) * S
+    out = next(o for p, o in recs if p.step == step)
+    assert out.accepted["r2"] == 0 and len(out.sampled["r2"]) == 1
+    nxt = next(s for p, _ in recs if p.step == step + 1 for s in p.scheduled if s.req_id == "r2")
+    assert nxt.num_computed_tokens == 33  # the padding rolled back like rejected drafts
+    # r4 is admitted while r3 continues its prefill (16 tokens a step): not padded
+    step4, row4 = first["r4"]
+    assert any(s.req_id == "r3" and not s.is_new and s.num_computed_tokens + s.num_scheduled_tokens < 200
+               for p, _ in recs if p.step == step4 for s in p.scheduled)
+    assert row4.num_scheduled_tokens == 1 and row4.spec_token_ids == ()
+    assert sim.stats.padded_rows == 1
+    assert sim.checks.tallies["sched.invariants"].failures == 0
+
+
+def test_padded_admission_waits_for_budget_and_needs_room_for_the_sampled_token():
+    """vLLM 0.33: a padded row that does not fit the budget is not scheduled unpadded (the
+    admission waits); one that would leave no room for the sampled token is not padded."""
+    S = 3
+    text = tiny_scenario(spec=S, acc="{kind: pattern, accepted: [3]}", caching="false", mode="none",
+                         budget=6, max_len=64, n=1, pmin=1, pmax=8, omin=1, omax=8, prefix=1, frac=0.0)
+    wl = manual_workload([[7], [9]], [0, 1], [8, 4])
+    sim, recs = simulate(text, wl)
+    first = _first_rows(recs)
+    last_r0 = max(p.step for p, _ in recs for s in p.scheduled if s.req_id == "r0")
+    # r0 decodes 4 tokens a step, leaving 2 of 6: r1 waits for r0 to finish, then comes in a
+    # step that runs nothing, unpadded
+    assert first["r1"][0] > last_r0 and first["r1"][1].num_scheduled_tokens == 1
+    assert sim.checks.tallies["sched.invariants"].failures == 0
+
+    text = tiny_scenario(spec=S, acc="{kind: pattern, accepted: [3]}", caching="false", mode="none",
+                         budget=16, max_len=4, n=1, pmin=1, pmax=1, omin=1, omax=1, prefix=1, frac=0.0)
+    sim, recs = simulate(text, manual_workload([[7], [9]], [0, 1], [2, 2]))
+    first = _first_rows(recs)
+    # 0 computed + 4 padded + 1 sampled > max_model_len 4: r1 comes in unpadded beside r0
+    assert first["r1"][0] == 1 and first["r1"][1].num_scheduled_tokens == 1
+    assert sim.checks.tallies["sched.invariants"].failures == 0

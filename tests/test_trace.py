@@ -140,3 +140,41 @@ def test_unknown_trace_version_refused(trace_file):
     with pytest.raises(InputError) as ei:
         read_trace(trace_file)
     assert ei.value.message == "trace version 9 is not supported (this is 3)"
+
+
+def _padded_trace(tmp_path):
+    """The spec_padding scenario's trace: admissions padded with placeholder drafts (-1)."""
+    from .conftest import REPO
+
+    path = tmp_path / "p.jsonl"
+    text = (REPO / "scenarios" / "spec_padding.yaml").read_text()
+    plan_scenario(parse_scenario(text, "spec_padding.yaml"), record=path, check="off")
+    ln = next(i for i, line in enumerate(path.read_text().splitlines()[1:], 2)
+              if any(s.get("spec", [0])[0] == -1 for s in json.loads(line)["sched"]))
+    return path, ln
+
+
+def test_placeholder_draft_never_accepted(tmp_path):
+    path, ln = _padded_trace(tmp_path)
+    read_trace(path)  # as recorded: fine
+
+    def accept(d):
+        s = next(s for s in d["sched"] if s.get("spec", [0])[0] == -1)
+        d.setdefault("acc", {})[s["id"]] = 1
+        d["out"][s["id"]] = d["out"][s["id"]] + [3]
+    _corrupt(path, ln, accept)
+    with pytest.raises(InputError) as ei:
+        read_trace(path)
+    assert ei.value.where == f"{path}:{ln}" and "placeholder drafts (-1) among them" in ei.value.message
+
+
+@pytest.mark.parametrize("bad", ["abc", [1.5], [-2], None])
+def test_draft_tokens_must_be_token_ids(trace_file, bad):
+    ln = _first_cached_line(trace_file)
+
+    def spoil(d):
+        d["sched"][0]["spec"] = bad
+    _corrupt(trace_file, ln, spoil)
+    with pytest.raises(InputError) as ei:
+        read_trace(trace_file)
+    assert ei.value.where.endswith(f":{ln} (sched[0])") and "spec must be a list" in ei.value.message

@@ -22,7 +22,7 @@ from ..errors import InputError
 from ..layers.mamba import MambaProbe
 from ..layers.mla import MLAProbe
 from ..oracle import MambaOracle, mla_expected
-from ..sched.plan import StepOutcome, StepPlan, prefill_end
+from ..sched.plan import PLACEHOLDER_DRAFT, StepOutcome, StepPlan, prefill_end
 from .cache import BlockMap, MambaStateCache, PagedTensor
 from .mamba_state import TRACKERS, Bugs, Copy, RowPlan
 from .metadata import build_batch, chunk_metadata, chunk_metadata_varlen
@@ -166,7 +166,8 @@ class Executor:
         for s in plan.scheduled:
             r = self.reqs[s.req_id]
             c, n, d = s.num_computed_tokens, s.num_scheduled_tokens, len(s.spec_token_ids)
-            toks = r.tokens[c:c + n - d] + list(s.spec_token_ids)
+            # a placeholder draft (padding) is computed from token 0 and then rejected, as any draft
+            toks = r.tokens[c:c + n - d] + [t if t != PLACEHOLDER_DRAFT else 0 for t in s.spec_token_ids]
             if len(toks) != n:
                 raise InputError(f"step {plan.step}: {s.req_id} schedules {n} tokens from position {c} "
                                  f"but only {len(r.tokens) - c} are known")

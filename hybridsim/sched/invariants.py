@@ -14,7 +14,7 @@ from collections import Counter
 
 from ..checks import CheckTally, Failure
 from .block_pool import NULL_BLOCK
-from .plan import StepOutcome, StepPlan
+from .plan import PLACEHOLDER_DRAFT, StepOutcome, StepPlan
 from .request import Status
 from .scheduler import Scheduler
 
@@ -57,6 +57,12 @@ class InvariantChecker:
             req = s.requests[r.req_id]
             if r.num_drafts > S:
                 self._fail(step, r.req_id, f"{r.num_drafts} drafts scheduled, num_speculative_tokens {S}")
+            if PLACEHOLDER_DRAFT in r.spec_token_ids and (
+                    not r.is_new or r.spec_token_ids != (PLACEHOLDER_DRAFT,) * S
+                    or r.num_scheduled_tokens != 1 + S or r.num_computed_tokens != req.num_tokens - 1):
+                self._fail(step, r.req_id, "placeholder drafts outside a padded admission (a new row of one token "
+                                           f"and {S} placeholders): {r.num_computed_tokens} computed, "
+                                           f"{r.num_scheduled_tokens} scheduled, drafts {list(r.spec_token_ids)}")
             if r.is_new:
                 if r.prefix_hit_tokens % bs or r.prefix_hit_tokens > max(req.num_tokens - 1, 0):
                     self._fail(step, r.req_id, f"prefix hit {r.prefix_hit_tokens} not block-aligned or "
@@ -113,6 +119,8 @@ class InvariantChecker:
             acc = outcome.accepted.get(r.req_id)
             if acc is not None and acc > r.num_drafts:
                 self._fail(step, r.req_id, f"{acc} drafts accepted of {r.num_drafts}")
+            if acc and PLACEHOLDER_DRAFT in r.spec_token_ids[:acc]:
+                self._fail(step, r.req_id, f"{acc} drafts accepted, placeholders among them")
             toks = outcome.sampled.get(r.req_id, ())
             if len(toks) > r.num_drafts + 1:
                 self._fail(step, r.req_id, f"{len(toks)} tokens committed from {r.num_drafts} drafts")

@@ -25,7 +25,7 @@ class Request:
                  "num_prompt_tokens", "num_computed_tokens", "spec_token_ids", "block_hashes",
                  "status", "num_preemptions", "resumed", "output_seed", "admitted_once",
                  "hash_block_size", "draft_round", "junction", "quiet_total", "quiet_computed", "quiet_by", "out_stream", "cruising",
-                 "seat", "cruise_run", "cruise_end", "prompt_ids")
+                 "seat", "cruise_run", "cruise_end", "prompt_ids", "prefill_chunk")
 
     def __init__(self, req_id: str, index: int, arrival_step: int, prompt: Sequence[int], max_tokens: int,
                  priority: int = 0, output_seed: int = 0, hash_block_size: int = 16,
@@ -59,6 +59,9 @@ class Request:
         self.seat = 0  # order of (re)entry into the running queue: the running queue is in seat order
         self.cruise_run = -1  # which bulk run the request is in (side events of older runs are void)
         self.cruise_end = -1  # the step its bulk run ends (it is woken then)
+        # its last scheduled chunk ended before its tokens did (vLLM's is_prefill_chunk: a step
+        # that runs such a request pads no admission to a uniform draft row)
+        self.prefill_chunk = False
         self.update_hashes()
 
     @property

@@ -20,8 +20,8 @@ from typing import Iterable, Optional
 import numpy as np
 
 from .kv_cache import NO_BOUND, KVCacheManager, PrefixHit
-from .plan import (Cruise, ScheduledRequest, SpecRun, StepOutcome, StepPlan, checkpoint_at, prefill_checkpoint,
-                   prefill_end)
+from .plan import (PLACEHOLDER_DRAFT, Cruise, ScheduledRequest, SpecRun, StepOutcome, StepPlan, checkpoint_at,
+                   prefill_checkpoint, prefill_end)
 from .request import Request, Status
 
 _Sched = ScheduledRequest  # built with tuple.__new__ on the hot path (all ten fields, in order)
@@ -285,6 +285,7 @@ class Scheduler:
 
         append = scheduled.append
         stopped = None
+        prefill_ran = False  # a running request continued its prefill (vLLM: no padded admission)
         for req in order:
             if sides and req.cruising:
                 if self._side_event(req, step):
@@ -326,6 +327,9 @@ class Scheduler:
                     append(_new(_Sched, (req.req_id, c, n, None, False, False, 0, drafts, None, 0)))
                     req.num_computed_tokens = c + n
                     budget -= n
+                    if req.prefill_chunk:  # (a resumed prefill that stopped one token short)
+                        prefill_ran = True
+                        req.prefill_chunk = False
                     continue
             else:
                 if align:
@@ -363,6 +367,9 @@ class Scheduler:
             req.num_computed_tokens = c + n
             req.spec_token_ids = []
             budget -= n
+            if req.prefill_chunk:
+                prefill_ran = True
+            req.prefill_chunk = c + n < ntok
 
         snapshot = None
         if cruise:
@@ -383,7 +390,10 @@ class Scheduler:
 
         self._at_seat = _AFTER_PASS
         if not preempted:
-            self._schedule_waiting(scheduled, budget, long_thr)
+            # vLLM 0.33 pads a one-token admission to a uniform draft row unless a running
+            # request continues its prefill in this step
+            pad = cfg.num_speculative_tokens > 0 and not prefill_ran
+            self._schedule_waiting(scheduled, budget, long_thr, pad, bool(scheduled or cruise))
 
         self.pass_preempted = tuple(r.req_id for r in preempted)  # for sched.invariants
         preempted_ids = tuple(self._pending_preempted) + self.pass_preempted
@@ -397,8 +407,14 @@ class Scheduler:
         return StepPlan(step, (), preempted_ids, finished, faults, forced, cruise=Cruise(*snapshot),
                         admitted=tuple(scheduled[n_running_rows:]))
 
-    def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int, long_thr: int) -> None:
+    def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int, long_thr: int,
+                          pad: bool = False, ran: bool = False) -> None:
+        """Admit waiting requests in order while seats, budget and blocks last. ``pad``: a
+        request with one token to compute is padded to ``1 + num_speculative_tokens`` tokens
+        (placeholder drafts), if running requests were scheduled (``ran``) or it has a prefix
+        hit, and the padded row leaves room for the sampled token."""
         cfg = self.cfg
+        S = cfg.num_speculative_tokens
         kv = self.kv
         waiting = self.waiting
         if (waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and self._pub_steps
@@ -412,17 +428,31 @@ class Scheduler:
             if hit.tokens < 0:  # its cached state is written by this very step
                 break
             c = hit.tokens
-            n = len(req.token_ids) - c
-            if not cfg.enable_chunked_prefill and n > budget:
-                break
+            ntok = len(req.token_ids)
+            n = ntok - c
+            padded = False
+            if n == 1 and pad and (ran or c > 0) and c + S + 2 <= cfg.max_model_len:
+                if 1 + S > budget:
+                    break  # the engine would rather not schedule it than schedule it unpadded
+                n = 1 + S
+                padded = True
             if 0 < long_thr < n:
                 n = long_thr
+            if not cfg.enable_chunked_prefill and n > budget:
+                break
             n = min(n, budget)
             checkpoint, publish = None, False
             if cfg.align_split:
                 n, checkpoint, publish = self._align_split(req, c, n, hit)
             if n <= 0:
                 break
+            if padded and n != 1 + S:
+                # a cut padded row loses its padding, not its token (vLLM drops it after the
+                # align-mode split; without that split it would fail an assertion instead)
+                padded = False
+                n = 1
+                if cfg.align_split:
+                    n, checkpoint, publish = self._align_split(req, c, 1, hit)
             req.junction = hit.attention_tokens  # (read by the Mamba managers' publishing)
             # room for the whole sequence, every token of a resumed one included (the engine's
             # full-sequence check counts ``num_tokens``, one more than its prefill)
@@ -440,10 +470,11 @@ class Scheduler:
             req.admitted_once = True
             scheduled.append(ScheduledRequest(
                 req.req_id, c, n, tuple(map(tuple, new_blocks)), is_new=True, resumed=req.resumed,
-                prefix_hit_tokens=c,
+                prefix_hit_tokens=c, spec_token_ids=(PLACEHOLDER_DRAFT,) * S if padded else (),
                 prompt_token_ids=req.prompt_ids if first else None,
                 num_prompt_tokens=req.num_prompt_tokens))
             req.num_computed_tokens = c + n
+            req.prefill_chunk = c + n < ntok
             budget -= n
 
     def _align_split(self, req: Request, start: int, n: int,
