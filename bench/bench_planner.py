@@ -146,6 +146,26 @@ execution: {{max_steps: 100000, check: off}}
 """
 
 
+def padding_scenario() -> str:
+    """Drafts on and most prompts one token past a cached block-multiple prefix: admissions with
+    one token to compute, padded to uniform draft rows or not depending on what else runs (vLLM
+    0.33's pad_spec_decode; docs/fidelity.md point 12). For comparing plans (not timed)."""
+    return f"""name: padding
+seed: 5
+{MODEL.replace("num_blocks: 262144", "num_blocks: 400")}
+scheduler: {{max_num_batched_tokens: 96, max_num_seqs: 12, max_model_len: 1024}}
+spec_decode: {{num_speculative_tokens: 3, acceptance: {{kind: bernoulli, rate: 0.6}}}}
+workload:
+  kind: synthetic
+  num_requests: 80
+  arrival: {{kind: poisson, rate_per_step: 1.5}}
+  prompt_len: {{dist: uniform, min: 33, max: 33}}
+  output_len: {{dist: uniform, min: 4, max: 40}}
+  shared_prefix: {{len: 32, fraction: 0.8}}
+execution: {{max_steps: 100000, check: off}}
+"""
+
+
 PEER_WORKLOADS = {  # what bench/peer_vllm.py replays: (scenario, steady steps timed or 0: the whole run)
     "decode256": (lambda: decode_scenario(256, 0), 500),
     "decode64": (lambda: decode_scenario(64, 0), 500),
@@ -153,6 +173,7 @@ PEER_WORKLOADS = {  # what bench/peer_vllm.py replays: (scenario, steady steps t
     "mooncake2000": (lambda: mooncake_scenario(2000), 0),
     "mooncake_full": (lambda: mooncake_scenario(None), 0),
     "pressure": (pressure_scenario, 0),
+    "padding": (padding_scenario, 0),
 }
 
 

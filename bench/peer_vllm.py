@@ -108,7 +108,7 @@ def block_ids(out) -> dict:
     return blocks
 
 
-def run_once(w: dict, steps_log: list | None = None) -> dict:
+def run_once(w: dict, steps_log: list | None = None, max_steps: int = 0) -> dict:
     """One run; returns seconds (whole run, or the steady window), steps and plan totals.
     ``steps_log``: filled with every step's plan, for bench/peer_compare.py (slows the run)."""
     from vllm.sampling_params import SamplingParams
@@ -133,9 +133,12 @@ def run_once(w: dict, steps_log: list | None = None) -> dict:
                                             None, arrival_time=0.0, block_hasher=hasher))
                 for r in w["requests"]]
     n = len(arrivals)
-    i = step = hit_tokens = 0
+    i = step = hit_tokens = idle = 0
+    stalled = False
     window = None
     while i < n or sched.has_unfinished_requests():
+        if max_steps and step >= max_steps:
+            break  # (a workload the engine does not finish: compare its first steps)
         while i < n and arrivals[i][0] <= step:
             sched.add_request(arrivals[i][1])
             i += 1
@@ -187,6 +190,12 @@ def run_once(w: dict, steps_log: list | None = None) -> dict:
                 d_toks.append(drafts)
             sched.update_draft_token_ids(DraftTokenIds(d_ids, d_toks))
         step += 1
+        # a pool too small for a request's next step can leave it waiting forever (the engine
+        # spins): stop as hybridsim does, after 1,000 steps in a row that schedule nothing
+        idle = idle + 1 if not out.num_scheduled_tokens else 0
+        if idle > 1000 and i >= n:
+            stalled = True
+            break
         if steady:
             if window is None and i == n and len(sched.running) == n and all(
                     r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running):
@@ -197,7 +206,8 @@ def run_once(w: dict, steps_log: list | None = None) -> dict:
     dt = time.perf_counter() - t0
     if steady:
         raise SystemExit(f"{w['workload']}: the run ended before {steady} steady steps")
-    return {"seconds": dt, "steps": step, "steps_per_s": step / dt, "prefix_hit_tokens": hit_tokens}
+    return {"seconds": dt, "steps": step, "steps_per_s": step / dt, "prefix_hit_tokens": hit_tokens,
+            "stalled": stalled}
 
 
 def main() -> None:
@@ -210,11 +220,15 @@ def main() -> None:
                     help="also write every step's plan of one more (untimed) run, for bench/peer_compare.py")
     ap.add_argument("--steps-dir", type=Path, metavar="DIR",
                     help="as --steps, for each workload: DIR/<workload file's stem>.steps.json")
+    ap.add_argument("--max-steps", type=int, default=0, metavar="N",
+                    help="with --steps/--steps-dir: stop after N steps (for a workload the engine never finishes)")
     args = ap.parse_args()
     if len(args.workload) > 1 and (args.steps or args.json):
         ap.error("--steps and --json take one workload (use --steps-dir for several)")
     if args.repeat < 0:
         ap.error("--repeat: 0 or more")
+    if args.max_steps < 0:
+        ap.error("--max-steps: 0 (no limit) or more")
     try:
         import vllm
     except ImportError:
@@ -226,9 +240,10 @@ def main() -> None:
         steps = args.steps or (args.steps_dir / f"{path.stem}.steps.json" if args.steps_dir else None)
         if steps:
             log: list = []
-            run_once(dict(w, steady_steps=0), log)
+            res = run_once(dict(w, steady_steps=0), log, args.max_steps)
             steps.write_text(json.dumps({"vllm": vllm.__version__, "workload": w["workload"], "steps": log}))
-            print(f"  {w['workload']}: {len(log)} steps written to {steps}")
+            print(f"  {w['workload']}: {len(log)} steps written to {steps}"
+                  + (" (stalled: nothing scheduled for 1,000 steps)" if res["stalled"] else ""))
 
 
 def time_workload(w: dict, repeat: int, json_path: Path | None) -> None:

@@ -57,8 +57,10 @@ def test_cut_recording_is_bad_input(tmp_path):
 # long-prefill threshold with one request left (fuzz_1_9), a resumed prefill ending on a block
 # boundary (fuzz_1_36), a chunk ending exactly at the junction (fuzz_1_0), a junction inside a
 # resumed request's own outputs (fuzz_1_17, fuzz_1_20), a resumed request's checkpoint column
-# (fuzz_5_13: block ids). Block ids are compared too. tests/data/peer033/README.md.
-PEER033 = sorted((Path(__file__).parent / "data" / "peer033").glob("*.json.gz"))
+# (fuzz_5_13: block ids), padded one-token admissions with drafts (fuzz_6_31, fuzz_7_12); and a
+# pool too small for a request's next step, where both stall alike (fuzz_8_30). Block ids are
+# compared too. tests/data/peer033/README.md.
+PEER033 = sorted((Path(__file__).parent / "data" / "peer033").glob("fuzz_*.json.gz"))
 
 
 @pytest.mark.parametrize("case", PEER033, ids=lambda p: p.name.split(".")[0])
@@ -73,5 +75,18 @@ def test_plans_identical_to_vllm_on_fuzz_workloads(case, capsys):
     assert compare(w["workload"], ours, data["vllm"], 3), capsys.readouterr().out
 
 
+def test_plans_identical_to_vllm_on_padded_admissions(capsys):
+    """bench_planner.py's ``padding`` workload (80 requests, most one token past a cached prefix,
+    3 drafts): vLLM 0.33 padded 53 admissions to uniform draft rows; every step identical."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from peer_compare import compare, our_steps
+
+    vllm = json.loads(gzip.decompress((Path(__file__).parent / "data" / "peer033" / "padding.steps.json.gz")
+                                      .read_bytes()))
+    ours = our_steps("padding")
+    assert sum(1 for st in vllm["steps"] for c, n in st["sched"].values() if n == 4 and st["hits"]) > 40
+    assert compare("padding", ours, vllm, 3), capsys.readouterr().out
+
+
 def test_peer033_cases_present():
-    assert len(PEER033) == 6
+    assert len(PEER033) == 9

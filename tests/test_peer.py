@@ -38,7 +38,7 @@ def peer_steps(peer: str, files: list[Path], out: Path) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
 
 
-@pytest.mark.parametrize("name", ["decode64", "spec256", "mooncake2000", "pressure"])
+@pytest.mark.parametrize("name", ["decode64", "spec256", "mooncake2000", "pressure", "padding"])
 def test_named_workload_identical(name, peer, tmp_path, capsys):
     from bench_planner import export_peer_workload
     from peer_compare import compare, our_steps
@@ -65,11 +65,13 @@ def test_memory_pressure_workload_identical(peer, tmp_path, capsys):
 SEED = int(os.environ.get("HYBRIDSIM_PEER_FUZZ_SEED", "3"))
 
 
-@pytest.mark.parametrize("seed,modes", [(SEED, ("align",)), (SEED + 1, ("none",))], ids=["align", "none"])
-def test_random_workloads_identical(seed, modes, peer, tmp_path, capsys):
-    """Every step identical, block ids included (mode none: prefix caching off)."""
+@pytest.mark.parametrize("seed,modes,drafts", [(SEED, ("align",), False), (SEED + 1, ("none",), False),
+                                               (SEED + 3, ("align",), True)], ids=["align", "none", "drafts"])
+def test_random_workloads_identical(seed, modes, drafts, peer, tmp_path, capsys):
+    """Every step identical, block ids included (mode none: prefix caching off; drafts: half of
+    the workloads draft 1-3 tokens, padded admissions among them)."""
     from peer_fuzz import compare_dir, write
 
-    write(tmp_path, 40, seed, modes)
+    write(tmp_path, 40, seed, modes, drafts)
     peer_steps(peer, sorted(tmp_path.glob("fuzz_*.json")), tmp_path)
     assert compare_dir(tmp_path, 3), capsys.readouterr().out
