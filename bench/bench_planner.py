@@ -128,42 +128,42 @@ WORKLOADS = {
 }
 
 
-def pressure_scenario() -> str:
-    """A small pool (160 blocks) under chunked prefill, shared prefixes and recompute
-    preemption: for comparing plans with the peer where memory runs short (not timed)."""
-    return f"""name: pressure
-seed: 3
-{MODEL.replace("num_blocks: 262144", "num_blocks: 160")}
-scheduler: {{max_num_batched_tokens: 256, max_num_seqs: 16, max_model_len: 4096}}
+def small_scenario(name: str, seed: int, num_blocks: int, scheduler: str, workload: str, spec: str = "") -> str:
+    """A synthetic workload on the recordings' model with a pool of ``num_blocks`` (for comparing
+    plans with the peer, not timed)."""
+    return f"""name: {name}
+seed: {seed}
+{MODEL.replace("num_blocks: 262144", f"num_blocks: {num_blocks}")}
+scheduler: {{{scheduler}}}
+{f"spec_decode: {{{spec}}}" if spec else ""}
 workload:
   kind: synthetic
-  num_requests: 60
-  arrival: {{kind: fixed, per_step: 3}}
-  prompt_len: {{dist: uniform, min: 100, max: 640}}
-  output_len: {{dist: uniform, min: 5, max: 60}}
-  shared_prefix: {{len: 320, fraction: 0.5}}
+{workload}
 execution: {{max_steps: 100000, check: off}}
 """
+
+
+def pressure_scenario() -> str:
+    """A small pool (160 blocks) under chunked prefill, shared prefixes and recompute preemption."""
+    return small_scenario("pressure", 3, 160, "max_num_batched_tokens: 256, max_num_seqs: 16, max_model_len: 4096",
+                          """  num_requests: 60
+  arrival: {kind: fixed, per_step: 3}
+  prompt_len: {dist: uniform, min: 100, max: 640}
+  output_len: {dist: uniform, min: 5, max: 60}
+  shared_prefix: {len: 320, fraction: 0.5}""")
 
 
 def padding_scenario() -> str:
     """Drafts on and most prompts one token past a cached block-multiple prefix: admissions with
     one token to compute, padded to uniform draft rows or not depending on what else runs (vLLM
-    0.33's pad_spec_decode; docs/fidelity.md point 12). For comparing plans (not timed)."""
-    return f"""name: padding
-seed: 5
-{MODEL.replace("num_blocks: 262144", "num_blocks: 400")}
-scheduler: {{max_num_batched_tokens: 96, max_num_seqs: 12, max_model_len: 1024}}
-spec_decode: {{num_speculative_tokens: 3, acceptance: {{kind: bernoulli, rate: 0.6}}}}
-workload:
-  kind: synthetic
-  num_requests: 80
-  arrival: {{kind: poisson, rate_per_step: 1.5}}
-  prompt_len: {{dist: uniform, min: 33, max: 33}}
-  output_len: {{dist: uniform, min: 4, max: 40}}
-  shared_prefix: {{len: 32, fraction: 0.8}}
-execution: {{max_steps: 100000, check: off}}
-"""
+    0.33's pad_spec_decode; docs/fidelity.md point 12)."""
+    return small_scenario("padding", 5, 400, "max_num_batched_tokens: 96, max_num_seqs: 12, max_model_len: 1024",
+                          """  num_requests: 80
+  arrival: {kind: poisson, rate_per_step: 1.5}
+  prompt_len: {dist: uniform, min: 33, max: 33}
+  output_len: {dist: uniform, min: 4, max: 40}
+  shared_prefix: {len: 32, fraction: 0.8}""",
+                          "num_speculative_tokens: 3, acceptance: {kind: bernoulli, rate: 0.6}")
 
 
 PEER_WORKLOADS = {  # what bench/peer_vllm.py replays: (scenario, steady steps timed or 0: the whole run)

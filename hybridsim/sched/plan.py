@@ -10,10 +10,11 @@ from typing import NamedTuple, Optional
 
 
 PLACEHOLDER_DRAFT = -1
-"""A draft position with no draft behind it. vLLM 0.33 pads a newly admitted request that has
-one token to compute to ``1 + num_speculative_tokens`` tokens when the step schedules no
-prefill (uniform decode batches); the padding is scheduled and computed as drafts that are
-never accepted. Plans and traces write such drafts as -1."""
+"""A draft position with no draft behind it. With drafts on, vLLM 0.33 pads a newly admitted
+request that has one token to compute to ``1 + num_speculative_tokens`` tokens unless a running
+request continues its prefill in the step (uniform decode batches; the rule in full is
+``Scheduler._schedule_waiting``'s); the padding is scheduled and computed as drafts that are never
+accepted. Plans and traces write such drafts as -1."""
 
 
 def prefill_end(num_prompt_tokens: int, num_tokens: int) -> int:
