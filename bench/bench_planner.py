@@ -199,7 +199,7 @@ def export_peer_workload(name: str, path: Path) -> None:
     reqs = [{"id": r.req_id, "arrival_step": r.arrival_step, "prompt": list(r.prompt_ids),
              "max_tokens": r.max_tokens, "outputs": sim.outputs.tokens(r, 0, r.max_tokens + 8)}
             for r in sim.requests]
-    accepted = accepted_rounds(Simulation(s, build_workload(loaded))) if s.spec_decode.num_speculative_tokens else {}
+    accepted = accepted_rounds(sim) if s.spec_decode.num_speculative_tokens else {}  # (runs it)
     path.write_text(json.dumps({
         "workload": name, "steady_steps": steady, "block_size": s.cache.block_size,
         "num_blocks": s.cache.num_blocks, "mamba_cache_mode": s.cache.mamba_cache_mode,

@@ -15,7 +15,7 @@ from typing import Optional
 
 from .block_pool import NULL_BLOCK, BlockPool, key_lift
 from .groups import GroupSpec, cdiv
-from .plan import prefill_checkpoint
+from .plan import keeps_state_at
 from .request import Request
 
 
@@ -387,12 +387,10 @@ class MambaAlignManager(MambaManager):
         return tail, self.quiet(req)
 
     def cache(self, req, num_computed, total, checkpoint, publish_end):
-        """Publish the states kept for later requests (vLLM 0.33 keeps two boundaries of a
-        request, its "reachable" ones): the prompt's replay point (``prefill_checkpoint`` of
-        the prompt) and the junction (``Request.junction``, the longest attention hit at
-        admission; for a resumed request it may lie in its own outputs). The checkpoint
-        column is published when it sits on one of them, and the chunk's end state when the
-        scheduler says it does (``publish_end``). No other state is published."""
+        """Publish the states kept for later requests (``sched.plan.keeps_state_at``: the
+        prompt's replay point and the junction, ``Request.junction``): the checkpoint column
+        when it sits on one of them, and the chunk's end state when the scheduler says it
+        does (``publish_end``, decided by the same rule). No other state is published."""
         if checkpoint is None and not publish_end:
             return
         row = self.rows.get(req.index)
@@ -402,7 +400,7 @@ class MambaAlignManager(MambaManager):
         bs = self.bs
         if checkpoint is not None and row[checkpoint] != NULL_BLOCK:
             at = (checkpoint + 1) * bs  # (sched.plan.checkpoint_at)
-            if at == req.junction or at == prefill_checkpoint(req.num_prompt_tokens, bs):
+            if keeps_state_at(at, req.junction, req.num_prompt_tokens, bs):
                 self.pool.cache(row[checkpoint], self.key(hashes[checkpoint]), True)
         if publish_end and total % bs == 0:
             col = total // bs - 1

@@ -47,6 +47,15 @@ def checkpoint_at(start: int, end: int, prefill_end: int, bs: int) -> Optional[i
     return at if start < at < end else None
 
 
+def keeps_state_at(pos: int, junction: int, num_prompt_tokens: int, bs: int) -> bool:
+    """Whether align mode publishes a request's Mamba state at boundary ``pos`` (vLLM 0.33 keeps
+    two "reachable" boundaries of a request): the prompt's replay point (``prefill_checkpoint``
+    of the prompt) or the junction (the longest attention hit at admission; for a resumed
+    request it may lie in its own outputs). Both a chunk's end state and a checkpoint column
+    are published only there."""
+    return pos == junction or pos == prefill_checkpoint(num_prompt_tokens, bs)
+
+
 class ScheduledRequest(NamedTuple):
     """One request's share of a step (a NamedTuple: immutable and cheap on the hot path)."""
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from .kv_cache import NO_BOUND, KVCacheManager, PrefixHit
 from .plan import (PLACEHOLDER_DRAFT, Cruise, ScheduledRequest, SpecRun, StepOutcome, StepPlan, checkpoint_at,
-                   prefill_checkpoint, prefill_end)
+                   keeps_state_at, prefill_checkpoint, prefill_end)
 from .request import Request, Status
 
 _Sched = ScheduledRequest  # built with tuple.__new__ on the hot path (all ten fields, in order)
@@ -518,9 +518,8 @@ class Scheduler:
         at = checkpoint_at(start, end, end_of_prefill, bs)
         checkpoint = None if at is None else at // bs - 1
         # the state at the chunk's end is kept if it is at the prompt's replay point or at the
-        # junction, whether the chunk was cut there or ends there anyway (MambaAlignManager.cache)
-        replay = prefill_checkpoint(req.num_prompt_tokens, bs)
-        return end - start, checkpoint, end == replay or (end == junction and junction > start)
+        # junction, whether the chunk was cut there or ends there anyway (end > start here)
+        return end - start, checkpoint, keeps_state_at(end, junction, req.num_prompt_tokens, bs)
 
     def _pick_victim(self) -> Request:
         if self.cfg.policy == "priority":
