@@ -115,7 +115,11 @@ def compare_dir(out: Path, show: int) -> bool:
         if not steps.exists():
             _bad_input(f"{steps}: missing (run bench/peer_vllm.py on the workloads with --steps-dir)")
         w = json.loads(path.read_text())
-        ok += compare(w["workload"], steps_from_export(w), json.loads(steps.read_text()), show)
+        try:
+            ours = steps_from_export(w)
+        except InputError as e:  # (a workload written by hand, or validation since tightened)
+            _bad_input(f"{path}: our scenario validation refuses it: {e}")
+        ok += compare(w["workload"], ours, json.loads(steps.read_text()), show)
     print(f"{ok} of {len(files)} workloads identical at every step")
     return ok == len(files)
 

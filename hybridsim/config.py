@@ -300,6 +300,14 @@ class _CrossFieldError(ValueError):
         self.path = path
 
 
+def peak_tokens(s: "Scenario", prompt: int, output: int) -> int:
+    """The most tokens a request's blocks cover at once (computed plus scheduled, drafts
+    included): it holds at most ``prompt + output - 1`` tokens while it runs, drafts ``S`` more,
+    and the scheduler never lets it pass ``max_model_len - 1``. Admission's room for a resumed
+    request's whole sequence counts no more than that."""
+    return min(s.scheduler.max_model_len - 1, prompt + output - 1 + s.spec_decode.num_speculative_tokens)
+
+
 def min_blocks_per_request(s: "Scenario", tokens: int) -> int:
     """Blocks one request of ``tokens`` tokens needs at its peak, all groups together."""
     from .sched.groups import plan_groups  # local: sched depends on config, not the reverse at import
@@ -314,8 +322,8 @@ def blocks_problem(s: "Scenario", tokens: int) -> str | None:
     need = min_blocks_per_request(s, tokens)
     if need <= s.cache.num_blocks - 1:
         return None
-    return (f"the longest request ({tokens} tokens) needs {need} blocks over all KV groups "
-            f"({s.spec_decode.num_speculative_tokens} spec blocks included) but the pool has "
+    return (f"the longest request needs {need} blocks over all KV groups at its peak ({tokens} tokens in "
+            f"the cache, {s.spec_decode.num_speculative_tokens} draft tokens included) but the pool has "
             f"{s.cache.num_blocks - 1} usable (block 0 is the null block)")
 
 
@@ -368,8 +376,7 @@ def cross_field_problems(s: Scenario) -> list[tuple[tuple, str]]:
                         f"prompts up to {wl.prompt_len.upper} tokens do not fit max_model_len "
                         f"({sched.max_model_len}); the engine needs room for one output token"))
     if isinstance(wl, SyntheticWorkload):
-        longest = min(sched.max_model_len, wl.prompt_len.upper + wl.output_len.upper + S)
-        problem = blocks_problem(s, longest)
+        problem = blocks_problem(s, peak_tokens(s, wl.prompt_len.upper, wl.output_len.upper))
         if problem:
             out.append((("cache", "num_blocks"), problem))
     if sched.policy == "priority" and isinstance(wl, TraceWorkload):

@@ -11,7 +11,7 @@ from time import perf_counter
 from typing import Callable, Optional
 
 from .checks import Checks
-from .config import LoadedScenario, blocks_problem
+from .config import LoadedScenario, blocks_problem, peak_tokens
 from .errors import InputError
 from .sched.invariants import NAME as INVARIANTS, InvariantChecker
 from .simulate import RunStats, Simulation
@@ -78,9 +78,7 @@ def check_workload_fits(loaded: LoadedScenario, wl: Workload) -> None:
     s = loaded.scenario
     if not wl.requests:
         raise InputError("the workload has no requests", loaded.where("workload"))
-    longest = max(min(len(r.prompt) + r.max_tokens + s.spec_decode.num_speculative_tokens,
-                      s.scheduler.max_model_len) for r in wl.requests)
-    problem = blocks_problem(s, longest)
+    problem = blocks_problem(s, max(peak_tokens(s, len(r.prompt), r.max_tokens) for r in wl.requests))
     if problem:
         raise InputError(f"cache.num_blocks: {problem}", loaded.where("cache", "num_blocks"))
 

@@ -90,3 +90,41 @@ def test_plans_identical_to_vllm_on_padded_admissions(capsys):
 
 def test_peer033_cases_present():
     assert len(PEER033) == 9
+
+
+POOL_MINIMUM = [  # (case, usable blocks vLLM 0.33 needs, the step that needs the last of them)
+    # a 255-token prompt, max_model_len 256, 3 drafts, budget 40: the final chunk (224 to 255) holds
+    # the state at 224, the checkpoint at 240, the running state and three draft columns beside 16
+    # attention blocks
+    ("poolmin", 22, {"r0": [224, 31]}),
+    # a 256-token prompt, max_model_len 257, no drafts, budget 64: 16 attention blocks, never 17 (a
+    # request's blocks never cover max_model_len tokens), and three Mamba columns
+    ("poolmin257", 19, {"r0": [192, 64]}),
+]
+
+
+@pytest.mark.parametrize("case,need,last", POOL_MINIMUM, ids=[c[0] for c in POOL_MINIMUM])
+def test_pool_minimum_is_what_vllm_needs(case, need, last, monkeypatch, capsys):
+    """Scenario validation's block minimum is the engine's, no more and no less: vLLM 0.33 finished
+    each one-request workload with ``need`` usable blocks and never admitted it with one fewer
+    (tests/data/peer033/README.md). We accept the first pool, refuse the second, and, made to
+    plan the refused one anyway, stall on it step for step alike."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import hybridsim.config as config
+    from peer_compare import compare, simulation_from_export, steps_from_export
+
+    data = {}
+    for usable in (need - 1, need):
+        data[usable] = json.loads(gzip.decompress((Path(__file__).parent / "data" / "peer033" / f"{case}_{usable}.json.gz")
+                                                  .read_bytes()))
+        assert data[usable]["workload"]["num_blocks"] == usable + 1
+    with pytest.raises(InputError, match=rf"needs {need} blocks .* {need - 1} usable"):
+        simulation_from_export(data[need - 1]["workload"])
+    fits = data[need]
+    assert compare(case, steps_from_export(fits["workload"]), fits["vllm"], 3), capsys.readouterr().out
+    assert fits["vllm"]["steps"][-1]["sched"] == last  # (the step that takes the last block)
+
+    monkeypatch.setattr(config, "blocks_problem", lambda s, tokens: None)
+    short = data[need - 1]
+    assert len(short["vllm"]["steps"]) > 1000 and not any(st["sched"] for st in short["vllm"]["steps"][-1000:])
+    assert compare(case, steps_from_export(short["workload"]), short["vllm"], 3), capsys.readouterr().out

@@ -31,12 +31,13 @@ class GroupSpec:
         return self.kind == "mamba"
 
     def peak_blocks(self, tokens: int) -> int:
-        """Most blocks one request of ``tokens`` tokens holds in this group at once."""
+        """Most blocks one request holds in this group at once, or must find free to be
+        admitted, when its blocks cover at most ``tokens`` tokens (``config.peak_tokens``)."""
         if not self.is_mamba:
             return cdiv(tokens, self.block_size)
         if self.mode == "none":
             return 1 + self.num_spec
-        if self.mode == "all":
+        if self.mode == "all":  # (admission's room for the whole sequence; running, it holds fewer)
             return cdiv(tokens, self.block_size) + self.num_spec
         # align: previous state + prefill checkpoint + running + drafts
         return min(cdiv(tokens, self.block_size), 3) + self.num_spec
