@@ -12,7 +12,8 @@ prefixes shared between prompts (a prompt may be a prefix or an exact copy of an
 outputs that stop at max_model_len. Each file holds its config, prompts and the outputs both
 sides commit (the Mamba2 + attention config of the recordings: align mode, block 16, prefix
 caching). ``compare`` prints each workload's share of identical steps and the first
-differing steps, and exits 1 if any step differs anywhere.
+differing steps, and exits 1 if any step differs anywhere. ``write --at-minimum`` sizes each pool
+at scenario validation's minimum for the workload instead (or one or two blocks above it).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 from bench_planner import accepted_rounds
 from peer_compare import compare, simulation_from_export, steps_from_export
 
+from hybridsim.config import min_blocks_per_request, peak_tokens
 from hybridsim.errors import InputError
 
 BS = 16
@@ -73,9 +75,19 @@ def make_workload(name: str, rnd: random.Random, mode: str = "align") -> dict:
             "accepted": {}, "requests": reqs}
 
 
-def write(out: Path, count: int, seed: int, modes: tuple[str, ...] = ("align",), drafts: bool = False) -> None:
+def pool_minimum(w: dict) -> int:
+    """Scenario validation's minimum pool (usable blocks) for an export's requests, outputs
+    included (``simulation_from_export`` validates prompts alone)."""
+    s = simulation_from_export(w).scenario
+    return min_blocks_per_request(s, max(peak_tokens(s, len(r["prompt"]), r["max_tokens"]) for r in w["requests"]))
+
+
+def write(out: Path, count: int, seed: int, modes: tuple[str, ...] = ("align",), drafts: bool = False,
+          at_minimum: bool = False) -> None:
     """``drafts``: half of the workloads draft 1-3 tokens a step, accepted by a Bernoulli model
-    (ours decides, round by round; the export's ``accepted`` makes the peer's drafts as right)."""
+    (ours decides, round by round; the export's ``accepted`` makes the peer's drafts as right).
+    ``at_minimum``: each pool is scenario validation's minimum for the workload (outputs
+    included) or one or two blocks more, so both sides plan right at the edge validation draws."""
     out.mkdir(parents=True, exist_ok=True)
     written = 0
     k = 0
@@ -90,6 +102,8 @@ def write(out: Path, count: int, seed: int, modes: tuple[str, ...] = ("align",),
                      seed=spec.randrange(1 << 16))
         k += 1
         try:  # a config our validation refuses is drawn again
+            if at_minimum:
+                w["num_blocks"] = pool_minimum(w) + 1 + random.Random(f"{name}/pool").choice([0, 0, 1, 2])
             sim = simulation_from_export(w)
         except InputError:
             continue
@@ -132,6 +146,8 @@ def main() -> None:
     w.add_argument("--count", type=int, default=40)
     w.add_argument("--seed", type=int, default=1)
     w.add_argument("--drafts", action="store_true", help="half of the workloads with speculative drafts")
+    w.add_argument("--at-minimum", action="store_true",
+                   help="pools at scenario validation's minimum for each workload (outputs included), or 1-2 more")
     w.add_argument("--modes", default="align", help="Mamba cache modes to draw from, comma-separated: "
                    "align, none (none: prefix caching off; vLLM 0.33 has no mode all)")
     c = sub.add_parser("compare", help="compare our plans with the peer's steps")
@@ -144,7 +160,7 @@ def main() -> None:
         modes = tuple(args.modes.split(","))
         if not set(modes) <= {"align", "none"}:
             ap.error("--modes: align and/or none, comma-separated (vLLM 0.33 has no mode all)")
-        write(args.dir, args.count, args.seed, modes, args.drafts)
+        write(args.dir, args.count, args.seed, modes, args.drafts, args.at_minimum)
     else:
         sys.exit(0 if compare_dir(args.dir, args.show) else 1)
 

@@ -241,7 +241,8 @@ def main() -> None:
         if steps:
             log: list = []
             res = run_once(dict(w, steady_steps=0), log, args.max_steps)
-            steps.write_text(json.dumps({"vllm": vllm.__version__, "workload": w["workload"], "steps": log}))
+            steps.write_text(json.dumps({"vllm": vllm.__version__, "workload": w["workload"], "steps": log,
+                                         "stalled": res["stalled"]}))
             print(f"  {w['workload']}: {len(log)} steps written to {steps}"
                   + (" (stalled: nothing scheduled for 1,000 steps)" if res["stalled"] else ""))
 
