@@ -219,7 +219,7 @@ class SyntheticWorkload(_Strict):
 
 class TraceWorkload(_Strict):
     kind: Literal["trace"]
-    format: Literal["mooncake", "azure", "vidur", "hybridsim", "vllm-recorded"]
+    format: Literal["mooncake", "azure", "burstgpt", "vidur", "llmservingsim", "hybridsim", "vllm-recorded"]
     path: str
     limit: Optional[int] = Field(None, ge=1, description="first N requests")
     length_scale: float = Field(1.0, gt=0, description="multiplies prompt and output lengths")

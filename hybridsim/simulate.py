@@ -18,7 +18,8 @@ from typing import Iterator, Optional
 import numpy as np
 
 from .config import PreemptFault, ResetPrefixCacheFault, Scenario
-from .outputs import Continuation, DraftSource, ModelDrafts, SeededContinuation, acceptance_model, make_drafter
+from .outputs import (Continuation, DraftSource, ModelDrafts, RecordedContinuation, SeededContinuation, acceptance_model,
+                      make_drafter)
 from .sched.groups import GroupSpec, plan_groups
 from .sched.hashing import block_hashes_many
 from .sched.kv_cache import KVCacheManager
@@ -194,7 +195,10 @@ class Simulation:
         self.kv = KVCacheManager(self.groups, num_blocks or scenario.cache.num_blocks,
                                  scenario.cache.enable_prefix_caching, fused_events)
         self.scheduler = Scheduler(cfg, self.kv)
-        self.cont = continuation or SeededContinuation(workload.vocab_size)
+        if continuation is None:
+            continuation = (RecordedContinuation(workload.outputs, workload.vocab_size) if workload.outputs is not None
+                            else SeededContinuation(workload.vocab_size))
+        self.cont = continuation
         if drafter is None and cfg.num_speculative_tokens > 0:
             drafter = make_drafter(cfg.num_speculative_tokens, self.cont,
                                    acceptance_model(scenario.spec_decode.acceptance, scenario.seed),

@@ -90,3 +90,98 @@ workload: {{kind: trace, format: mooncake, path: {bad}}}
     with pytest.raises(InputError) as ei:
         build_workload(parse_scenario(text, "t.yaml"))
     assert ei.value.where == f"{bad}:2"
+
+
+LLMSS = "traces-real/llmservingsim-vllm-bench/workloads/sharegpt-llama-3.1-8b-300-sps10.jsonl"
+
+
+def test_llmservingsim_prompts_outputs_and_arrivals_are_the_recorded_ones():
+    """Real token ids: a scaled prompt keeps its first tokens, the simulated model commits the
+    recorded output tokens, arrivals come from the nanosecond timestamps."""
+    import json
+
+    from hybridsim.simulate import Simulation
+
+    shared = need_shared()
+    rows = [json.loads(line) for line in (shared / LLMSS).open()][:50]
+    text = _trace_scenario(shared, "llmservingsim", LLMSS,
+                           ", length_scale: 0.25, arrival: {kind: timestamps, step_seconds: 0.01}")
+    loaded = parse_scenario(text, "t.yaml")
+    wl = build_workload(loaded)
+    assert len(wl.requests) == 50 and wl.vocab_size > 32000 and "vocab_size raised" in wl.notes[0]
+    byid = {r.req_id: r for r in wl.requests}
+    t0 = rows[0]["arrival_time_ns"]
+    for i, row in enumerate(rows):
+        r = byid[f"r{i}"]
+        assert list(r.prompt) == row["input_tok_ids"][:round(row["input_toks"] * 0.25)]
+        assert r.max_tokens == round(row["output_toks"] * 0.25)
+        assert r.arrival_step == (row["arrival_time_ns"] - t0) // 10_000_000
+    committed: dict[str, list[int]] = {}
+    for plan, out in Simulation(loaded.scenario, wl):
+        for rid, toks in out.sampled.items():
+            committed.setdefault(rid, []).extend(toks)
+    assert committed == {f"r{i}": row["output_tok_ids"][:byid[f"r{i}"].max_tokens] for i, row in enumerate(rows)}
+
+
+@pytest.mark.parametrize("line,why", [
+    ('{"input_tok_ids": [1, 2], "arrival_time_ns": 0}', "output_tok_ids"),
+    ('{"input_tok_ids": [1, 2], "output_tok_ids": [3], "arrival_time_ns": 0, "input_toks": 3}', "input_toks is 3"),
+    ('{"input_tok_ids": [1, -2], "output_tok_ids": [3], "arrival_time_ns": 0}', "token ids"),
+    ('{"input_tok_ids": [], "output_tok_ids": [3], "arrival_time_ns": 0}', "non-empty"),
+    ('{"input_tok_ids": [1], "output_tok_ids": [3], "arrival_time_ns": 1.5}', "arrival_time_ns"),
+    ('[1, 2, 3]', "JSON object"),
+])
+def test_llmservingsim_bad_record_names_its_line(tmp_path, line, why):
+    bad = tmp_path / "w.jsonl"
+    bad.write_text('{"input_tok_ids": [5, 6], "output_tok_ids": [7], "arrival_time_ns": 0}\n' + line + "\n")
+    text = f"""
+name: t
+model: {{preset: tiny-hybrid}}
+cache: {{block_size: 16, num_blocks: 600}}
+workload: {{kind: trace, format: llmservingsim, path: {bad}}}
+"""
+    with pytest.raises(InputError) as ei:
+        build_workload(parse_scenario(text, "t.yaml"))
+    assert ei.value.where == f"{bad}:2" and why in ei.value.message
+
+
+def _burstgpt(tmp_path, body: str, extra: str = ""):
+    path = tmp_path / "b.csv"
+    path.write_text(body)
+    text = f"""
+name: t
+model: {{preset: tiny-hybrid}}
+cache: {{block_size: 16, num_blocks: 600}}
+workload: {{kind: trace, format: burstgpt, path: {path}, arrival: {{kind: timestamps, step_seconds: 2.0}}{extra}}}
+"""
+    return path, parse_scenario(text, "t.yaml")
+
+
+# rows in BurstGPT's published schema (no copy of the dataset is available here)
+BURSTGPT = """Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type
+5,ChatGPT,472,18,490,Conversation log
+45,ChatGPT,1087,0,1087,Conversation log
+46,GPT-4,417,276,693,API log
+49,ChatGPT,133,27,160,Conversation log
+"""
+
+
+def test_burstgpt_rows_become_requests_and_failed_calls_are_skipped(tmp_path):
+    _, loaded = _burstgpt(tmp_path, BURSTGPT)
+    wl = build_workload(loaded)
+    assert [(len(r.prompt), r.max_tokens, r.arrival_step) for r in wl.requests] == [(472, 18, 0), (417, 276, 20),
+                                                                                  (133, 27, 22)]
+    assert wl.notes == ["1 BurstGPT row(s) with no request or response tokens skipped"]
+    _, loaded = _burstgpt(tmp_path, BURSTGPT, ", limit: 2")  # the limit counts requests kept
+    assert [r.max_tokens for r in build_workload(loaded).requests] == [18, 276]
+
+
+def test_burstgpt_bad_file_is_one_message(tmp_path):
+    path, loaded = _burstgpt(tmp_path, BURSTGPT.replace("Response tokens", "Output tokens"))
+    with pytest.raises(InputError) as ei:
+        build_workload(loaded)
+    assert ei.value.where == f"{path}:1" and "missing Response tokens" in ei.value.message
+    path, loaded = _burstgpt(tmp_path, BURSTGPT.replace("46,GPT-4,417", "46,GPT-4,many"))
+    with pytest.raises(InputError) as ei:
+        build_workload(loaded)
+    assert ei.value.where == f"{path}:4" and "bad BurstGPT row" in ei.value.message

@@ -27,6 +27,9 @@ class Workload:
     # every prompt's tokens end to end, in request order, when the builder made them as one
     # array: block hashes are then computed in one vectorised pass (sched.hashing)
     prompt_tokens: Optional[np.ndarray] = field(default=None, repr=False, compare=False)
+    # per request id, the output tokens a trace recorded (the simulated model commits them, then
+    # its seeded stream past their end); None: every continuation is seeded
+    outputs: Optional[dict[str, list[int]]] = field(default=None, repr=False, compare=False)
 
     @property
     def total_prompt_tokens(self) -> int:

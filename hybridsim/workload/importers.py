@@ -1,9 +1,12 @@
-"""Real-trace importers: Mooncake JSONL, Azure 2023 CSV, Vidur CSV, hybridsim traces.
+"""Real-trace importers: Mooncake JSONL, Azure 2023 CSV, BurstGPT CSV, Vidur CSV,
+LLMServingSim workload JSONL, hybridsim traces, vLLM recordings.
 
 Lengths and times scale as Vidur's trace replay does (``length_scale`` on both
 prompt and output, ``time_scale`` on inter-arrival times). Mooncake hash ids
 become token blocks: equal hash ids give equal tokens, so prefix sharing is
-reproduced at any block size and any length scale.
+reproduced at any block size and any length scale. LLMServingSim workloads carry
+real token ids, prompts and outputs: a scaled prompt keeps its first tokens (so
+shared prefixes stay shared) and the simulated model commits the recorded outputs.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from .tokens import combine, combine_many, token_block, token_rows
 
 
 class _Row:
-    __slots__ = ("time_s", "prompt_len", "output_len", "hash_ids", "prompt", "line", "req_id")
+    __slots__ = ("time_s", "prompt_len", "output_len", "hash_ids", "prompt", "line", "req_id", "outputs")
 
-    def __init__(self, time_s, prompt_len, output_len, line, hash_ids=None, prompt=None, req_id=None):
+    def __init__(self, time_s, prompt_len, output_len, line, hash_ids=None, prompt=None, req_id=None, outputs=None):
         self.req_id = req_id
+        self.outputs = outputs  # recorded output token ids (LLMServingSim)
         self.time_s = time_s
         self.prompt_len = prompt_len
         self.output_len = output_len
@@ -37,7 +41,7 @@ class _Row:
         self.line = line
 
 
-def _read_mooncake(path: Path, limit: int | None) -> list[_Row]:
+def _read_mooncake(path: Path, limit: int | None) -> tuple[list[_Row], list[str]]:
     rows = []
     with path.open() as f:
         for ln, line in enumerate(f, 1):
@@ -52,7 +56,7 @@ def _read_mooncake(path: Path, limit: int | None) -> list[_Row]:
                                  "timestamp, input_length, output_length, hash_ids", f"{path}:{ln}") from None
             if limit and len(rows) >= limit:
                 break
-    return rows
+    return rows, []
 
 
 def _read_csv(path: Path, limit: int | None) -> tuple[list[str], list[tuple[int, list[str]]]]:
@@ -72,7 +76,7 @@ def _read_csv(path: Path, limit: int | None) -> tuple[list[str], list[tuple[int,
     return [h.strip() for h in header], out
 
 
-def _read_azure(path: Path, limit: int | None) -> list[_Row]:
+def _read_azure(path: Path, limit: int | None) -> tuple[list[_Row], list[str]]:
     header, recs = _read_csv(path, limit)
     want = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
     if header[:3] != want:
@@ -91,10 +95,10 @@ def _read_azure(path: Path, limit: int | None) -> list[_Row]:
             rows.append(_Row(t - t0, int(rec[1]), int(rec[2]), ln))
         except (ValueError, IndexError) as e:
             raise InputError(f"bad Azure row ({e})", f"{path}:{ln}") from None
-    return rows
+    return rows, []
 
 
-def _read_vidur(path: Path, limit: int | None) -> list[_Row]:
+def _read_vidur(path: Path, limit: int | None) -> tuple[list[_Row], list[str]]:
     header, recs = _read_csv(path, limit)
     if "num_prefill_tokens" not in header or "num_decode_tokens" not in header:
         raise InputError("Vidur CSV needs num_prefill_tokens and num_decode_tokens columns "
@@ -108,10 +112,10 @@ def _read_vidur(path: Path, limit: int | None) -> list[_Row]:
                              int(float(rec[io])), ln))
         except (ValueError, IndexError) as e:
             raise InputError(f"bad Vidur row ({e})", f"{path}:{ln}") from None
-    return rows
+    return rows, []
 
 
-def _read_hybridsim(path: Path, limit: int | None) -> list[_Row]:
+def _read_hybridsim(path: Path, limit: int | None) -> tuple[list[_Row], list[str]]:
     from ..trace import read_trace_requests  # local: trace depends on workload types
 
     rows = []
@@ -120,17 +124,85 @@ def _read_hybridsim(path: Path, limit: int | None) -> list[_Row]:
         rows[-1].time_s = float(wr.arrival_step)
         if limit and len(rows) >= limit:
             break
-    return rows
+    return rows, []
 
 
-def _read_vllm_recorded(path: Path, limit: int | None) -> list[_Row]:
+def _read_vllm_recorded(path: Path, limit: int | None) -> tuple[list[_Row], list[str]]:
     from ..vllm_recorded import load_recording  # local: it builds scenarios from config
 
     rec = load_recording(path)
     rows = []
     for r in rec.workload.requests[: limit or None]:
         rows.append(_Row(float(r.arrival_step), len(r.prompt), r.max_tokens, 2, prompt=r.prompt, req_id=r.req_id))
-    return rows
+    return rows, []
+
+
+_BURSTGPT = ("Timestamp", "Request tokens", "Response tokens")
+
+
+def _read_burstgpt(path: Path, limit: int | None) -> tuple[list[_Row], list[str]]:
+    """BurstGPT CSV (``Timestamp`` in seconds, ``Request tokens``, ``Response tokens``; its other
+    columns are ignored). Rows with no request or no response tokens (failed calls) are skipped
+    and counted; ``limit`` counts the requests kept."""
+    rows, skipped = [], 0
+    with path.open(newline="") as f:
+        reader = csv.reader(f)
+        header = [h.strip() for h in next(reader, [])]
+        missing = [c for c in _BURSTGPT if c not in header]
+        if missing:
+            raise InputError(f"BurstGPT CSV needs the columns {', '.join(_BURSTGPT)}; missing {', '.join(missing)} "
+                             f"(found {','.join(header) or 'no header'})", f"{path}:1")
+        it, ip, io = (header.index(c) for c in _BURSTGPT)
+        for ln, rec in enumerate(reader, 2):
+            if not rec:
+                continue
+            try:
+                t, p, o = float(rec[it]), int(float(rec[ip])), int(float(rec[io]))
+            except (ValueError, IndexError) as e:
+                raise InputError(f"bad BurstGPT row ({e})", f"{path}:{ln}") from None
+            if p <= 0 or o <= 0:
+                skipped += 1
+                continue
+            rows.append(_Row(t, p, o, ln))
+            if limit and len(rows) >= limit:
+                break
+    notes = [f"{skipped} BurstGPT row(s) with no request or response tokens skipped"] if skipped else []
+    return rows, notes
+
+
+def _token_ids(d: dict, key: str) -> list[int]:
+    ids = d[key]
+    if not isinstance(ids, list) or not ids or not all(type(t) is int and t >= 0 for t in ids):
+        raise ValueError(f"{key} must be a non-empty list of token ids (ints >= 0)")
+    count = key.replace("_tok_ids", "_toks")
+    if count in d and d[count] != len(ids):
+        raise ValueError(f"{count} is {d[count]} but {key} holds {len(ids)} tokens")
+    return ids
+
+
+def _read_llmservingsim(path: Path, limit: int | None) -> tuple[list[_Row], list[str]]:
+    """LLMServingSim workload JSONL: ``input_tok_ids``, ``output_tok_ids``, ``arrival_time_ns``
+    (``input_toks`` / ``output_toks``, when present, must match the lists)."""
+    rows = []
+    with path.open() as f:
+        for ln, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+                if not isinstance(d, dict):
+                    raise TypeError("a record must be a JSON object")
+                prompt, outputs = _token_ids(d, "input_tok_ids"), _token_ids(d, "output_tok_ids")
+                t = d["arrival_time_ns"]
+                if type(t) is not int or t < 0:
+                    raise ValueError("arrival_time_ns must be an int >= 0")
+            except (ValueError, KeyError, TypeError) as e:
+                raise InputError(f"not an LLMServingSim workload record ({type(e).__name__}: {e}); expected "
+                                 "input_tok_ids, output_tok_ids, arrival_time_ns", f"{path}:{ln}") from None
+            rows.append(_Row(t / 1e9, len(prompt), len(outputs), ln, prompt=prompt, outputs=outputs))
+            if limit and len(rows) >= limit:
+                break
+    return rows, []
 
 
 def _hash_token_rows(rows: list[_Row], seed: int, per_hash: int, vocab: int):
@@ -142,19 +214,24 @@ def _hash_token_rows(rows: list[_Row], seed: int, per_hash: int, vocab: int):
     return token_rows(seeds, per_hash, vocab), {h: k for k, h in enumerate(ids)}
 
 
-_READERS = {"mooncake": _read_mooncake, "azure": _read_azure, "vidur": _read_vidur,
-            "hybridsim": _read_hybridsim, "vllm-recorded": _read_vllm_recorded}
+_READERS = {"mooncake": _read_mooncake, "azure": _read_azure, "burstgpt": _read_burstgpt, "vidur": _read_vidur,
+            "llmservingsim": _read_llmservingsim, "hybridsim": _read_hybridsim, "vllm-recorded": _read_vllm_recorded}
 _STEP_TIMES = ("hybridsim", "vllm-recorded")  # their times are already engine steps
 
 
 def build_from_trace(wl: TraceWorkload, path: Path, seed: int, max_model_len: int) -> Workload:
     if not path.exists():
         raise InputError(f"trace file not found: {path}", "workload.path")
-    rows = _READERS[wl.format](path, wl.limit)
+    rows, notes = _READERS[wl.format](path, wl.limit)
     if not rows:
         raise InputError("the trace holds no requests", str(path))
     vocab = wl.vocab_size
-    notes = []
+    recorded = {}  # request id -> recorded output tokens
+    if rows[0].outputs is not None:  # real token ids: the vocabulary must cover them
+        top = max(max(max(r.prompt), max(r.outputs)) for r in rows)
+        if top >= vocab:
+            vocab = top + 1
+            notes.append(f"vocab_size raised to {vocab:,} to cover the trace's token ids")
     # arrivals
     if isinstance(wl.arrival, TimestampArrival):
         if rows[0].time_s is None:
@@ -180,10 +257,12 @@ def build_from_trace(wl: TraceWorkload, path: Path, seed: int, max_model_len: in
     order = sorted(range(len(rows)), key=lambda i: (steps[i], i))
     for i in order:
         r = rows[i]
-        plen = max(1, round(r.prompt_len * scale)) if r.prompt is None else len(r.prompt)
+        plen = max(1, round(r.prompt_len * scale)) if r.prompt is None or r.outputs is not None else len(r.prompt)
         olen = max(1, round(r.output_len * scale)) if wl.format not in _STEP_TIMES else r.output_len
         if r.prompt is not None:
             prompt = list(r.prompt)
+            if r.outputs is not None and len(prompt) != plen:  # a prompt of real tokens keeps its first ones
+                prompt = prompt[:plen]
         elif r.hash_ids is not None:  # (an array until clipped)
             tokens, where = hash_rows
             ids = r.hash_ids[: -(-plen // per_hash)]
@@ -206,8 +285,11 @@ def build_from_trace(wl: TraceWorkload, path: Path, seed: int, max_model_len: in
                     arrays = None
             if arrays is not None:
                 arrays.append(arr)
-        reqs.append(WorkloadRequest(r.req_id or f"r{i}", steps[i], tuple(prompt), olen, 0, out_seeds[i]))
+        rid = r.req_id or f"r{i}"
+        if r.outputs is not None:
+            recorded[rid] = r.outputs
+        reqs.append(WorkloadRequest(rid, steps[i], tuple(prompt), olen, 0, out_seeds[i]))
     if clipped:
         notes.append(f"{clipped} prompt(s) clipped to max_model_len - 1 = {max_model_len - 1} tokens")
     flat = np.concatenate(arrays) if arrays else None
-    return Workload(reqs, vocab, f"{wl.format}:{path.name}", notes, prompt_tokens=flat)
+    return Workload(reqs, vocab, f"{wl.format}:{path.name}", notes, prompt_tokens=flat, outputs=recorded or None)
