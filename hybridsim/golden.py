@@ -69,6 +69,15 @@ def trace_files(paths: list[Path]) -> list[Path]:
     return files
 
 
+def _read_expected(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise not_json(e, f"{path}:{e.lineno}") from None
+    except UnicodeDecodeError as e:  # (a binary file)
+        raise InputError(f"not a UTF-8 text file ({e.reason})", str(path)) from None
+
+
 def check_traces(paths: list[Path], update: bool = False, **replay_kw) -> list[GoldenRow]:
     """Replay each trace (files, or folders of them) and compare it with its NAME.expected.json."""
     rows = []
@@ -78,7 +87,7 @@ def check_traces(paths: list[Path], update: bool = False, **replay_kw) -> list[G
         exp_path = trace.with_name(trace.name[: -len(".jsonl")] + ".expected.json")
         comparisons = sum(t.count for t in res.checks.tallies.values())
         if update:
-            old = json.loads(exp_path.read_text()) if exp_path.exists() else None
+            old = _read_expected(exp_path) if exp_path.exists() else None
             diffs = ["created"] if old is None else _diff(old, got)
             tmp = exp_path.with_name(exp_path.name + ".partial")
             tmp.write_text(json.dumps(got, indent=2, sort_keys=True) + "\n")
@@ -89,10 +98,7 @@ def check_traces(paths: list[Path], update: bool = False, **replay_kw) -> list[G
             rows.append(GoldenRow(trace.name, res.steps, comparisons, "no expected file",
                                   [f"run with --update-expected to create {exp_path.name}"]))
             continue
-        try:
-            want = json.loads(exp_path.read_text())
-        except json.JSONDecodeError as e:
-            raise not_json(e, f"{exp_path}:{e.lineno}") from None
+        want = _read_expected(exp_path)
         diffs = _diff(want, got)
         failed = [f"{t.name}: {t.failures} failures" for t in res.checks.tallies.values() if t.failures]
         rows.append(GoldenRow(trace.name, res.steps, comparisons, "FAIL" if diffs or failed else "pass",

@@ -178,7 +178,17 @@ def _lines(path: Path) -> Iterator[tuple[int, dict]]:
     except OSError as e:
         raise InputError(f"cannot read: {e.strerror}", str(path)) from None
     with f:
-        for ln, line in enumerate(f, 1):
+        ln = 0
+        lines = iter(f)
+        while True:
+            try:
+                line = next(lines)
+            except StopIteration:
+                return
+            except UnicodeDecodeError as e:  # (a binary file)
+                after = f", after line {ln}" if ln else ""
+                raise InputError(f"not a UTF-8 text file ({e.reason}){after}", str(path)) from None
+            ln += 1
             if not line.strip():
                 continue
             try:

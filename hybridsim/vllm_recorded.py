@@ -72,7 +72,12 @@ def load_recording(path: str | Path) -> Recording:
     p = Path(path)
     if not p.exists():
         raise InputError("no such file", str(p))
-    lines = p.read_text().splitlines()
+    try:
+        lines = p.read_text().splitlines()
+    except UnicodeDecodeError as e:  # (a binary file)
+        raise InputError(f"not a UTF-8 text file ({e.reason})", str(p)) from None
+    except OSError as e:
+        raise InputError(f"cannot read: {e.strerror}", str(p)) from None
     parsed = []
     for i, line in enumerate(lines, 1):
         if not line.strip():

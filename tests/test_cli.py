@@ -56,6 +56,27 @@ def test_record_into_missing_folder_fails_before_running(tmp_path):
     assert r.returncode == 2 and "does not exist" in r.stderr
 
 
+def _squeezed(text: str) -> str:
+    """Without whitespace: Rich wraps long messages anywhere, paths included."""
+    return "".join(text.split())
+
+
+def test_binary_file_is_bad_input_not_a_traceback(tmp_path):
+    """A binary file where a trace, a recording or an expected file belongs: one message, exit 2."""
+    binary = tmp_path / "b.jsonl"
+    binary.write_bytes(bytes(range(256)) * 4)
+    for args in (("replay", binary), ("validate", binary), ("fidelity", binary)):
+        r = hs(*args)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (args, r.stderr)
+        assert _squeezed(f"{binary}: not a UTF-8 text file") in _squeezed(r.stderr), (args, r.stderr)
+    gold = tmp_path / "gold"
+    gold.mkdir()
+    assert hs("run", "scenarios/quickstart.yaml", "-q", "--check", "off", "--record", gold / "q.jsonl").returncode == 0
+    (gold / "q.expected.json").write_bytes(bytes(range(128, 256)))
+    r = hs("replay", gold, "--check", "--check-mode", "off")
+    assert r.returncode == 2 and _squeezed("q.expected.json: not a UTF-8 text file") in _squeezed(r.stderr), r.stderr
+
+
 def test_corrupt_trace_exit_2_with_line(tmp_path):
     t = tmp_path / "t.jsonl"
     assert hs("run", "scenarios/spec_decode.yaml", "-q", "--record", t).returncode == 0

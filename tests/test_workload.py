@@ -185,3 +185,22 @@ def test_burstgpt_bad_file_is_one_message(tmp_path):
     with pytest.raises(InputError) as ei:
         build_workload(loaded)
     assert ei.value.where == f"{path}:4" and "bad BurstGPT row" in ei.value.message
+
+
+@pytest.mark.parametrize("fmt", ["mooncake", "azure", "burstgpt", "vidur", "llmservingsim", "hybridsim"])
+def test_unreadable_trace_file_is_one_message(tmp_path, fmt):
+    """A binary file, or a line no CSV reader takes, is bad input naming the file (not a traceback)."""
+    binary = tmp_path / "b.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    wide = tmp_path / "w.csv"
+    wide.write_text("a" * 200_000 + "\n1,2\n")  # past the csv module's field limit
+    for path in (binary, wide) if fmt in ("azure", "burstgpt", "vidur") else (binary,):
+        text = f"""
+name: t
+model: {{preset: tiny-hybrid}}
+cache: {{block_size: 16, num_blocks: 600}}
+workload: {{kind: trace, format: {fmt}, path: {path}, arrival: {{kind: fixed, per_step: 1}}}}
+"""
+        with pytest.raises(InputError) as ei:
+            build_workload(parse_scenario(text, "t.yaml"))
+        assert ei.value.where == str(path) and f"as a trace of format {fmt}" in ei.value.message

@@ -76,11 +76,17 @@ def _read_csv(path: Path, limit: int | None) -> tuple[list[str], list[tuple[int,
     return [h.strip() for h in header], out
 
 
+def _shown(header: list[str]) -> str:
+    """A file's first line as a message quotes it: cut short (it may not be a CSV header at all)."""
+    text = ",".join(header)
+    return "no header" if not text else text if len(text) <= 80 else text[:77] + "..."
+
+
 def _read_azure(path: Path, limit: int | None) -> tuple[list[_Row], list[str]]:
     header, recs = _read_csv(path, limit)
     want = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
     if header[:3] != want:
-        raise InputError(f"Azure 2023 CSV header should be {','.join(want)}, found {','.join(header)}",
+        raise InputError(f"Azure 2023 CSV header should be {','.join(want)}, found {_shown(header)}",
                          f"{path}:1")
     rows, t0 = [], None
     for ln, rec in recs:
@@ -102,7 +108,7 @@ def _read_vidur(path: Path, limit: int | None) -> tuple[list[_Row], list[str]]:
     header, recs = _read_csv(path, limit)
     if "num_prefill_tokens" not in header or "num_decode_tokens" not in header:
         raise InputError("Vidur CSV needs num_prefill_tokens and num_decode_tokens columns "
-                         f"(found {','.join(header)})", f"{path}:1")
+                         f"(found {_shown(header)})", f"{path}:1")
     ip, io = header.index("num_prefill_tokens"), header.index("num_decode_tokens")
     it = header.index("arrived_at") if "arrived_at" in header else None
     rows = []
@@ -151,7 +157,7 @@ def _read_burstgpt(path: Path, limit: int | None) -> tuple[list[_Row], list[str]
         missing = [c for c in _BURSTGPT if c not in header]
         if missing:
             raise InputError(f"BurstGPT CSV needs the columns {', '.join(_BURSTGPT)}; missing {', '.join(missing)} "
-                             f"(found {','.join(header) or 'no header'})", f"{path}:1")
+                             f"(found {_shown(header)})", f"{path}:1")
         it, ip, io = (header.index(c) for c in _BURSTGPT)
         for ln, rec in enumerate(reader, 2):
             if not rec:
@@ -222,7 +228,11 @@ _STEP_TIMES = ("hybridsim", "vllm-recorded")  # their times are already engine s
 def build_from_trace(wl: TraceWorkload, path: Path, seed: int, max_model_len: int) -> Workload:
     if not path.exists():
         raise InputError(f"trace file not found: {path}", "workload.path")
-    rows, notes = _READERS[wl.format](path, wl.limit)
+    try:
+        rows, notes = _READERS[wl.format](path, wl.limit)
+    except (UnicodeDecodeError, csv.Error) as e:  # (a binary file, or a line no CSV reader takes)
+        kind = "csv.Error" if isinstance(e, csv.Error) else type(e).__name__
+        raise InputError(f"cannot read it as a trace of format {wl.format} ({kind}: {e})", str(path)) from None
     if not rows:
         raise InputError("the trace holds no requests", str(path))
     vocab = wl.vocab_size
