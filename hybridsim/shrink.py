@@ -43,16 +43,21 @@ class ShrinkResult:
 
 
 def _first_failure(scenario: Scenario, groups, records: Records, bugs: set[str],
-                   check: Optional[str]) -> tuple[Optional[str], Optional[int]]:
-    """(check, index of the step) of the first failure, stopping the replay there."""
+                   check: Optional[str], ran: Optional[set[str]] = None) -> tuple[Optional[str], Optional[int]]:
+    """(check, index of the step) of the first failure, stopping the replay there; ``ran``
+    collects the names of the checks that compared something."""
     checks = Checks()
     ex = make_executor(scenario, groups, checks, "full", bugs, "reference", "cpu", [])
-    for i, (plan, outcome) in enumerate(records):
-        ex.step(plan, outcome)
-        failing = [t for t in checks.tallies.values() if t.failures and (check is None or t.name == check)]
-        if failing:
-            return failing[0].name, i
-    return None, None
+    try:
+        for i, (plan, outcome) in enumerate(records):
+            ex.step(plan, outcome)
+            failing = [t for t in checks.tallies.values() if t.failures and (check is None or t.name == check)]
+            if failing:
+                return failing[0].name, i
+        return None, None
+    finally:
+        if ran is not None:
+            ran.update(t.name for t in checks.tallies.values() if t.count)
 
 
 def shrink_trace(path: str | Path, out: str | Path, check: Optional[str] = None,
@@ -63,11 +68,15 @@ def shrink_trace(path: str | Path, out: str | Path, check: Optional[str] = None,
     scenario = Scenario.model_validate(header["scenario"])
     groups = header["groups"]
     records: Records = [(p, o) for _, p, o in tr.steps]
-    check, idx = _first_failure(scenario, groups, records, bugs, check)
+    wanted, ran = check, set()
+    check, idx = _first_failure(scenario, groups, records, bugs, wanted, ran)
     if check is None:
-        raise InputError("the trace passes every check" + (f" ({check})" if check else "") +
-                         (f" with --inject-bug {', '.join(sorted(bugs))}" if bugs else "") +
-                         "; nothing to shrink", str(path))
+        with_bugs = f" with --inject-bug {', '.join(sorted(bugs))}" if bugs else ""
+        if wanted is not None and wanted not in ran:
+            raise InputError(f"--check {wanted}: no such check ran on this trace (ran: {', '.join(sorted(ran))})",
+                             str(path))
+        raise InputError((f"check {wanted} never fails on the trace" if wanted else "the trace passes every check")
+                         + with_bugs + "; nothing to shrink", str(path))
     before_steps, before_reqs = len(records), len(header["requests"])
     records = records[: idx + 1]
     # the workload, with every request's committed tokens as its continuation

@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pandas as pd
+import pytest
 
 from .conftest import REPO
 from .test_cli import hs
@@ -119,3 +120,20 @@ def test_shrink_refuses_a_passing_trace(tmp_path):
     assert hs("run", "scenarios/spec_decode.yaml", "-q", "--check", "off", "--record", t).returncode == 0
     r = hs("shrink", t, "--out", tmp_path / "s.jsonl")
     assert r.returncode == 2 and "nothing to shrink" in r.stderr
+
+
+def test_shrink_names_a_check_that_never_ran_or_never_fails(tmp_path):
+    """In process (no subprocess): the requested check is named in the refusal, and a name no
+    check has gets the list of those that ran."""
+    from hybridsim.errors import InputError
+    from hybridsim.shrink import shrink_trace
+
+    trace = REPO / "traces" / "quickstart.jsonl"
+    with pytest.raises(InputError) as ei:
+        shrink_trace(trace, tmp_path / "s.jsonl", "ssm.outptu")
+    assert "--check ssm.outptu: no such check ran on this trace" in ei.value.message
+    assert "ssm.output" in ei.value.message
+    with pytest.raises(InputError) as ei:
+        shrink_trace(trace, tmp_path / "s.jsonl", "ssm.output")
+    assert ei.value.message == "check ssm.output never fails on the trace; nothing to shrink"
+    assert not (tmp_path / "s.jsonl").exists()
