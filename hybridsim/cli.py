@@ -40,6 +40,10 @@ def _guard(fn: Callable[[], int]) -> None:
     except EnvironmentProblem as e:
         err.print(f"[bold red]environment:[/] {e}", highlight=False)
         raise typer.Exit(3)
+    except MemoryError:
+        err.print("[bold red]environment:[/] out of memory: the workload or the pool is larger than this "
+                  "machine holds (make the scenario smaller)", highlight=False)
+        raise typer.Exit(3)
     except KeyboardInterrupt:
         err.print("interrupted")
         raise typer.Exit(130)

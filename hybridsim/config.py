@@ -64,9 +64,15 @@ class ModelSection(_Strict):
 # ----------------------------------------------------------------------------- cache / scheduler
 
 
+MAX_PROMPT_TOKENS = 1 << 27  # a synthetic workload's prompts at most (about 5 GB as Python token lists)
+MAX_BLOCKS = 1 << 24  # a pool past any one engine's (268M tokens at block 16); bigger ones would not fit in memory
+
+
 class CacheSection(_Strict):
     block_size: int = Field(16, ge=1, description="tokens per block (attention and, in align/all, Mamba)")
-    num_blocks: int = Field(..., ge=2, description="blocks in the shared pool, including the null block 0")
+    num_blocks: int = Field(..., ge=2, le=MAX_BLOCKS, description="blocks in the shared pool, including the null "
+                            "block 0; at most 2**24 (268M tokens at block 16; the planner keeps a ref count and a "
+                            "prefix key per block)")
     enable_prefix_caching: bool = True
     mamba_cache_mode: Optional[Literal["none", "align", "all"]] = Field(
         None, description="none | align | all; default align with prefix caching, else none")
@@ -375,6 +381,10 @@ def cross_field_problems(s: Scenario) -> list[tuple[tuple, str]]:
             out.append((("workload", "prompt_len"),
                         f"prompts up to {wl.prompt_len.upper} tokens do not fit max_model_len "
                         f"({sched.max_model_len}); the engine needs room for one output token"))
+    if isinstance(wl, SyntheticWorkload) and wl.num_requests * wl.prompt_len.upper > MAX_PROMPT_TOKENS:
+        out.append((("workload", "num_requests"),
+                    f"{wl.num_requests:,} requests of up to {wl.prompt_len.upper:,} prompt tokens may add up to "
+                    f"more than {MAX_PROMPT_TOKENS:,} tokens, which the workload builder cannot hold in memory"))
     if isinstance(wl, SyntheticWorkload):
         problem = blocks_problem(s, peak_tokens(s, wl.prompt_len.upper, wl.output_len.upper))
         if problem:

@@ -101,6 +101,28 @@ def test_pattern_acceptance_bounded_by_drafts():
     assert "spec_decode" in e.message and "more than num_speculative_tokens" in e.message
 
 
+def test_pool_too_large_to_hold_is_refused_not_a_memory_error():
+    e = _err(tiny_scenario(blocks=2**24 + 1))
+    assert e.message.startswith("cache.num_blocks") and "16777216" in e.message and e.where == "s.yaml:5"
+
+
+def test_workload_too_large_to_hold_is_refused_not_a_memory_error():
+    e = _err(tiny_scenario(n=10**7, pmax=200))  # up to 2e9 prompt tokens
+    assert e.message.startswith("workload.num_requests") and "cannot hold in memory" in e.message
+
+
+def test_out_of_memory_is_an_environment_problem(capsys):
+    import typer
+
+    from hybridsim.cli import _guard
+
+    def body() -> int:
+        raise MemoryError()
+    with pytest.raises(typer.Exit) as ei:
+        _guard(body)
+    assert ei.value.exit_code == 3 and "out of memory" in capsys.readouterr().err
+
+
 def test_too_few_blocks_for_longest_request():
     e = _err(tiny_scenario(blocks=10))
     assert e.message.startswith("cache.num_blocks") and "needs" in e.message
