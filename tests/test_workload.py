@@ -42,6 +42,16 @@ workload: {{kind: trace, format: {fmt}, path: {shared / path}, limit: 50 {extra}
 """
 
 
+def _small_trace_scenario(fmt: str, path, workload_extra: str = "") -> str:
+    """A scenario over a trace file written by the test (a 600-block pool)."""
+    return f"""
+name: t
+model: {{preset: tiny-hybrid}}
+cache: {{block_size: 16, num_blocks: 600}}
+workload: {{kind: trace, format: {fmt}, path: {path}{workload_extra}}}
+"""
+
+
 def test_mooncake_equal_hash_ids_give_equal_tokens():
     shared = need_shared()
     import json
@@ -81,12 +91,7 @@ def test_vidur_length_file_needs_an_arrival_process():
 def test_malformed_trace_row_names_line(tmp_path):
     bad = tmp_path / "m.jsonl"
     bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [1]}\n{"timestamp": 5}\n')
-    text = f"""
-name: t
-model: {{preset: tiny-hybrid}}
-cache: {{block_size: 16, num_blocks: 600}}
-workload: {{kind: trace, format: mooncake, path: {bad}}}
-"""
+    text = _small_trace_scenario("mooncake", bad)
     with pytest.raises(InputError) as ei:
         build_workload(parse_scenario(text, "t.yaml"))
     assert ei.value.where == f"{bad}:2"
@@ -134,12 +139,7 @@ def test_llmservingsim_prompts_outputs_and_arrivals_are_the_recorded_ones():
 def test_llmservingsim_bad_record_names_its_line(tmp_path, line, why):
     bad = tmp_path / "w.jsonl"
     bad.write_text('{"input_tok_ids": [5, 6], "output_tok_ids": [7], "arrival_time_ns": 0}\n' + line + "\n")
-    text = f"""
-name: t
-model: {{preset: tiny-hybrid}}
-cache: {{block_size: 16, num_blocks: 600}}
-workload: {{kind: trace, format: llmservingsim, path: {bad}}}
-"""
+    text = _small_trace_scenario("llmservingsim", bad)
     with pytest.raises(InputError) as ei:
         build_workload(parse_scenario(text, "t.yaml"))
     assert ei.value.where == f"{bad}:2" and why in ei.value.message
@@ -148,12 +148,7 @@ workload: {{kind: trace, format: llmservingsim, path: {bad}}}
 def _burstgpt(tmp_path, body: str, extra: str = ""):
     path = tmp_path / "b.csv"
     path.write_text(body)
-    text = f"""
-name: t
-model: {{preset: tiny-hybrid}}
-cache: {{block_size: 16, num_blocks: 600}}
-workload: {{kind: trace, format: burstgpt, path: {path}, arrival: {{kind: timestamps, step_seconds: 2.0}}{extra}}}
-"""
+    text = _small_trace_scenario("burstgpt", path, ", arrival: {kind: timestamps, step_seconds: 2.0}" + extra)
     return path, parse_scenario(text, "t.yaml")
 
 
@@ -195,12 +190,7 @@ def test_unreadable_trace_file_is_one_message(tmp_path, fmt):
     wide = tmp_path / "w.csv"
     wide.write_text("a" * 200_000 + "\n1,2\n")  # past the csv module's field limit
     for path in (binary, wide) if fmt in ("azure", "burstgpt", "vidur") else (binary,):
-        text = f"""
-name: t
-model: {{preset: tiny-hybrid}}
-cache: {{block_size: 16, num_blocks: 600}}
-workload: {{kind: trace, format: {fmt}, path: {path}, arrival: {{kind: fixed, per_step: 1}}}}
-"""
+        text = _small_trace_scenario(fmt, path, ", arrival: {kind: fixed, per_step: 1}")
         with pytest.raises(InputError) as ei:
             build_workload(parse_scenario(text, "t.yaml"))
         msg = ei.value.message  # (the hybridsim format reads through the trace reader, which says it itself)

@@ -41,7 +41,9 @@ class _Row:
         self.line = line
 
 
-def _read_mooncake(path: Path, limit: int | None) -> tuple[list[_Row], list[str]]:
+def _read_jsonl(path: Path, limit: int | None, what: str, expected: str, row_of) -> tuple[list[_Row], list[str]]:
+    """One row per non-empty line, made by ``row_of(record, line number)``; a line that is not
+    such a record is one message naming it (``what`` it should be, the ``expected`` keys)."""
     rows = []
     with path.open() as f:
         for ln, line in enumerate(f, 1):
@@ -49,14 +51,24 @@ def _read_mooncake(path: Path, limit: int | None) -> tuple[list[_Row], list[str]
                 continue
             try:
                 d = json.loads(line)
-                rows.append(_Row(float(d["timestamp"]) / 1000.0, int(d["input_length"]),
-                                 int(d["output_length"]), ln, hash_ids=[int(h) for h in d["hash_ids"]]))
+                if not isinstance(d, dict):
+                    raise TypeError("a record must be a JSON object")
+                rows.append(row_of(d, ln))
             except (ValueError, KeyError, TypeError) as e:
-                raise InputError(f"not a Mooncake record ({type(e).__name__}: {e}); expected "
-                                 "timestamp, input_length, output_length, hash_ids", f"{path}:{ln}") from None
+                raise InputError(f"not {what} ({type(e).__name__}: {e}); expected {expected}", f"{path}:{ln}") from None
             if limit and len(rows) >= limit:
                 break
     return rows, []
+
+
+def _mooncake_row(d: dict, ln: int) -> _Row:
+    return _Row(float(d["timestamp"]) / 1000.0, int(d["input_length"]), int(d["output_length"]), ln,
+                hash_ids=[int(h) for h in d["hash_ids"]])
+
+
+def _read_mooncake(path: Path, limit: int | None) -> tuple[list[_Row], list[str]]:
+    return _read_jsonl(path, limit, "a Mooncake record", "timestamp, input_length, output_length, hash_ids",
+                       _mooncake_row)
 
 
 def _read_csv(path: Path, limit: int | None) -> tuple[list[str], list[tuple[int, list[str]]]]:
@@ -186,29 +198,19 @@ def _token_ids(d: dict, key: str) -> list[int]:
     return ids
 
 
+def _llmservingsim_row(d: dict, ln: int) -> _Row:
+    prompt, outputs = _token_ids(d, "input_tok_ids"), _token_ids(d, "output_tok_ids")
+    t = d["arrival_time_ns"]
+    if type(t) is not int or t < 0:
+        raise ValueError("arrival_time_ns must be an int >= 0")
+    return _Row(t / 1e9, len(prompt), len(outputs), ln, prompt=prompt, outputs=outputs)
+
+
 def _read_llmservingsim(path: Path, limit: int | None) -> tuple[list[_Row], list[str]]:
     """LLMServingSim workload JSONL: ``input_tok_ids``, ``output_tok_ids``, ``arrival_time_ns``
     (``input_toks`` / ``output_toks``, when present, must match the lists)."""
-    rows = []
-    with path.open() as f:
-        for ln, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-                if not isinstance(d, dict):
-                    raise TypeError("a record must be a JSON object")
-                prompt, outputs = _token_ids(d, "input_tok_ids"), _token_ids(d, "output_tok_ids")
-                t = d["arrival_time_ns"]
-                if type(t) is not int or t < 0:
-                    raise ValueError("arrival_time_ns must be an int >= 0")
-            except (ValueError, KeyError, TypeError) as e:
-                raise InputError(f"not an LLMServingSim workload record ({type(e).__name__}: {e}); expected "
-                                 "input_tok_ids, output_tok_ids, arrival_time_ns", f"{path}:{ln}") from None
-            rows.append(_Row(t / 1e9, len(prompt), len(outputs), ln, prompt=prompt, outputs=outputs))
-            if limit and len(rows) >= limit:
-                break
-    return rows, []
+    return _read_jsonl(path, limit, "an LLMServingSim workload record",
+                       "input_tok_ids, output_tok_ids, arrival_time_ns", _llmservingsim_row)
 
 
 def _hash_token_rows(rows: list[_Row], seed: int, per_hash: int, vocab: int):
