@@ -48,6 +48,8 @@ class ReplayResult:
 def replay_trace(path: str | Path, *, check: str = "full", bugs: Optional[set[str]] = None,
                  kernels: str = "reference", device: str = "auto") -> ReplayResult:
     tr = read_trace(path)  # raises InputError (with line) on any accounting inconsistency
+    if not tr.steps:  # (every check would pass having compared nothing)
+        raise InputError("the trace has no steps after its header: nothing to replay", str(path))
     try:
         scenario = Scenario.model_validate(tr.header["scenario"])
     except ValidationError as e:

@@ -178,3 +178,15 @@ def test_draft_tokens_must_be_token_ids(trace_file, bad):
     with pytest.raises(InputError) as ei:
         read_trace(trace_file)
     assert ei.value.where.endswith(f":{ln} (sched[0])") and "spec must be a list" in ei.value.message
+
+
+def test_header_only_trace_is_nothing_to_replay(trace_file, tmp_path):
+    """Its checks would all pass having compared nothing: bad input, not a green replay."""
+    from hybridsim.replay import replay_trace
+
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text(trace_file.read_text().splitlines()[0] + "\n")
+    assert read_trace(cut).steps == []  # (consistent as far as it goes: validate says 0 steps)
+    with pytest.raises(InputError) as ei:
+        replay_trace(cut)
+    assert "no steps after its header" in ei.value.message and ei.value.where == str(cut)
