@@ -74,13 +74,18 @@ class RunResult:
 
 
 def check_workload_fits(loaded: LoadedScenario, wl: Workload) -> None:
-    """A trace workload is only known once loaded: its longest request must fit the pool."""
+    """A workload is only known once built (a trace's once loaded): its longest request must fit
+    the pool, and the run must last until its first request arrives."""
     s = loaded.scenario
     if not wl.requests:
         raise InputError("the workload has no requests", loaded.where("workload"))
     problem = blocks_problem(s, max(peak_tokens(s, len(r.prompt), r.max_tokens) for r in wl.requests))
     if problem:
         raise InputError(f"cache.num_blocks: {problem}", loaded.where("cache", "num_blocks"))
+    first = min(r.arrival_step for r in wl.requests)
+    if first >= s.execution.max_steps:  # (a run of no steps: every check would pass having compared nothing)
+        raise InputError(f"execution.max_steps: the run stops at step {s.execution.max_steps:,}, before the first "
+                         f"request arrives (step {first:,}); nothing would run", loaded.where("execution", "max_steps"))
 
 
 def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, check: Optional[str] = None,

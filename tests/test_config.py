@@ -123,6 +123,22 @@ def test_out_of_memory_is_an_environment_problem(capsys):
     assert ei.value.exit_code == 3 and "out of memory" in capsys.readouterr().err
 
 
+def test_run_that_ends_before_the_first_arrival_is_refused():
+    from hybridsim.runner import check_workload_fits, plan_scenario
+    from hybridsim.workload import build_workload
+
+    text = tiny_scenario().replace("arrival: {kind: fixed, per_step: 2}",
+                                   "arrival: {kind: steps, steps: [40, 41, 42, 43, 44, 45, 46, 47]}")
+    assert "steps: [40" in text
+    loaded = parse_scenario(text + "execution: {max_steps: 40}\n", "s.yaml")
+    with pytest.raises(InputError) as ei:
+        check_workload_fits(loaded, build_workload(loaded))
+    assert ei.value.message.startswith("execution.max_steps: the run stops at step 40, before the first request "
+                                       "arrives (step 40)")
+    loaded = parse_scenario(text + "execution: {max_steps: 41}\n", "s.yaml")
+    assert plan_scenario(loaded, check="off").stats.steps == 1  # one step is enough to run
+
+
 def test_too_few_blocks_for_longest_request():
     e = _err(tiny_scenario(blocks=10))
     assert e.message.startswith("cache.num_blocks") and "needs" in e.message
