@@ -59,11 +59,15 @@ def plot_timeline(records, path: Path, title: str) -> None:
     ax[1].legend(loc="upper right", frameon=False, ncol=3)
     ax[2].fill_between(x, df["blocks_in_use"], step="mid", color="#8172B3", alpha=0.6)
     ax[2].set_ylabel("blocks in use")
-    ax[3].bar(x, df["state_copies"], width=1.0, color="#937860", label="state copies")
+    copies = df["state_copies"]
+    none = not copies.any()  # (a plan-only run executes no copies)
+    ax[3].bar(x, copies, width=1.0, color="#937860", label="state copies (none)" if none else "state copies")
     ax[3].set_ylabel("state copies")
+    ax[3].set_ylim(0, 1 if none else None)  # counts: never below zero, even when all are zero
     ax[3].set_xlabel("step")
     t2 = ax[3].twinx()
     t2.plot(x, df["step_ms"], color="#222222", linewidth=0.8, label="step time")
+    t2.set_ylim(bottom=0)
     t2.set_ylabel("step time (ms)")
     h1, l1 = ax[3].get_legend_handles_labels()
     h2, l2 = t2.get_legend_handles_labels()
