@@ -176,6 +176,13 @@ def replay(
         _check_choice(kernels, ("auto", "reference", "triton"), "--kernels")
         _check_choice(device, ("auto", "cpu", "cuda"), "--device")
         _writable(json_out, "--json")
+        if update_expected:  # the expected files are what full checks of the reference kernels find
+            clash = [flag for flag, on in ((f"--check-mode {check_mode.value}", check_mode != CheckMode.full),
+                                           ("--inject-bug", bool(bugs)), (f"--kernels {kernels}", kernels != "reference"))
+                     if on]
+            if clash:
+                raise InputError("records what full checks of the reference kernels find, so it does not take "
+                                 f"{' or '.join(clash)} (nothing was rewritten)", "--update-expected")
         kw = dict(check=check_mode.value, bugs=bugs, kernels=kernels, device=device)
         from .golden import check_traces, trace_files
         if golden or update_expected:

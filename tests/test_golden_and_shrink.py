@@ -49,6 +49,12 @@ def test_golden_folder_passes_then_catches_changes(tmp_path):
     assert any("ssm.output.count" in x for x in rows["spec_decode.jsonl"]["differences"])
     assert rows["vllm_spec_ngram.jsonl"]["result"] == "unchanged"
     assert hs("replay", d, "--check").returncode == 0
+    # an update that would record fewer checks, a bug's failures or another provider's digests is refused
+    before = {p.name: p.read_text() for p in d.glob("*.expected.json")}
+    for flags in (("--check-mode", "off"), ("--inject-bug", "temporal_without_bias"), ("--kernels", "triton")):
+        r = hs("replay", d, "--update-expected", *flags)
+        assert r.returncode == 2 and "nothing was rewritten" in r.stderr, (flags, r.stderr)
+    assert {p.name: p.read_text() for p in d.glob("*.expected.json")} == before
 
 
 def test_golden_check_takes_single_trace_files(tmp_path):
