@@ -61,11 +61,12 @@ def model_text(w: dict) -> str:
             .replace("mamba_cache_mode: align", f"mamba_cache_mode: {w['mamba_cache_mode']}"))
 
 
-def simulation_from_export(w: dict) -> Simulation:
-    """Our simulation of an export that holds everything itself (config, prompts, outputs), with
-    no scenario behind it (bench/peer_fuzz.py, bench/probes/peer_press.py). Drafts, when the
-    export has them, are accepted by the Bernoulli model its ``acceptance_rate`` and ``seed`` name
-    (the export's ``accepted`` is what that model decided, for the peer's drafts)."""
+def scenario_from_export(w: dict):
+    """The scenario (validated) of an export that holds everything itself (config, prompts,
+    outputs): its config, with a synthetic workload standing in for its requests (validation
+    sees their prompts, not their outputs). Drafts, when the export has them, are accepted by
+    the Bernoulli model its ``acceptance_rate`` and ``seed`` name (the export's ``accepted`` is
+    what that model decided, for the peer's drafts)."""
     S = w["num_speculative_tokens"]
     if S and "acceptance_rate" not in w:
         raise ValueError("an export with drafts and no acceptance_rate: use its named workload (our_steps)")
@@ -85,11 +86,17 @@ workload:
   output_len: {{dist: fixed, value: 1}}
 execution: {{max_steps: 100000, check: off}}
 """
-    loaded = parse_scenario(text, w["workload"])
+    return parse_scenario(text, w["workload"]).scenario
+
+
+def simulation_from_export(w: dict) -> Simulation:
+    """Our simulation of an export (``scenario_from_export``) with no scenario file behind it
+    (bench/peer_fuzz.py, bench/probes/peer_press.py): its requests, committing its outputs."""
+    scenario = scenario_from_export(w)
     wl = Workload([WorkloadRequest(r["id"], r["arrival_step"], tuple(r["prompt"]), r["max_tokens"])
                    for r in w["requests"]], 32000, w["workload"])
     outputs = {r["id"]: r["outputs"] for r in w["requests"]}
-    return Simulation(loaded.scenario, wl, continuation=GivenOutputs(outputs))
+    return Simulation(scenario, wl, continuation=GivenOutputs(outputs))
 
 
 def steps_from_export(w: dict) -> list[dict]:

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from bench_planner import accepted_rounds
-from peer_compare import compare, simulation_from_export, steps_from_export
+from peer_compare import compare, scenario_from_export, simulation_from_export, steps_from_export
 
 from hybridsim.config import min_blocks_per_request, peak_tokens
 from hybridsim.errors import InputError
@@ -77,8 +77,8 @@ def make_workload(name: str, rnd: random.Random, mode: str = "align") -> dict:
 
 def pool_minimum(w: dict) -> int:
     """Scenario validation's minimum pool (usable blocks) for an export's requests, outputs
-    included (``simulation_from_export`` validates prompts alone)."""
-    s = simulation_from_export(w).scenario
+    included (``scenario_from_export`` validates prompts alone)."""
+    s = scenario_from_export(w)
     return min_blocks_per_request(s, max(peak_tokens(s, len(r["prompt"]), r["max_tokens"]) for r in w["requests"]))
 
 

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import InputError
+from .errors import InputError, read_text
 from .model import AttentionGeometry, MambaGeometry, MLAGeometry, ModelGeometry
 from .presets import PRESETS, build_preset
 
@@ -521,11 +521,7 @@ def load_scenario(path: str | Path) -> "LoadedScenario":
         raise InputError("no such file", str(p))
     if p.is_dir():
         raise InputError("is a folder, not a scenario file", str(p))
-    try:
-        text = p.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"cannot read: {e}", str(p)) from None
-    return parse_scenario(text, str(p), p.parent)
+    return parse_scenario(read_text(p), str(p), p.parent)
 
 
 class LoadedScenario:

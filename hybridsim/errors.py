@@ -29,6 +29,21 @@ def not_json(e, where: str) -> InputError:
     return InputError(f"not valid JSON ({what} at column {e.colno})", where)
 
 
+def read_text(path) -> str:
+    """A whole input file as text; a file that cannot be read, or is not UTF-8 text (a binary
+    file), is one InputError naming it."""
+    try:
+        return path.read_text()
+    except UnicodeDecodeError as e:
+        raise not_text(e, str(path)) from None
+    except OSError as e:
+        raise InputError(f"cannot read: {e.strerror}", str(path)) from None
+
+
+def not_text(e: UnicodeDecodeError, where: str, after: str = "") -> InputError:
+    return InputError(f"not a UTF-8 text file ({e.reason}){after}", where)
+
+
 class EnvironmentProblem(Exception):
     """The machine cannot do what was asked (e.g. ``--device cuda`` without a GPU)."""
 

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import InputError, not_json
+from .errors import InputError, not_json, read_text
 from .replay import ReplayResult, replay_trace
 
 
@@ -71,11 +71,9 @@ def trace_files(paths: list[Path]) -> list[Path]:
 
 def _read_expected(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        return json.loads(read_text(path))
     except json.JSONDecodeError as e:
         raise not_json(e, f"{path}:{e.lineno}") from None
-    except UnicodeDecodeError as e:  # (a binary file)
-        raise InputError(f"not a UTF-8 text file ({e.reason})", str(path)) from None
 
 
 def check_traces(paths: list[Path], update: bool = False, **replay_kw) -> list[GoldenRow]:

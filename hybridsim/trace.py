@@ -30,7 +30,7 @@ import json
 from pathlib import Path
 from typing import IO, Iterator
 
-from .errors import InputError, not_json
+from .errors import InputError, not_json, not_text
 from .sched.groups import GroupSpec
 from .sched.plan import PLACEHOLDER_DRAFT, ScheduledRequest, StepOutcome, StepPlan
 from .workload.base import WorkloadRequest
@@ -177,27 +177,21 @@ def _lines(path: Path) -> Iterator[tuple[int, dict]]:
         f = path.open()
     except OSError as e:
         raise InputError(f"cannot read: {e.strerror}", str(path)) from None
+    ln = 0
     with f:
-        ln = 0
-        lines = iter(f)
-        while True:
-            try:
-                line = next(lines)
-            except StopIteration:
-                return
-            except UnicodeDecodeError as e:  # (a binary file)
-                after = f", after line {ln}" if ln else ""
-                raise InputError(f"not a UTF-8 text file ({e.reason}){after}", str(path)) from None
-            ln += 1
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise not_json(e, f"{path}:{ln}") from None
-            if not isinstance(d, dict):
-                raise InputError("each line is a JSON object", f"{path}:{ln}")
-            yield ln, d
+        try:
+            for ln, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    d = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise not_json(e, f"{path}:{ln}") from None
+                if not isinstance(d, dict):
+                    raise InputError("each line is a JSON object", f"{path}:{ln}")
+                yield ln, d
+        except UnicodeDecodeError as e:  # (a binary file; ``ln``: the last line read whole)
+            raise not_text(e, str(path), f", after line {ln}" if ln else "") from None
 
 
 def read_trace(path: str | Path, check: bool = True) -> Trace:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import Scenario
-from .errors import InputError, not_json
+from .errors import InputError, not_json, read_text
 from .outputs import RecordedContinuation, RecordedDrafts
 from .workload.base import Workload, WorkloadRequest
 
@@ -72,12 +72,7 @@ def load_recording(path: str | Path) -> Recording:
     p = Path(path)
     if not p.exists():
         raise InputError("no such file", str(p))
-    try:
-        lines = p.read_text().splitlines()
-    except UnicodeDecodeError as e:  # (a binary file)
-        raise InputError(f"not a UTF-8 text file ({e.reason})", str(p)) from None
-    except OSError as e:
-        raise InputError(f"cannot read: {e.strerror}", str(p)) from None
+    lines = read_text(p).splitlines()
     parsed = []
     for i, line in enumerate(lines, 1):
         if not line.strip():

@@ -15,8 +15,11 @@ import csv
 import json
 import math
 import random
+from contextlib import closing
 from datetime import datetime
+from itertools import islice
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -71,21 +74,24 @@ def _read_mooncake(path: Path, limit: int | None) -> tuple[list[_Row], list[str]
                        _mooncake_row)
 
 
-def _read_csv(path: Path, limit: int | None) -> tuple[list[str], list[tuple[int, list[str]]]]:
+def _csv_records(path: Path) -> Iterator:
+    """A CSV file, streamed: its header (names stripped; None for an empty file), then (line
+    number, record) for every non-empty record."""
     with path.open(newline="") as f:
         reader = csv.reader(f)
-        try:
-            header = next(reader)
-        except StopIteration:
-            raise InputError("empty CSV file", str(path)) from None
-        out = []
+        header = next(reader, None)
+        yield None if header is None else [h.strip() for h in header]
         for ln, rec in enumerate(reader, 2):
-            if not rec:
-                continue
-            out.append((ln, rec))
-            if limit and len(out) >= limit:
-                break
-    return [h.strip() for h in header], out
+            if rec:
+                yield ln, rec
+
+
+def _read_csv(path: Path, limit: int | None) -> tuple[list[str], list[tuple[int, list[str]]]]:
+    with closing(_csv_records(path)) as records:
+        header = next(records)
+        if header is None:
+            raise InputError("empty CSV file", str(path))
+        return header, list(islice(records, limit))
 
 
 def _shown(header: list[str]) -> str:
@@ -163,17 +169,14 @@ def _read_burstgpt(path: Path, limit: int | None) -> tuple[list[_Row], list[str]
     columns are ignored). Rows with no request or no response tokens (failed calls) are skipped
     and counted; ``limit`` counts the requests kept."""
     rows, skipped = [], 0
-    with path.open(newline="") as f:
-        reader = csv.reader(f)
-        header = [h.strip() for h in next(reader, [])]
+    with closing(_csv_records(path)) as records:
+        header = next(records) or []
         missing = [c for c in _BURSTGPT if c not in header]
         if missing:
             raise InputError(f"BurstGPT CSV needs the columns {', '.join(_BURSTGPT)}; missing {', '.join(missing)} "
                              f"(found {_shown(header)})", f"{path}:1")
         it, ip, io = (header.index(c) for c in _BURSTGPT)
-        for ln, rec in enumerate(reader, 2):
-            if not rec:
-                continue
+        for ln, rec in records:
             try:
                 t, p, o = float(rec[it]), int(float(rec[ip])), int(float(rec[io]))
             except (ValueError, IndexError) as e:
@@ -271,10 +274,8 @@ def build_from_trace(wl: TraceWorkload, path: Path, seed: int, max_model_len: in
         r = rows[i]
         plen = max(1, round(r.prompt_len * scale)) if r.prompt is None or r.outputs is not None else len(r.prompt)
         olen = max(1, round(r.output_len * scale)) if wl.format not in _STEP_TIMES else r.output_len
-        if r.prompt is not None:
-            prompt = list(r.prompt)
-            if r.outputs is not None and len(prompt) != plen:  # a prompt of real tokens keeps its first ones
-                prompt = prompt[:plen]
+        if r.prompt is not None:  # (a scaled prompt of real tokens keeps its first ones)
+            prompt = list(r.prompt[:plen])
         elif r.hash_ids is not None:  # (an array until clipped)
             tokens, where = hash_rows
             ids = r.hash_ids[: -(-plen // per_hash)]
