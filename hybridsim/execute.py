@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -65,7 +65,11 @@ def groups_from_specs(groups) -> list[GroupInfo]:
 
 
 def make_executor(s: Scenario, groups, checks: Checks, check: str, bugs: set[str], kernels: str,
-                  device: str, notes: list[str]) -> Optional[Executor]:
+                  device: str, notes: list[str], where: str = "scenario",
+                  announce: Optional[Callable[[list[str]], None]] = None, digests: bool = False) -> Executor:
+    """The executor for a scenario, after its memory plan was added up, announced and found to fit."""
+    from .engine.memory import check_fits, plan_memory
+
     dev = resolve_device(device)
     on_gpu = torch.device(dev).type == "cuda"
     if kernels == "auto":  # the Triton kernels where they are fast, the reference elsewhere
@@ -86,6 +90,23 @@ def make_executor(s: Scenario, groups, checks: Checks, check: str, bugs: set[str
     if s.geometry().attention is not None:
         notes.append("GQA attention layers are planned (their blocks are tracked) but not executed; "
                      "Mamba and MLA layers are executed and checked")
-    ex = Executor(s, groups_from_specs(groups), k, checks, check, bugs, dev)
+    specs = groups_from_specs(groups)
+    plan = plan_memory(s, specs, torch.device(dev))
+    if announce is not None:
+        announce(plan.lines())
+    check_fits(plan, s, where)
+    ex = Executor(s, specs, k, checks, check, bugs, dev, oracle_scan=oracle_scan_for(torch.device(dev)),
+                  digests=digests)
     ex.kernel_timer = timer
+    ex.memory_plan = plan
     return ex
+
+
+def oracle_scan_for(device: torch.device):
+    """The oracle's probe scan: Triton on a GPU (the torch form holds every state at once), the
+    torch form on a CPU — which also keeps it apart from a Triton system under test there."""
+    if device.type == "cuda":
+        from .kernels.probe_scan_triton import scan_triton
+        return scan_triton
+    from .kernels.probe_scan import scan_reference
+    return scan_reference

@@ -1,94 +1,164 @@
 """The oracle: values recomputed from nothing but each request's committed tokens.
 
-No cache, block table or copy is involved. Mamba: every layer's state and output
-advanced token by token from the zero state, with snapshots at every block
-boundary, so any position's expected state is at hand. MLA: dense, un-absorbed
-attention in float64 over the committed prefix (``layers.mla.dense_reference``).
+No block table, paged cache or copy is involved in what it computes; it is only told
+where in the cache to *look* when it compares.
+
+* Mamba: one slot per live request holds that request's state at its committed
+  frontier (every layer). A step advances each scheduled request from its frontier
+  through its newly committed tokens with the probe scan, from its own slot, and on
+  the way compares, inside the same launch, every output with the system's and the
+  state at each position the executor asks about (resume point, prefix hit, boundary
+  states) with the cache pages the bookkeeping says hold it. A request whose frontier
+  is past its computed count (preempted, then resumed from a prefix hit) or whose hit
+  lies behind its frontier starts again from the zero state: memory is bounded by the
+  running requests, not by history.
+* MLA: dense causal attention in float64 over the committed prefix, recomputed each
+  step from the token ids (the latent entries are exact, ``layers/mla.py``); the
+  weight absorption is applied in float64, exact up to float64 rounding.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
 import torch
 
-from .layers.mamba import MambaProbe
-from .layers.mla import MLAProbe, dense_reference
+from .kernels.probe_scan import ScanBuilder, ScanLaunch
+from .layers.mamba import StackedTables
+from .layers.mla import MLAProbe, MLAStack
 
 
-class _Track:
-    __slots__ = ("pos", "window", "h", "outputs", "snapshots")
+@dataclass
+class StateCompare:
+    """Compare the state at ``position`` with the cache: temporal pages and conv pages (rows
+    off..off+K-2) per layer (-1: skip that layer's part). ``tag`` comes back with the result."""
 
-    def __init__(self, probe: MambaProbe):
-        self.pos = 0
-        self.window, self.h = probe.zero_state(1)
-        self.outputs: list[torch.Tensor] = []
-        self.snapshots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {0: (self.window, self.h)}
+    position: int
+    tpages: list[int]
+    cpages: list[int]
+    off: int
+    tag: object
+
+
+@dataclass
+class OracleRow:
+    rid: str
+    tokens: list[int]  # the committed sequence (at least c + k tokens)
+    c: int  # computed before this step
+    k: int  # committed by this step (outputs of positions c..c+k-1 are compared)
+    y_start: int  # where the system's outputs of this row start in y_ref
+    compares: list[StateCompare] = field(default_factory=list)
 
 
 class MambaOracle:
-    def __init__(self, probes: list[MambaProbe], block_size: int):
-        self.probes = probes
-        self.bs = block_size
-        self.tracks: dict[str, list[_Track]] = {}
+    def __init__(self, tables: StackedTables, max_requests: int, device: torch.device,
+                 scan: Callable[[StackedTables, ScanLaunch], None]):
+        self.t = tables
+        self.scan = scan
+        self.device = device
+        L, K, dim = tables.layers, tables.K, tables.dim
+        self.conv = torch.zeros(L, max_requests, K - 1, dim, dtype=torch.float32, device=device)
+        self.temporal = torch.zeros(L, max_requests, tables.H, tables.P, tables.N, dtype=torch.float32,
+                                    device=device)
+        self.identity = torch.arange(L, dtype=torch.int64, device=device)
+        self.free = list(range(max_requests - 1, -1, -1))
+        self.slot: dict[str, int] = {}
+        self.frontier: dict[str, int] = {}
 
-    def _tracks(self, rid: str) -> list[_Track]:
-        t = self.tracks.get(rid)
-        if t is None:
-            t = self.tracks[rid] = [_Track(p) for p in self.probes]
-        return t
+    @staticmethod
+    def bytes_needed(t: StackedTables, max_requests: int) -> int:
+        return 4 * t.layers * max_requests * ((t.K - 1) * t.dim + t.H * t.P * t.N)
 
-    def advance(self, rid: str, tokens: list[int], upto: int) -> None:
-        """Process committed tokens up to position ``upto`` (exclusive)."""
-        for probe, tr in zip(self.probes, self._tracks(rid)):
-            while tr.pos < upto:
-                y, tr.window, tr.h = probe.token_step(tr.window, tr.h, torch.tensor([tokens[tr.pos]]))
-                tr.outputs.append(y[0])
-                tr.pos += 1
-                if tr.pos % self.bs == 0:
-                    tr.snapshots[tr.pos] = (tr.window, tr.h)
+    def release(self, rid: str) -> None:
+        s = self.slot.pop(rid, None)
+        if s is not None:
+            self.free.append(s)
+        self.frontier.pop(rid, None)
 
-    def advance_many(self, work: list[tuple[str, list[int], int]]) -> None:
-        """``advance`` for several requests at once, batched token slot by token slot."""
-        rows = [(rid, toks, upto) for rid, toks, upto in work if self._tracks(rid)[0].pos < upto]
-        if not rows:
-            return
-        for layer, probe in enumerate(self.probes):
-            tracks = [self.tracks[rid][layer] for rid, _, _ in rows]
-            start = [tr.pos for tr in tracks]
-            todo = [upto - tr.pos for tr, (_, _, upto) in zip(tracks, rows)]
-            window = torch.cat([tr.window for tr in tracks])
-            h = torch.cat([tr.h for tr in tracks])
-            for t in range(max(todo)):
-                act = [i for i, n in enumerate(todo) if n > t]
-                idx = torch.tensor(act, dtype=torch.int64)
-                tok = torch.tensor([rows[i][1][start[i] + t] for i in act], dtype=torch.int64)
-                y, w2, h2 = probe.token_step(window[idx], h[idx], tok)
-                window[idx] = w2
-                h[idx] = h2
-                for j, i in enumerate(act):
-                    tr = tracks[i]
-                    tr.outputs.append(y[j])
-                    tr.pos += 1
-                    if tr.pos % self.bs == 0:
-                        tr.snapshots[tr.pos] = (window[i:i + 1].clone(), h[i:i + 1].clone())
-            for i, tr in enumerate(tracks):
-                tr.window, tr.h = window[i:i + 1].clone(), h[i:i + 1].clone()
+    def _slot_of(self, rid: str) -> int:
+        s = self.slot.get(rid)
+        if s is None:
+            if not self.free:
+                raise RuntimeError("oracle: more live requests than max_num_seqs")
+            s = self.slot[rid] = self.free.pop()
+            self.frontier[rid] = 0
+        return s
 
-    def output(self, rid: str, layer: int, pos: int) -> torch.Tensor:
-        return self._tracks(rid)[layer].outputs[pos]
-
-    def state(self, rid: str, layer: int, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(window (K-1, dim), h) after ``pos`` tokens: the frontier or a block boundary."""
-        tr = self._tracks(rid)[layer]
-        if pos == tr.pos:
-            return tr.window[0], tr.h[0]
-        snap = tr.snapshots.get(pos)
-        if snap is None:
-            raise KeyError(f"oracle has no state of {rid} at {pos} (frontier {tr.pos})")
-        return snap[0][0], snap[1][0]
-
-    def forget(self, rid: str) -> None:
-        self.tracks.pop(rid, None)
+    def check(self, rows: list[OracleRow], cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+              y_ref: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """Advance every row through its committed tokens, comparing as asked. Returns
+        stats (compares + rows, layers, 3) on the host — mismatching elements, max |diff|, first
+        mismatching index — with the compare tags in row order, then one entry per row."""
+        L = self.t.layers
+        b = ScanBuilder(L)
+        reads = []
+        for r in rows:
+            s = self._slot_of(r.rid)
+            f = self.frontier[r.rid]
+            if f > r.c or any(cp.position <= f for cp in r.compares):
+                f = 0  # start over from the zero state (a resumed request, or a hit behind the frontier)
+            end = r.c + r.k
+            i = b.add_row(r.tokens[f:end], [s] * L if f > 0 else [-1] * L, y_from=r.c - f, y_count=r.k)
+            reads.append(s if f > 0 else -1)
+            b.write(i, end - f - 1, [s] * L, [s] * L)
+            for cp in r.compares:
+                b.compare(i, cp.position - f - 1, cp.tpages, cp.cpages, cp.off, cp.tag)
+            self.frontier[r.rid] = end
+        idx = torch.tensor(reads, dtype=torch.int64, device=self.device)
+        window = self.conv[:, idx.clamp(min=0)].transpose(0, 1)  # (B, L, K-1, dim)
+        window = torch.where((idx >= 0)[:, None, None, None], window, torch.zeros((), device=self.device))
+        y_start = torch.tensor([r.y_start for r in rows], dtype=torch.int64, device=self.device)
+        launch, tags = b.build(window.contiguous(), self.conv, self.temporal, self.identity, self.device,
+                               y_start=y_start, cmp=cache, y_ref=y_ref)
+        self.scan(self.t, launch)
+        return launch.stats.cpu(), tags
 
 
-def mla_expected(probe: MLAProbe, tokens: list[int], positions: list[int]) -> torch.Tensor:
-    return dense_reference(probe, torch.tensor(tokens, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64))
+class MLAOracle:
+    """Expected MLA outputs (float64, on the run's device) of committed query positions, every
+    layer at once, rows batched with padding up to ``budget_elems`` score elements a batch."""
+
+    def __init__(self, probes: list[MLAProbe], device: torch.device, budget_elems: int = 1 << 27):
+        self.stack = MLAStack(probes, device)
+        self.device = device
+        self.budget = budget_elems
+
+    def expected(self, rows: list[tuple[np.ndarray, int, int]]) -> list[torch.Tensor]:
+        """rows: (committed tokens, c, k). Returns per row (layers, k, H, v): attention of positions
+        c..c+k-1 over the tokens [0, c+k)."""
+        per_q = self.stack.layers * self.stack.geo.heads
+        pieces = []  # (row, q0, q1): a row's queries split so one piece fits the budget
+        for i, (_, c, k) in enumerate(rows):
+            step = max(1, self.budget // (per_q * (c + k)))
+            pieces += [(i, q0, min(k, q0 + step)) for q0 in range(0, k, step)]
+        pieces.sort(key=lambda p: -(rows[p[0]][1] + rows[p[0]][2]))
+        out: list[list[tuple[int, torch.Tensor]]] = [[] for _ in rows]
+        start = 0
+        while start < len(pieces):
+            n_max = rows[pieces[start][0]][1] + rows[pieces[start][0]][2]
+            end, q_max = start, 0
+            while end < len(pieces):
+                q = max(q_max, pieces[end][2] - pieces[end][1])
+                if end > start and (end - start + 1) * q * per_q * n_max > self.budget:
+                    break
+                q_max, end = q, end + 1
+            batch = pieces[start:end]
+            tok = np.zeros((len(batch), n_max), dtype=np.int64)
+            qpos = np.zeros((len(batch), q_max), dtype=np.int64)
+            for j, (i, q0, q1) in enumerate(batch):
+                toks, c, k = rows[i]
+                tok[j, : c + k] = toks[: c + k]
+                qpos[j] = np.minimum(c + q0 + np.arange(q_max), c + q1 - 1)  # padding repeats the last query
+            res = self.stack.attend(torch.from_numpy(tok).to(self.device), torch.from_numpy(qpos).to(self.device))
+            for j, (i, q0, q1) in enumerate(batch):
+                out[i].append((q0, res[:, j, : q1 - q0]))
+            start = end
+        return [torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])], dim=1) for parts in out]
+
+
+def first_bad(stats_row: torch.Tensor) -> Optional[tuple[int, int, int]]:
+    """(mismatches, max diff, first index) of a stats row, or None when it matched."""
+    n = int(stats_row[0])
+    return (n, int(stats_row[1]), int(stats_row[2])) if n else None

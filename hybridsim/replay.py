@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 from time import perf_counter
-from typing import Optional
+from typing import Callable, Optional
 
 from pydantic import ValidationError
 
@@ -46,7 +46,8 @@ class ReplayResult:
 
 
 def replay_trace(path: str | Path, *, check: str = "full", bugs: Optional[set[str]] = None,
-                 kernels: str = "reference", device: str = "auto") -> ReplayResult:
+                 kernels: str = "reference", device: str = "auto",
+                 announce: Optional[Callable[[list[str]], None]] = None) -> ReplayResult:
     tr = read_trace(path)  # raises InputError (with line) on any accounting inconsistency
     if not tr.steps:  # (every check would pass having compared nothing)
         raise InputError("the trace has no steps after its header: nothing to replay", str(path))
@@ -60,7 +61,8 @@ def replay_trace(path: str | Path, *, check: str = "full", bugs: Optional[set[st
     if recorded_bugs and not bugs:
         notes.append(f"this trace was recorded with --inject-bug {' '.join(recorded_bugs)}; replay with the same "
                      "flags to reproduce its failure")
-    ex = make_executor(scenario, tr.header["groups"], checks, check, bugs or set(), kernels, device, notes)
+    ex = make_executor(scenario, tr.header["groups"], checks, check, bugs or set(), kernels, device, notes,
+                       where=f"{path}:1", announce=announce, digests=True)
     t0 = perf_counter()
     for _, plan, outcome in tr.steps:
         ex.step(plan, outcome)

@@ -91,7 +91,7 @@ def check_workload_fits(loaded: LoadedScenario, wl: Workload) -> None:
 def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, check: Optional[str] = None,
                   progress: Optional[Callable[[RunStats], None]] = None, execute: Optional[bool] = None,
                   bugs: Optional[set[str]] = None, kernels: Optional[str] = None,
-                  device: Optional[str] = None) -> RunResult:
+                  device: Optional[str] = None, announce: Optional[Callable[[list[str]], None]] = None) -> RunResult:
     """Plan a scenario; with checks on, also execute every step and compare with the oracle."""
     s = loaded.scenario
     check = check or s.execution.check
@@ -105,7 +105,8 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
     if execute:
         from .execute import make_executor
         executor = make_executor(s, sim.groups, checks, check, bugs or set(), kernels or s.execution.kernels,
-                                 device or s.execution.device, notes)
+                                 device or s.execution.device, notes, where=loaded.where("cache", "num_blocks"),
+                                 announce=announce)
     if check != "off":
         checker = InvariantChecker(sim.scheduler, checks.get(INVARIANTS))
         sim.checker = checker

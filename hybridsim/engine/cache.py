@@ -1,25 +1,32 @@
 """Cache tensors for the executor: Mamba state pages and MLA latent pages.
 
-Block ids from the scheduler can be large (the recorded engine had 262,144), but a
-run touches few of them, so physical ids are remapped to dense rows on first use
-and the tensors grow by doubling. Row 0 is the null block: never written by a
-correct run, and filled with NaN so that reading it shows up in every check.
+Block ids come from the scheduler (or a recorded engine) and are remapped to dense rows
+on first use; every tensor is allocated once, at its planned size (``cache.num_blocks``
+rows), before the first step — ``engine/memory.py`` adds them up first. Row 0 is the null
+block: never written by a correct run, and filled with NaN (as is every page nothing has
+written yet) so that reading it shows up in every check.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..errors import InputError
+
 
 class BlockMap:
-    """Physical block id -> dense row (0 for the null block)."""
+    """Physical block id -> dense row (0 for the null block), at most ``capacity`` rows."""
 
-    def __init__(self):
+    def __init__(self, capacity: int):
         self.rows: dict[int, int] = {0: 0}
+        self.capacity = capacity
 
     def row(self, block: int) -> int:
         r = self.rows.get(block)
         if r is None:
+            if len(self.rows) >= self.capacity:
+                raise InputError(f"more distinct block ids than cache.num_blocks ({self.capacity}): block {block} "
+                                 "has no page")
             r = self.rows[block] = len(self.rows)
         return r
 
@@ -28,37 +35,29 @@ class BlockMap:
 
 
 class PagedTensor:
-    """A tensor of pages (dense rows) that grows as new block ids appear; with ``layers`` the
-    pages of every layer are stacked, (layers, pages, ...), so one launch can reach them all."""
+    """``capacity`` NaN-filled pages of ``page_shape``; with ``slots`` the pages of every slot are
+    stacked, (slots, pages, ...), so one launch can reach them all."""
 
-    def __init__(self, page_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, blocks: BlockMap,
-                 layers: int | None = None):
+    def __init__(self, page_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, capacity: int,
+                 slots: int | None = None):
         self.page_shape = page_shape
-        self.dtype = dtype
-        self.device = device
-        self.blocks = blocks
-        self.lead = () if layers is None else (layers,)
-        self.data = torch.full((*self.lead, 8, *page_shape), float("nan"), dtype=dtype, device=device)
+        lead = () if slots is None else (slots,)
+        self.data = torch.full((*lead, capacity, *page_shape), float("nan"), dtype=dtype, device=device)
 
-    def ensure(self) -> torch.Tensor:
-        need = len(self.blocks)
-        axis = len(self.lead)
-        if need > self.data.shape[axis]:
-            cap = self.data.shape[axis]
-            while cap < need:
-                cap *= 2
-            grown = torch.full((*self.lead, cap, *self.page_shape), float("nan"), dtype=self.dtype,
-                               device=self.device)
-            grown.narrow(axis, 0, self.data.shape[axis]).copy_(self.data)
-            self.data = grown
-        return self.data
+    @staticmethod
+    def bytes_for(page_shape: tuple[int, ...], dtype_bytes: int, capacity: int, slots: int = 1) -> int:
+        n = slots * capacity * dtype_bytes
+        for d in page_shape:
+            n *= d
+        return n
 
 
 class MambaStateCache:
-    """Every Mamba layer's state pages: conv windows (layers, pages, R, dim) and temporal
-    states (layers, pages, H, P, N), stacked so a step's copies for all layers are one launch."""
+    """Every Mamba state page: conv windows (slots, pages, R, dim) and temporal states
+    (slots, pages, H, P, N), float32 (the probe's residues are exact in it). A slot is shared
+    by the i-th layers of every Mamba group, as the engine shares its KV-cache tensors."""
 
-    def __init__(self, layers: int, conv_rows: int, dim: int, temporal_shape: tuple[int, ...],
+    def __init__(self, slots: int, conv_rows: int, dim: int, temporal_shape: tuple[int, ...],
                  device: torch.device, blocks: BlockMap):
-        self.conv = PagedTensor((conv_rows, dim), torch.float32, device, blocks, layers)
-        self.temporal = PagedTensor(temporal_shape, torch.float32, device, blocks, layers)
+        self.conv = PagedTensor((conv_rows, dim), torch.float32, device, blocks.capacity, slots)
+        self.temporal = PagedTensor(temporal_shape, torch.float32, device, blocks.capacity, slots)

@@ -10,11 +10,18 @@ import math
 
 import torch
 
+from .probe_scan import scan_reference
+
 NEG_INF = float("-inf")
 
 
 class ReferenceKernels:
     name = "reference"
+
+    # ------------------------------------------------------------------ the Mamba probe's scan
+    def mamba_scan(self, tables, launch) -> None:
+        """Advance rows through every Mamba probe layer (``probe_scan.ScanLaunch``): torch, chunked."""
+        scan_reference(tables, launch)
 
     # ------------------------------------------------------------------ Mamba state copies
     def state_copy(self, conv: torch.Tensor, temporal: torch.Tensor, table: torch.Tensor,

@@ -15,6 +15,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .mla_gluon import gluon_applies, launch_gluon_split
+from .probe_scan_triton import scan_triton
 from .reference import ReferenceKernels
 
 
@@ -333,6 +334,9 @@ class TritonKernels(ReferenceKernels):
         if self.poison:
             return torch.full(shape, float("nan"), dtype=dtype, device=device)
         return torch.empty(shape, dtype=dtype, device=device)
+
+    def mamba_scan(self, tables, launch) -> None:
+        scan_triton(tables, launch)
 
     def state_copy(self, conv, temporal, table, items):
         fused_state_copy(conv, temporal, table.to(conv.device, torch.int64).contiguous(),

@@ -1,136 +1,176 @@
-"""The Mamba probe layer: a causal conv window plus a selective SSM recurrence.
+"""The Mamba probe layer: a causal conv window plus a selective SSM recurrence, over the
+integers modulo the prime Q (``layers.exact``), so every state is exact on every machine.
 
-Per token t (all float32):
+Per token t with id ``tok`` (every quantity a residue mod Q):
 
-    u_t   = embedding(token_t)                         (conv_dim)
-    z_t   = b + sum_k w[k] * u_{t-K+1+k}               (depthwise causal conv, k in order)
-    x, B, C = split(z_t)                               (H*P, G*N, G*N)
-    a_t, g_t = decay(token_t), step(token_t)           (per head, from tables)
-    h_t   = a_t * h_{t-1} + g_t * (x_t outer B_t)      (H, P, N)
-    y_t   = sum_n h_t[..., n] * C_t[n] + D * x_t       (n in order)
+    u_t   = embed(tok)                               (conv_dim)   a keyed hash of tok per channel
+    z_t   = bias + sum_k w[k] * u_{t-K+1+k}          (depthwise causal conv over the window)
+    x, B, C = split(z_t)                             (H*P, G*N, G*N)  (Mamba1: B, C hashed from tok)
+    a_t   = gamma ** e(tok, head)                    decay: a power of a generator of (Z/Q)*
+    g_t   = step(tok, head)                          in [1, Q)
+    h_t   = a_t * h_{t-1} + (g_t x_t) outer B_t      (H, P, N)
+    y_t   = h_t . C_t + D * x_t                      (H*P)
 
-Only ``+`` and ``*`` run per token, in one fixed order, and the decays come from
-tables computed once (``exp`` in float64, rounded), so computing a token from a
-cached state is bit-identical to computing it from scratch, whatever the batch
-shape. The state is (conv window of the last K-1 inputs, h).
+The state is (conv window of the last K-1 inputs u, h). Every element of a state depends
+on the whole token history, decays are never zero (nothing is forgotten), and because
+the arithmetic is exact, resuming from a cached state, batching rows, chunking the
+sequence or summing in any order give the same residues — on a CPU in int64 or float64
+matrix products, and on a GPU in int32 (``kernels/probe_scan.py``).
+
+``token_step`` below is the definition, one token at a time; the batched forms in
+``kernels/probe_scan.py`` are tested against it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
-import numpy as np
 import torch
 
 from ..model import MambaGeometry
-from ..workload.tokens import combine
-
-TABLE = 4093  # embedding rows; a token uses rows (t % TABLE) and (t // TABLE % TABLE2)
-TABLE2 = 509
+from .exact import MAX_STATE_DIM, Q, pow_table, residues, rng
 
 
 @dataclass
-class MambaWeights:
-    emb1: torch.Tensor  # (TABLE, conv_dim)
-    emb2: torch.Tensor  # (TABLE2, conv_dim)
-    conv_w: torch.Tensor  # (K, conv_dim)
-    conv_b: torch.Tensor  # (conv_dim,)
-    decay: torch.Tensor  # (TABLE, H)  exp(dt * A), in (0, 1)
-    step: torch.Tensor  # (TABLE, H)  dt
+class MambaTables:
+    """One layer's integer tables (int64). Channels hash a token with (alpha, beta, delta, eps):
+    v = (t_lo*alpha + t_hi*beta + delta) mod Q, u = (v*v + eps) mod Q, where t_lo = tok mod Q and
+    t_hi = (tok div Q) mod Q. Heads derive the decay exponent and the step the same way."""
+
+    emb: torch.Tensor  # (dim, 4)
+    conv_w: torch.Tensor  # (K, dim)
+    conv_b: torch.Tensor  # (dim,)
+    head: torch.Tensor  # (H, 6): rho, sigma, tau (decay exponent mod Q-1), mu, nu, kappa (step)
     D: torch.Tensor  # (H,)
-    bc: torch.Tensor | None = None  # Mamba1: (TABLE, 2N) input-dependent B and C (no room in the conv)
+    bc: Optional[torch.Tensor] = None  # Mamba1: (2N, 4) B and C hashed from the token (no conv)
+
+    def to(self, device) -> "MambaTables":
+        return MambaTables(**{k: (v.to(device) if v is not None else None) for k, v in self.__dict__.items()})
 
 
-def make_weights(geo: MambaGeometry, layer: int, seed: int) -> MambaWeights:
-    rng = np.random.default_rng(combine(seed, 0x3A3A, layer) % (1 << 63))
+def make_tables(geo: MambaGeometry, layer: int, seed: int) -> MambaTables:
+    g = rng(seed, 0x3A3A, layer)
     dim = geo.conv_dim()
-    H = geo.heads if geo.kind != "mamba1" else 1
-    f32 = lambda a: torch.from_numpy(np.asarray(a, dtype=np.float32))  # noqa: E731
-    dt = rng.uniform(0.01, 0.2, size=(TABLE, H))
-    A = -rng.uniform(0.5, 4.0, size=(H,))
-    return MambaWeights(
-        emb1=f32(rng.standard_normal((TABLE, dim)) * 0.5),
-        emb2=f32(rng.standard_normal((TABLE2, dim)) * 0.5),
-        conv_w=f32(rng.standard_normal((geo.conv_kernel, dim)) / geo.conv_kernel),
-        conv_b=f32(rng.standard_normal(dim) * 0.1),
-        decay=f32(np.exp(dt * A[None, :])),
-        step=f32(dt),
-        D=f32(rng.standard_normal(H)),
-        bc=f32(rng.standard_normal((TABLE, 2 * geo.d_state)) * 0.5) if geo.kind == "mamba1" else None,
+    H = 1 if geo.kind == "mamba1" else geo.heads
+    return MambaTables(
+        emb=residues(g, (dim, 4)),
+        conv_w=residues(g, (geo.conv_kernel, dim)),
+        conv_b=residues(g, (dim,)),
+        head=residues(g, (H, 6)),
+        D=residues(g, (H,)),
+        bc=residues(g, (2 * geo.d_state, 4)) if geo.kind == "mamba1" else None,
     )
 
 
+def token_parts(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    t = tokens.to(torch.int64)
+    return t % Q, (t // Q) % Q
+
+
+def hash_channels(tokens: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """(n,) tokens x (C, 4) channel keys -> (n, C) residues."""
+    lo, hi = token_parts(tokens)
+    v = (lo[:, None] * params[:, 0] + hi[:, None] * params[:, 1] + params[:, 2]) % Q
+    return (v * v + params[:, 3]) % Q
+
+
+def head_terms(tokens: torch.Tensor, head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(decay exponent in [0, Q-1), step in [1, Q)), each (n, H)."""
+    lo, hi = token_parts(tokens)
+    e = (lo[:, None] * head[:, 0] + hi[:, None] * head[:, 1] + head[:, 2]) % (Q - 1)
+    g = 1 + (lo[:, None] * head[:, 3] + hi[:, None] * head[:, 4] + head[:, 5]) % (Q - 1)
+    return e, g
+
+
 class MambaProbe:
-    """Runs tokens through one probe layer from an explicit state (no cache knowledge)."""
+    """One probe layer's geometry and tables; ``token_step`` is the arithmetic's definition."""
 
     def __init__(self, geo: MambaGeometry, layer: int, seed: int):
         self.geo = geo
-        self.w = make_weights(geo, layer, seed)
+        self.layer = layer
         if geo.kind == "mamba1":
             self.H, self.P = 1, geo.heads * geo.head_dim
             self.G, self.N = 1, geo.d_state
         else:
             self.H, self.P = geo.heads, geo.head_dim
             self.G, self.N = geo.n_groups, geo.d_state
+        if self.N > MAX_STATE_DIM:
+            raise ValueError(f"d_state {self.N} is above the probe's exact-arithmetic limit {MAX_STATE_DIM}")
         self.K = geo.conv_kernel
         self.dim = geo.conv_dim()
-
-    def to(self, device) -> "MambaProbe":
-        """A copy of this layer with its weights on ``device`` (same values, bit for bit)."""
-        import copy
-        twin = copy.copy(self)
-        twin.w = MambaWeights(**{k: (v.to(device) if v is not None else None) for k, v in self.w.__dict__.items()})
-        return twin
+        self.bc_from_conv = geo.kind != "mamba1"
+        self.w = make_tables(geo, layer, seed)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        t = tokens.long()
-        return self.w.emb1[t % TABLE] + self.w.emb2[(t // TABLE) % TABLE2]
+        return hash_channels(tokens, self.w.emb)
 
     def zero_state(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        dev = self.w.conv_w.device
-        return (torch.zeros(batch, self.K - 1, self.dim, device=dev),
-                torch.zeros(batch, self.H, self.P, self.N, device=dev))
-
-    def split(self, z: torch.Tensor, tokens: torch.Tensor):
-        """x (b, G, H/G, P), B and C (b, G, N): heads grouped so B/C broadcast without copies."""
-        if self.w.bc is not None:  # Mamba1: the conv carries x only
-            bc = self.w.bc[tokens.long() % TABLE]
-            return z.reshape(-1, 1, 1, self.P), bc[:, None, :self.N], bc[:, None, self.N:]
-        hp = self.H * self.P
-        gn = self.G * self.N
-        x = z[:, :hp].reshape(-1, self.G, self.H // self.G, self.P)
-        Bm = z[:, hp:hp + gn].reshape(-1, self.G, self.N)
-        Cm = z[:, hp + gn:hp + 2 * gn].reshape(-1, self.G, self.N)
-        return x, Bm, Cm
+        return (torch.zeros(batch, self.K - 1, self.dim, dtype=torch.int64),
+                torch.zeros(batch, self.H, self.P, self.N, dtype=torch.int64))
 
     def token_step(self, window: torch.Tensor, h: torch.Tensor, tokens: torch.Tensor):
-        """One token for each of ``batch`` rows. window: (b, K-1, dim) oldest first; h: (b, H, P, N).
-
-        Returns (y (b, H*P), new window, new h). Only ``+`` and ``*`` run, and every sum
-        has a fixed order that depends on the layer's sizes alone (a pairwise tree over
-        N), so results do not depend on how many rows are batched.
-        """
+        """One token for each of ``b`` rows. window (b, K-1, dim) oldest first, h (b, H, P, N),
+        residues in int64. Returns (y (b, H*P), new window, new h)."""
         b = tokens.shape[0]
         G, R, P, N = self.G, self.H // self.G, self.P, self.N
-        u = self.embed(tokens)  # (b, dim)
-        w = self.w.conv_w
-        z = self.w.conv_b + w[0] * window[:, 0] if self.K > 1 else self.w.conv_b + 0 * u
-        for k in range(1, self.K - 1):
-            z = z + w[k] * window[:, k]
-        z = z + w[self.K - 1] * u
-        x, Bm, Cm = self.split(z, tokens)  # x (b, G, R, P)
-        idx = tokens.long() % TABLE
-        a = self.w.decay[idx].reshape(b, G, R)[..., None, None]
-        g = self.w.step[idx].reshape(b, G, R)[..., None, None]
-        hg = h.reshape(b, G, R, P, N)
-        hg = a * hg + g * (x[..., None] * Bm[:, :, None, None, :])
-        prod = hg * Cm[:, :, None, None, :]
-        width = N
-        while width > 1:  # fixed pairwise tree over the state dim
-            half = width // 2
-            summed = prod[..., :half] + prod[..., half:2 * half]
-            prod = torch.cat([summed, prod[..., 2 * half:width]], dim=-1) if width % 2 else summed
-            width = half + width % 2
-        y = prod[..., 0] + self.w.D.reshape(G, R)[None, :, :, None] * x
-        new_window = torch.cat([window[:, 1:], u[:, None, :]], dim=1)
-        return y.reshape(b, -1), new_window, hg.reshape(b, self.H, P, N)
+        u = self.embed(tokens)
+        inputs = torch.cat([window, u[:, None, :]], dim=1)  # (b, K, dim)
+        z = (self.w.conv_b + (self.w.conv_w[None] * inputs).sum(dim=1)) % Q
+        if self.bc_from_conv:
+            hp, gn = self.H * P, G * N
+            x = z[:, :hp].reshape(b, G, R, P)
+            Bm = z[:, hp:hp + gn].reshape(b, G, N)
+            Cm = z[:, hp + gn:hp + 2 * gn].reshape(b, G, N)
+        else:
+            x = z.reshape(b, 1, 1, P)
+            bc = hash_channels(tokens, self.w.bc)
+            Bm, Cm = bc[:, None, :N], bc[:, None, N:]
+        e, g = head_terms(tokens, self.w.head)
+        a = pow_table()[e].reshape(b, G, R)
+        xp = g.reshape(b, G, R)[..., None] * x % Q
+        hg = (a[..., None, None] * h.reshape(b, G, R, P, N) + xp[..., None] * Bm[:, :, None, None, :]) % Q
+        y = ((hg * Cm[:, :, None, None, :]).sum(-1) % Q + self.w.D.reshape(G, R)[None, :, :, None] * x) % Q
+        return y.reshape(b, -1), inputs[:, 1:], hg.reshape(b, self.H, P, N)
+
+    def run(self, tokens: list[int]):
+        """The definition over a whole sequence from the zero state: (outputs (n, H*P), window, h)."""
+        window, h = self.zero_state(1)
+        ys = []
+        for tok in tokens:
+            y, window, h = self.token_step(window, h, torch.tensor([tok]))
+            ys.append(y[0])
+        return torch.stack(ys) if ys else torch.zeros(0, self.H * self.P, dtype=torch.int64), window[0], h[0]
+
+
+@dataclass
+class StackedTables:
+    """Every Mamba layer's tables stacked on a leading layer axis, on one device: what the
+    batched scans read (one launch covers all layers)."""
+
+    emb: torch.Tensor  # (L, dim, 4)
+    conv_w: torch.Tensor  # (L, K, dim)
+    conv_b: torch.Tensor  # (L, dim)
+    head: torch.Tensor  # (L, H, 6)
+    D: torch.Tensor  # (L, H)
+    bc: Optional[torch.Tensor]  # (L, 2N, 4) for Mamba1
+    H: int
+    P: int
+    G: int
+    N: int
+    K: int
+    dim: int
+    bc_from_conv: bool
+    derived: dict = field(default_factory=dict)  # providers' own layouts of these tables, built once
+
+    @property
+    def layers(self) -> int:
+        return self.emb.shape[0]
+
+
+def stack_tables(probes: list[MambaProbe], device) -> StackedTables:
+    p0 = probes[0]
+    st = lambda name: torch.stack([getattr(p.w, name) for p in probes]).to(device)  # noqa: E731
+    return StackedTables(emb=st("emb"), conv_w=st("conv_w"), conv_b=st("conv_b"), head=st("head"), D=st("D"),
+                         bc=st("bc") if p0.w.bc is not None else None, H=p0.H, P=p0.P, G=p0.G, N=p0.N, K=p0.K,
+                         dim=p0.dim, bc_from_conv=p0.bc_from_conv)

@@ -5,6 +5,12 @@ queries q_nope = x W_QN, q_pe = rope(x W_QR, pos) per head. Keys and values are 
 up-projections k_nope = kv_c W_UK, v = kv_c W_UV. The softmax scale is the
 pre-absorption one (1/sqrt(nope + rope), or the geometry's, e.g. YaRN for DeepSeek-V3).
 
+Exact where it is checked exactly: embeddings and the down-projections are small integers,
+RoPE uses integer fractions of a turn and a fixed-point cos/sin table (``layers.exact``),
+and the results are scaled by powers of two, so every latent entry and every query is an
+exact float32 value computed the same way on any machine; the cache cast (bf16 for real
+models) rounds it deterministically. Attention outputs are compared with a tolerance.
+
 Prefill (compute-friendly): up-project the cached context in page-aligned chunks of
 at most ``workspace`` tokens, attend to each chunk and to the new tokens (causal),
 merge the partial results by log-sum-exp. Decode (absorbed): q_lat = q_nope W_UK^T,
@@ -13,17 +19,22 @@ attention directly over the latent cache, then W_UV. Both must agree.
 
 from __future__ import annotations
 
+import copy
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ..model import DTYPE_BYTES, MLAGeometry
-from ..workload.tokens import combine
+from .exact import rng, rope_exact
 
 TABLE = 4093
 TABLE2 = 509
+HIDDEN = 64
 _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+LATENT_SHIFT = 7  # kv_c and q_nope are integers (|.| <= 4096) times 2**-7
+ROPE_SHIFT = 17  # rotated integers carry a factor 1024 (the cos/sin table), times 2**-17
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -32,66 +43,67 @@ def torch_dtype(name: str) -> torch.dtype:
 
 @dataclass
 class MLAWeights:
-    emb1: torch.Tensor
-    emb2: torch.Tensor
-    w_dkv: torch.Tensor  # (hidden, kv_lora)
+    emb1: torch.Tensor  # (TABLE, hidden) integers in [-8, 8]
+    emb2: torch.Tensor  # (TABLE2, hidden)
+    w_dkv: torch.Tensor  # (hidden, kv_lora) integers in [-4, 4]
     w_kr: torch.Tensor  # (hidden, rope)
     w_qn: torch.Tensor  # (hidden, H, nope)
     w_qr: torch.Tensor  # (hidden, H, rope)
-    w_uk: torch.Tensor  # (H, nope, kv_lora)
+    w_uk: torch.Tensor  # (H, nope, kv_lora) integers times a power of two
     w_uv: torch.Tensor  # (H, kv_lora, v)
 
 
-def rope(x: torch.Tensor, pos: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
-    """Rotate-half RoPE on the last dim; pos (n,) aligned with x's first dim."""
-    d = x.shape[-1]
-    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float64, device=pos.device) / d))
-    ang = pos.to(torch.float64)[:, None] * inv[None, :]
-    cos = torch.cos(ang).to(x.dtype)
-    sin = torch.sin(ang).to(x.dtype)
-    while cos.dim() < x.dim():
-        cos = cos.unsqueeze(-2)
-        sin = sin.unsqueeze(-2)
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+def _pow2_scale(n: int) -> float:
+    """2**-k with 2**k near the spread of a sum of n products of integers in [-4, 4] (std 2.6)."""
+    return 2.0 ** -round(math.log2(2.6 * math.sqrt(n)))
 
 
 class MLAProbe:
-    def __init__(self, geo: MLAGeometry, layer: int, seed: int, hidden: int = 64):
+    def __init__(self, geo: MLAGeometry, layer: int, seed: int, hidden: int = HIDDEN):
         self.geo = geo
         self.hidden = hidden
-        rng = np.random.default_rng(combine(seed, 0x31A, layer) % (1 << 63))
+        g = rng(seed, 0x31A, layer)
         H, L, R, N, V = geo.heads, geo.kv_lora_rank, geo.qk_rope_head_dim, geo.qk_nope_head_dim, geo.v_head_dim
-        t = lambda *shape, s=1.0: torch.from_numpy((rng.standard_normal(shape) * s).astype(np.float32))  # noqa: E731
+        ints = lambda lo, hi, *shape: torch.from_numpy(g.integers(lo, hi + 1, size=shape).astype(np.float64))  # noqa
         self.w = MLAWeights(
-            emb1=t(TABLE, hidden), emb2=t(TABLE2, hidden, s=0.5),
-            w_dkv=t(hidden, L, s=hidden ** -0.5), w_kr=t(hidden, R, s=hidden ** -0.5),
-            w_qn=t(hidden, H, N, s=hidden ** -0.5), w_qr=t(hidden, H, R, s=hidden ** -0.5),
-            w_uk=t(H, N, L, s=L ** -0.5), w_uv=t(H, L, V, s=L ** -0.5))
+            emb1=ints(-8, 8, TABLE, hidden), emb2=ints(-8, 8, TABLE2, hidden),
+            w_dkv=ints(-4, 4, hidden, L), w_kr=ints(-4, 4, hidden, R),
+            w_qn=ints(-4, 4, hidden, H, N), w_qr=ints(-4, 4, hidden, H, R),
+            w_uk=ints(-4, 4, H, N, L) * _pow2_scale(L), w_uv=ints(-4, 4, H, L, V) * _pow2_scale(L))
+        self.w = MLAWeights(**{k: v.to(torch.float32) for k, v in self.w.__dict__.items()})
         self.scale = geo.scale()
         self.dtype = torch_dtype(geo.dtype)
 
     def to(self, device) -> "MLAProbe":
         """A copy of this layer with its weights on ``device``."""
-        import copy
         twin = copy.copy(self)
         twin.w = MLAWeights(**{k: v.to(device) for k, v in self.w.__dict__.items()})
         return twin
 
     def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Integer-valued float64 (..., hidden)."""
         t = tokens.long()
-        return self.w.emb1[t % TABLE] + self.w.emb2[(t // TABLE) % TABLE2]
+        return (self.w.emb1[t % TABLE] + self.w.emb2[(t // TABLE) % TABLE2]).double()
+
+    def latent64(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Cache entries [kv_c | k_pe] (n, kv_lora + rope), exact, float64."""
+        w = self.w
+        return latent_of(self.hidden_states(tokens)[None], w.w_dkv[None].double(), w.w_kr[None].double(), pos)[0]
 
     def latent(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Cache entries [kv_c | k_pe] (n, kv_lora + rope), float32 before the cache cast."""
-        x = self.hidden_states(tokens)
-        return torch.cat([x @ self.w.w_dkv, rope(x @ self.w.w_kr, pos)], dim=-1)
+        """The same entries in float32 (exactly), before the cache cast."""
+        return self.latent64(tokens, pos).to(torch.float32)
+
+    def queries64(self, tokens: torch.Tensor, pos: torch.Tensor):
+        """q_nope (n, H, nope), q_pe (n, H, rope), exact, float64."""
+        w = self.w
+        q_nope, q_pe = queries_of(self.hidden_states(tokens)[None], w.w_qn[None].double(), w.w_qr[None].double(),
+                                  pos[:, None])
+        return q_nope[0], q_pe[0]
 
     def queries(self, tokens: torch.Tensor, pos: torch.Tensor):
-        x = self.hidden_states(tokens)
-        q_nope = torch.einsum("nh,hkd->nkd", x, self.w.w_qn)
-        q_pe = rope(torch.einsum("nh,hkd->nkd", x, self.w.w_qr), pos)
-        return q_nope, q_pe
+        q_nope, q_pe = self.queries64(tokens, pos)
+        return q_nope.to(torch.float32), q_pe.to(torch.float32)
 
     def up_project(self, lat: torch.Tensor):
         """Latent (m, L+R) -> k (m, H, nope+rope), v (m, H, v), in float32."""
@@ -113,25 +125,74 @@ class MLAProbe:
         return self.geo.entry_dim() * DTYPE_BYTES[self.geo.dtype]
 
 
-def dense_reference(probe: MLAProbe, tokens: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
-    """The oracle: un-absorbed causal attention in float64 over the committed tokens, no cache.
+def latent_of(x: torch.Tensor, w_dkv: torch.Tensor, w_kr: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """[kv_c | k_pe] for hidden states x (layers, ..., hidden) and per-layer weights (layers, hidden, r),
+    positions broadcastable to x.shape[1:-1]. Integer sums below 2**13, so exact in float64 in any
+    order; the power-of-two scales keep them exact in float32."""
+    kv = torch.einsum("l...h,lhr->l...r", x, w_dkv) * 2.0 ** -LATENT_SHIFT
+    kr = rope_exact(torch.einsum("l...h,lhr->l...r", x, w_kr), pos) * 2.0 ** -ROPE_SHIFT
+    return torch.cat([kv, kr], dim=-1)
 
-    tokens: the committed sequence (at least up to the last query position). Returns (q, H, v).
-    """
+
+def queries_of(x: torch.Tensor, w_qn: torch.Tensor, w_qr: torch.Tensor, pos: torch.Tensor):
+    """q_nope (layers, ..., H, nope) and q_pe (layers, ..., H, rope); pos broadcastable to
+    x.shape[1:-1] + (H,)."""
+    q_nope = torch.einsum("l...h,lhkd->l...kd", x, w_qn) * 2.0 ** -LATENT_SHIFT
+    q_pe = rope_exact(torch.einsum("l...h,lhkd->l...kd", x, w_qr), pos) * 2.0 ** -ROPE_SHIFT
+    return q_nope, q_pe
+
+
+class MLAStack:
+    """Every MLA layer's weights stacked on a leading layer axis, float64, on one device: the
+    oracle evaluates all layers in one set of batched operations."""
+
+    def __init__(self, probes: list[MLAProbe], device):
+        st = lambda name: torch.stack([getattr(p.w, name) for p in probes]).to(device, torch.float64)  # noqa: E731
+        self.emb1, self.emb2 = st("emb1"), st("emb2")
+        self.w_dkv, self.w_kr, self.w_qn, self.w_qr = st("w_dkv"), st("w_kr"), st("w_qn"), st("w_qr")
+        self.w_uk, self.w_uv = st("w_uk"), st("w_uv")
+        self.scale = probes[0].scale
+        self.geo = probes[0].geo
+        self.layers = len(probes)
+
+    def hidden(self, tok: torch.Tensor) -> torch.Tensor:
+        """(layers, *tok.shape, hidden)."""
+        t = tok.long()
+        return self.emb1[:, t % TABLE] + self.emb2[:, (t // TABLE) % TABLE2]
+
+    def attend(self, tok: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
+        """Causal attention in float64 for b padded rows: tok (b, n) committed tokens, query
+        positions qpos (b, q) (each below its row's length). Returns (layers, b, q, H, v).
+        Scores use the absorbed association (q_nope W_UK) . kv_c, equal to q_nope . k_nope in real
+        arithmetic, so the cost is queries x context rather than context x up-projection."""
+        b, n = tok.shape
+        pos = torch.arange(n, device=tok.device)
+        x = self.hidden(tok)  # (Ly, b, n, hidden)
+        lat = latent_of(x, self.w_dkv, self.w_kr, pos)
+        Lr = self.geo.kv_lora_rank
+        kv, kr = lat[..., :Lr], lat[..., Lr:]
+        xq = x[:, torch.arange(b, device=tok.device)[:, None], qpos]  # (Ly, b, q, hidden)
+        q_nope, q_pe = queries_of(xq, self.w_qn, self.w_qr, qpos[..., None])
+        q_lat = torch.einsum("lbqkd,lkdr->lbqkr", q_nope, self.w_uk)
+        s = (torch.einsum("lbqkr,lbnr->lbqkn", q_lat, kv) + torch.einsum("lbqke,lbne->lbqkn", q_pe, kr)) * self.scale
+        mask = pos[None, None, :] <= qpos[:, :, None]  # (b, q, n): also hides padding past each row
+        s = s.masked_fill(~mask[None, :, :, None, :], float("-inf"))
+        o = torch.einsum("lbqkn,lbnr->lbqkr", torch.softmax(s, dim=-1), kv)
+        return torch.einsum("lbqkr,lkrv->lbqkv", o, self.w_uv)
+
+
+def dense_reference(probe: MLAProbe, tokens: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
+    """Un-absorbed causal attention in float64 over the committed tokens (tests: the definition).
+    Returns (q, H, v) for the given query positions."""
     n = int(query_positions.max()) + 1
-    pos = torch.arange(n)
-    lat = probe.latent(tokens[:n], pos).double()
+    pos = torch.arange(n, device=tokens.device)
+    lat = probe.latent64(tokens[:n], pos)
     L = probe.geo.kv_lora_rank
     kv_c, k_pe = lat[:, :L], lat[:, L:]
-    w_uk, w_uv = probe.w.w_uk.double(), probe.w.w_uv.double()
-    k_nope = torch.einsum("ml,hnl->mhn", kv_c, w_uk)
-    v = torch.einsum("ml,hlv->mhv", kv_c, w_uv)
-    qt = tokens[query_positions]
-    x = probe.hidden_states(qt).double()
-    q_nope = torch.einsum("nh,hkd->nkd", x, probe.w.w_qn.double())
-    q_pe = rope(torch.einsum("nh,hkd->nkd", x, probe.w.w_qr.double()), query_positions)
+    k_nope = torch.einsum("ml,hnl->mhn", kv_c, probe.w.w_uk.double())
+    v = torch.einsum("ml,hlv->mhv", kv_c, probe.w.w_uv.double())
+    q_nope, q_pe = probe.queries64(tokens[query_positions], query_positions)
     s = (torch.einsum("qhn,mhn->qhm", q_nope, k_nope) + torch.einsum("qhr,mr->qhm", q_pe, k_pe)) * probe.scale
     mask = pos[None, :] <= query_positions[:, None]
     s = s.masked_fill(~mask[:, None, :], float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    return torch.einsum("qhm,mhv->qhv", p, v)
+    return torch.einsum("qhm,mhv->qhv", torch.softmax(s, dim=-1), v)

@@ -1,0 +1,121 @@
+"""What a checked run will allocate, added up before anything is allocated.
+
+Every tensor the executor and the oracle hold for the whole run is sized from the
+scenario alone: the Mamba state cache and the MLA latent caches (``cache.num_blocks``
+pages each), the oracle's per-request states (``max_num_seqs``), and the per-step
+buffers (``max_num_batched_tokens``). A run that cannot fit is refused before the first
+step: with exit 2 naming ``cache.num_blocks`` when a smaller pool would fit, with exit 3
+naming the device when nothing would.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from ..config import Scenario
+from ..errors import EnvironmentProblem, InputError
+from ..model import DTYPE_BYTES
+
+GiB = float(1 << 30)
+
+
+@dataclass
+class MemoryItem:
+    name: str
+    bytes: int
+    detail: str
+    per_block: int = 0  # bytes that scale with cache.num_blocks
+
+
+@dataclass
+class MemoryPlan:
+    device: str
+    items: list[MemoryItem] = field(default_factory=list)
+    available: Optional[int] = None  # free bytes on the device, when known
+
+    @property
+    def total(self) -> int:
+        return sum(i.bytes for i in self.items)
+
+    def lines(self) -> list[str]:
+        free = f", {self.available / GiB:,.1f} GiB free" if self.available is not None else ""
+        out = [f"memory plan on {self.device}: {self.total / GiB:,.2f} GiB{free}"]
+        out += [f"  {i.name}: {i.bytes / GiB:,.3f} GiB ({i.detail})" for i in self.items]
+        return out
+
+    def as_dict(self) -> dict:
+        return {"device": self.device, "total_bytes": self.total, "available_bytes": self.available,
+                "items": [{"name": i.name, "bytes": i.bytes, "detail": i.detail} for i in self.items]}
+
+
+def free_bytes(device: torch.device) -> Optional[int]:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def plan_memory(s: Scenario, groups, device: torch.device) -> MemoryPlan:
+    geo = s.geometry()
+    plan = MemoryPlan(str(device) if device.type != "cuda" else f"{device} ({torch.cuda.get_device_name(device)})")
+    blocks = s.cache.num_blocks
+    seqs = s.scheduler.max_num_seqs
+    budget = s.scheduler.max_num_batched_tokens
+    S = s.spec_decode.num_speculative_tokens
+    if geo.mamba is not None:
+        m = geo.mamba
+        H, P = (1, m.heads * m.head_dim) if m.kind == "mamba1" else (m.heads, m.head_dim)
+        slots = max(len(g.layers) for g in groups if g.kind == "mamba")
+        dim = m.conv_dim()
+        page = 4 * (m.conv_rows(S) * dim + H * P * m.d_state)
+        plan.items.append(MemoryItem("Mamba state cache", slots * blocks * page,
+                                     f"{slots} slots x {blocks:,} blocks x {page / 2**20:,.2f} MiB pages, float32",
+                                     per_block=slots * page))
+        state = 4 * ((m.conv_kernel - 1) * dim + H * P * m.d_state)
+        plan.items.append(MemoryItem("Mamba oracle states", m.layers * seqs * state,
+                                     f"{m.layers} layers x {seqs} requests (max_num_seqs)"))
+        plan.items.append(MemoryItem("Mamba step buffers", m.layers * 4 * (budget * H * P + 2 * seqs * (
+            m.conv_kernel - 1) * dim), f"outputs of {budget:,} tokens and starting windows, every layer"))
+    if geo.mla is not None:
+        g = geo.mla
+        bs = next(gr.block_size for gr in groups if gr.kind == "mla")
+        page = bs * g.entry_dim() * DTYPE_BYTES[g.dtype]
+        plan.items.append(MemoryItem("MLA latent caches", g.layers * blocks * page,
+                                     f"{g.layers} layers x {blocks:,} blocks x {page / 2**10:,.1f} KiB pages, {g.dtype}",
+                                     per_block=g.layers * page))
+        oracle = 8 * 4 * min(1 << 27, budget * g.heads * s.scheduler.max_model_len * g.layers)
+        plan.items.append(MemoryItem("MLA oracle workspace", oracle, "float64 scores of one batch of queries"))
+        step = 4 * budget * g.heads * (2 * g.kv_lora_rank + g.qk_rope_head_dim + g.qk_nope_head_dim + g.v_head_dim)
+        plan.items.append(MemoryItem("MLA step buffers", step, f"queries and outputs of {budget:,} tokens, one layer"))
+    plan.available = free_bytes(device)
+    return plan
+
+
+def check_fits(plan: MemoryPlan, s: Scenario, where: str) -> None:
+    """Refuse a run that cannot fit: exit 2 naming cache.num_blocks if fewer blocks would fit,
+    else exit 3 naming the device."""
+    if plan.available is None or plan.total <= plan.available:
+        return
+    per_block = sum(i.per_block for i in plan.items)
+    fixed = plan.total - per_block * s.cache.num_blocks
+    need = f"the run needs {plan.total / GiB:,.1f} GiB on {plan.device} but {plan.available / GiB:,.1f} GiB are free"
+    if per_block and plan.available > fixed:
+        fit = int((plan.available - fixed) // per_block)
+        if fit >= 2:
+            raise InputError(f"cache.num_blocks: {need}; at most {fit:,} blocks fit ({per_block / 2**20:,.1f} MiB of "
+                             f"cache per block)", where)
+    raise EnvironmentProblem(f"{plan.device}: {need}, and the per-request and per-step buffers alone need "
+                             f"{fixed / GiB:,.1f} GiB; run it on a larger device or shrink the model or the batch")

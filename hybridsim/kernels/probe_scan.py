@@ -1,0 +1,379 @@
+"""The Mamba probe's batched scan: many rows, every layer, one launch.
+
+A *launch* advances each row (a run of tokens of one sequence) from an initial state
+through every Mamba layer at once, and on the way
+
+* writes the state after chosen tokens into pages of a state tensor (events; the
+  executor's cache writes, or the oracle's own per-request slots),
+* writes a draft row's conv history (K-2+n rows) into a page,
+* writes every token's output ``y`` (the system under test), or compares it with
+  outputs computed earlier (the oracle), and
+* compares the state after chosen tokens with pages of another tensor (the oracle
+  checking the cache), counting mismatching elements per (comparison, layer).
+
+It knows tensors, pages and token indices; it does not know requests or columns.
+Two implementations with identical results (the arithmetic is exact):
+
+* ``scan_reference`` — torch, in the chunked matrix form (the same trick as Mamba2's
+  SSD): within a chunk of T tokens, h_t = A_t h_0 + sum_{i<=t} (A_t / A_i) x'_i B_i^T,
+  where the decays are powers of a generator so A_t / A_i is a table lookup of an
+  exponent difference. Matrix products run in float64, exact for residues < 2**11.
+  No loop over tokens: a loop over chunks.
+* ``scan_triton`` (``probe_scan_triton.py``) — one program per (row, layer, head,
+  head-dim tile) walks the row's tokens in order with the state tile in registers.
+
+The token-by-token definition lives in ``layers/mamba.py`` (``MambaProbe.token_step``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..layers.exact import Q, pow_table
+from ..layers.mamba import StackedTables, hash_channels, head_terms
+
+NO_MISMATCH = 1 << 62  # "first mismatching index" when there is none
+NAN_DIFF = 1 << 31  # |difference| reported for a NaN (unwritten) element
+
+
+@dataclass
+class ScanLaunch:
+    """One scan over ``B`` rows and ``L`` layers. Page tensors: conv (slots, pages, R, dim) and
+    temporal (slots, pages, H, P, N), float32 residues; ``*_slot`` (L,) maps a layer to its
+    slot (the engine shares one tensor between the i-th layers of every Mamba group).
+    Events and comparisons are sorted by row, then token; ``*_ptr`` (B+1,) delimit each row's."""
+
+    tokens: torch.Tensor  # (T,) int64
+    row_start: torch.Tensor  # (B,) first token of each row in ``tokens``
+    row_len: torch.Tensor  # (B,) tokens per row, >= 1
+    init_window: torch.Tensor  # (B, L, K-1, dim) float32: the conv window each row starts from
+    init_tpage: torch.Tensor  # (B, L) temporal page each row starts from; -1: the zero state
+    state_conv: torch.Tensor
+    state_temporal: torch.Tensor
+    state_slot: torch.Tensor  # (L,)
+    ev_ptr: torch.Tensor  # (B+1,)
+    ev_t: torch.Tensor  # (E,) write the state after this token of the row ...
+    ev_tpage: torch.Tensor  # (E, L) ... its temporal part into this page (-1: not)
+    ev_cpage: torch.Tensor  # (E, L) ... its conv window into rows 0..K-2 of this page (-1: not)
+    hist_cpage: Optional[torch.Tensor] = None  # (B, L): rows 1..K-2 of the window then u_0..u_{n-1}
+    y_out: Optional[torch.Tensor] = None  # (Ty, L, H*P) int32: y of token j of row b at y_start[b] + j
+    y_start: Optional[torch.Tensor] = None  # (B,)
+    # comparisons (the oracle)
+    cmp_conv: Optional[torch.Tensor] = None
+    cmp_temporal: Optional[torch.Tensor] = None
+    cmp_slot: Optional[torch.Tensor] = None
+    cmp_ptr: Optional[torch.Tensor] = None  # (B+1,)
+    cmp_t: Optional[torch.Tensor] = None  # (C,) compare the state after this token ...
+    cmp_tpage: Optional[torch.Tensor] = None  # (C, L) ... with this temporal page (-1: skip)
+    cmp_cpage: Optional[torch.Tensor] = None  # (C, L) ... and rows off..off+K-2 of this conv page (-1: skip)
+    cmp_off: Optional[torch.Tensor] = None  # (C,)
+    y_ref: Optional[torch.Tensor] = None  # (Ty, L, H*P) int32 outputs to compare with
+    y_from: Optional[torch.Tensor] = None  # (B,) outputs of tokens y_from .. y_from+y_count-1 are
+    y_count: Optional[torch.Tensor] = None  # (B,)    compared with y_ref[y_start + j - y_from]
+    stats: Optional[torch.Tensor] = None  # (C + B, L, 3) int64: mismatches, max |diff|, first index
+
+    @property
+    def rows(self) -> int:
+        return self.row_len.shape[0]
+
+    @property
+    def compares(self) -> bool:
+        return self.stats is not None
+
+
+def new_stats(n_cmp: int, rows: int, layers: int, device) -> torch.Tensor:
+    st = torch.zeros(n_cmp + rows, layers, 3, dtype=torch.int64, device=device)
+    st[..., 2] = NO_MISMATCH
+    return st
+
+
+@dataclass
+class ScanBuilder:
+    """Host-side assembly of a launch: rows, their events and comparisons, in any order."""
+
+    layers: int
+    tokens: list[np.ndarray] = field(default_factory=list)
+    n_tokens: int = 0
+    row_start: list[int] = field(default_factory=list)
+    row_len: list[int] = field(default_factory=list)
+    init_tpage: list[list[int]] = field(default_factory=list)
+    events: list[tuple[int, int, list[int], list[int]]] = field(default_factory=list)
+    hist: list[Optional[list[int]]] = field(default_factory=list)
+    cmps: list[tuple[int, int, list[int], list[int], int, object]] = field(default_factory=list)
+    y_from: list[int] = field(default_factory=list)
+    y_count: list[int] = field(default_factory=list)
+
+    def add_row(self, tokens, init_tpage: list[int], hist: Optional[list[int]] = None,
+                y_from: int = 0, y_count: int = 0) -> int:
+        toks = np.asarray(tokens, dtype=np.int64)
+        self.row_start.append(self.n_tokens)
+        self.tokens.append(toks)
+        self.n_tokens += len(toks)
+        self.row_len.append(len(toks))
+        self.init_tpage.append(init_tpage)
+        self.hist.append(hist)
+        self.y_from.append(y_from)
+        self.y_count.append(y_count)
+        return len(self.row_len) - 1
+
+    def write(self, row: int, t: int, tpages: list[int], cpages: list[int]) -> None:
+        self.events.append((row, t, tpages, cpages))
+
+    def compare(self, row: int, t: int, tpages: list[int], cpages: list[int], off: int, tag: object) -> int:
+        """Returns the comparison's index into ``stats`` (after ``sorted_cmps`` order)."""
+        self.cmps.append((row, t, tpages, cpages, off, tag))
+        return len(self.cmps) - 1
+
+    def build(self, init_window: torch.Tensor, state_conv, state_temporal, state_slot, device,
+              y_out=None, y_start=None, cmp=None, y_ref=None) -> tuple[ScanLaunch, list]:
+        """The launch, and the comparison tags in ``stats`` order."""
+        B, L = len(self.row_len), self.layers
+        as_t = lambda v, shape=None: torch.tensor(v, dtype=torch.int64).reshape(shape or (-1,)).to(device)  # noqa
+        ev = sorted(self.events, key=lambda e: (e[0], e[1]))
+        ev_ptr = [0] * (B + 1)
+        for r, *_ in ev:
+            ev_ptr[r + 1] += 1
+        for i in range(B):
+            ev_ptr[i + 1] += ev_ptr[i]
+        launch = ScanLaunch(
+            tokens=torch.from_numpy(np.concatenate(self.tokens)).to(device), row_start=as_t(self.row_start), row_len=as_t(self.row_len),
+            init_window=init_window, init_tpage=as_t(self.init_tpage, (B, L)),
+            state_conv=state_conv, state_temporal=state_temporal, state_slot=state_slot,
+            ev_ptr=as_t(ev_ptr), ev_t=as_t([e[1] for e in ev]),
+            ev_tpage=as_t([e[2] for e in ev], (len(ev), L)), ev_cpage=as_t([e[3] for e in ev], (len(ev), L)),
+            y_out=y_out, y_start=y_start)
+        if any(h is not None for h in self.hist):
+            launch.hist_cpage = as_t([h if h is not None else [-1] * L for h in self.hist], (B, L))
+        tags: list = []
+        if cmp is not None:
+            order = sorted(range(len(self.cmps)), key=lambda i: (self.cmps[i][0], self.cmps[i][1]))
+            cm = [self.cmps[i] for i in order]
+            tags = [c[5] for c in cm]
+            cptr = [0] * (B + 1)
+            for c in cm:
+                cptr[c[0] + 1] += 1
+            for i in range(B):
+                cptr[i + 1] += cptr[i]
+            launch.cmp_conv, launch.cmp_temporal, launch.cmp_slot = cmp
+            launch.cmp_ptr = as_t(cptr)
+            launch.cmp_t = as_t([c[1] for c in cm])
+            launch.cmp_tpage = as_t([c[2] for c in cm], (len(cm), L))
+            launch.cmp_cpage = as_t([c[3] for c in cm], (len(cm), L))
+            launch.cmp_off = as_t([c[4] for c in cm])
+            launch.y_ref = y_ref
+            launch.y_from = as_t(self.y_from)
+            launch.y_count = as_t(self.y_count)
+            launch.stats = new_stats(len(cm), B, L, device)
+        return launch, tags
+
+
+# ----------------------------------------------------------------------------- torch reference
+
+
+def _residues(t: torch.Tensor) -> torch.Tensor:
+    """float32 page contents -> int64 residues; NaN (a page nothing wrote) reads as 0."""
+    return torch.nan_to_num(t, nan=0.0).to(torch.int64)
+
+
+def _exact_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Integer matrix product of residue tensors through float64 (exact: sums stay < 2**53)."""
+    return torch.matmul(a.to(torch.float64), b.to(torch.float64)).to(torch.int64)
+
+
+def _split(tables: StackedTables, z: torch.Tensor, tok: torch.Tensor):
+    """z (b, L, T, dim) -> x (b, L, T, H, P), B and C (b, L, T, G, N)."""
+    b, L, T, _ = z.shape
+    H, P, G, N = tables.H, tables.P, tables.G, tables.N
+    if tables.bc_from_conv:
+        x = z[..., : H * P].reshape(b, L, T, H, P)
+        Bm = z[..., H * P: H * P + G * N].reshape(b, L, T, G, N)
+        Cm = z[..., H * P + G * N: H * P + 2 * G * N].reshape(b, L, T, G, N)
+    else:
+        x = z.reshape(b, L, T, 1, P)
+        flat = tok.reshape(-1)
+        bc = torch.stack([hash_channels(flat, tables.bc[l_]) for l_ in range(L)], dim=1)  # (bT, L, 2N)
+        bc = bc.reshape(b, T, L, 2 * N).transpose(1, 2)
+        Bm, Cm = bc[..., None, :N], bc[..., None, N:]
+    return x, Bm, Cm
+
+
+def _chunk(tables: StackedTables, tok: torch.Tensor, window: torch.Tensor, h0: torch.Tensor):
+    """One chunk of T tokens for b rows (every row has T tokens here; padding is harmless
+    because token t only ever influences later tokens). Returns what the caller needs to
+    read states at any t: (y, x', B, log-decays, U, E)."""
+    b, T = tok.shape
+    L, K, H, G = tables.layers, tables.K, tables.H, tables.G
+    R = H // G
+    flat = tok.reshape(-1)
+    u = torch.stack([hash_channels(flat, tables.emb[l_]) for l_ in range(L)], dim=1)  # (bT, L, dim)
+    u = u.reshape(b, T, L, -1).transpose(1, 2)  # (b, L, T, dim)
+    U = torch.cat([window, u], dim=2)  # (b, L, K-1+T, dim)
+    z = tables.conv_b[None, :, None, :].clone().expand(b, L, T, -1)
+    for k in range(K):
+        z = z + tables.conv_w[None, :, k, None, :] * U[:, :, k:k + T, :]
+    z = z % Q
+    x, Bm, Cm = _split(tables, z, tok)
+    eg = [head_terms(flat, tables.head[l_]) for l_ in range(L)]
+    e = torch.stack([v[0] for v in eg], dim=1).reshape(b, T, L, H).permute(0, 2, 3, 1)  # (b, L, H, T)
+    g = torch.stack([v[1] for v in eg], dim=1).reshape(b, T, L, H).permute(0, 2, 1, 3)  # (b, L, T, H)
+    xp = g[..., None] * x % Q  # (b, L, T, H, P)
+    E = torch.cumsum(e, dim=-1)  # (b, L, H, T)
+    POW = pow_table().to(tok.device)
+    diff = (E[..., :, None] - E[..., None, :]) % (Q - 1)  # (b, L, H, T_j, T_i)
+    causal = torch.ones(T, T, dtype=torch.bool, device=tok.device).tril()
+    decay = torch.where(causal, POW[diff], torch.zeros((), dtype=torch.int64, device=tok.device))
+    A = POW[E % (Q - 1)]  # (b, L, H, T)
+    # y_j = A_j (C_j . h0) + sum_i decay[j,i] (C_j . B_i) x'_i + D x_j
+    Bh = Bm.permute(0, 1, 3, 2, 4)  # (b, L, G, T, N)
+    Ch = Cm.permute(0, 1, 3, 2, 4)
+    CB = _exact_mm(Ch, Bh.transpose(-1, -2)) % Q  # (b, L, G, T_j, T_i)
+    CB = CB.repeat_interleave(R, dim=2)  # (b, L, H, T, T)
+    M = decay * CB % Q
+    xph = xp.permute(0, 1, 3, 2, 4)  # (b, L, H, T, P)
+    term = _exact_mm(M, xph) % Q  # (b, L, H, T, P)
+    Chh = Ch.repeat_interleave(R, dim=2)  # (b, L, H, T, N)
+    ch0 = _exact_mm(Chh, h0.transpose(-1, -2)) % Q  # (b, L, H, T, P)
+    xh = x.permute(0, 1, 3, 2, 4)
+    y = (A[..., None] * ch0 % Q + term + tables.D[None, :, :, None, None] * xh) % Q  # (b, L, H, T, P)
+    y = y.permute(0, 3, 1, 2, 4)  # (b, T, L, H, P)
+    return y, decay, xph, Bh.repeat_interleave(R, dim=2), A, U
+
+
+def _states_at(sel: torch.Tensor, ts: torch.Tensor, decay, xph, Bhh, A, U, h0, K: int):
+    """States after token ts[k] of row sel[k]: windows (k, L, K-1, dim), h (k, L, H, P, N)."""
+    w = decay[sel, :, :, ts, :]  # (k, L, H, T)
+    wx = w[..., None] * xph[sel] % Q  # (k, L, H, T, P)
+    h = (_exact_mm(wx.transpose(-1, -2), Bhh[sel]) % Q + A[sel, :, :, ts][..., None, None] * h0[sel]) % Q
+    idx = ts[:, None] + 1 + torch.arange(K - 1, device=ts.device)[None, :]  # U rows t+1 .. t+K-1
+    win = U[sel[:, None], :, idx].permute(0, 2, 1, 3)  # (k, L, K-1, dim)
+    return win, h
+
+
+def _page_values(conv, temporal, slot, pages, off, K):
+    """(k, L) pages -> their conv rows off..off+K-2 (k, L, K-1, dim) and temporal pages, float32."""
+    sl = slot[None, :].expand_as(pages)
+    rows = off[:, None, None] + torch.arange(K - 1, device=pages.device)[None, None, :]  # (k, 1, K-1)
+    pg = pages.clamp(min=0)
+    return conv[sl[..., None], pg[..., None], rows], temporal[sl, pg]
+
+
+def _mismatch(got: torch.Tensor, want: torch.Tensor, mask: torch.Tensor):
+    """Page values ``got`` (k, L, ...) against residues ``want``, where ``mask`` (k, L) says the
+    comparison is made: (mismatches, max |diff|, first mismatching element), each (k, L)."""
+    k, L = got.shape[:2]
+    g = got.reshape(k, L, -1).double()
+    w = want.reshape(k, L, -1).double()
+    bad = ~(g == w) & mask[..., None]
+    diff = torch.where(torch.isnan(g), torch.full_like(g, float(NAN_DIFF)), (g - w).abs())
+    idx = torch.arange(g.shape[-1], device=g.device)
+    count = bad.sum(-1)
+    maxd = torch.where(bad, diff, torch.zeros_like(diff)).amax(-1).to(torch.int64) if g.shape[-1] else count
+    first = torch.where(bad, idx, torch.full_like(idx, NO_MISMATCH)).amin(-1) if g.shape[-1] else count
+    return count, maxd, first
+
+
+def _accumulate(stats: torch.Tensor, rows: torch.Tensor, count, maxd, first) -> None:
+    stats[rows, :, 0] += count
+    stats[rows, :, 1] = torch.maximum(stats[rows, :, 1], maxd)
+    stats[rows, :, 2] = torch.minimum(stats[rows, :, 2], first)
+
+
+def scan_reference(tables: StackedTables, ln: ScanLaunch, chunk: int = 64) -> None:
+    """``ScanLaunch`` in torch (chunked matrix form). Meant for a CPU and small models: it holds
+    every row's state (B x L states) and chunk-sized matrices at once."""
+    dev = ln.tokens.device
+    B, L, K = ln.rows, tables.layers, tables.K
+    HP, wsz = tables.H * tables.P, (K - 1) * tables.dim
+    lens = ln.row_len.tolist()
+    starts = ln.row_start.tolist()
+    slot = ln.state_slot
+    zero = torch.zeros((), dtype=torch.int64, device=dev)
+    # every row's initial state, read before anything is written
+    window = _residues(ln.init_window)  # (B, L, K-1, dim)
+    tp = ln.init_tpage
+    h = torch.where((tp >= 0)[..., None, None, None],
+                    _residues(ln.state_temporal[slot[None, :].expand(B, L), tp.clamp(min=0)]), zero)
+    ev_ptr, ev_t = ln.ev_ptr.tolist(), ln.ev_t.tolist()
+    cmp_ptr = ln.cmp_ptr.tolist() if ln.compares else [0] * (B + 1)
+    cmp_t = ln.cmp_t.tolist() if ln.compares else []
+    n_cmp = len(cmp_t)
+    hist = ln.hist_cpage
+    if hist is not None:  # a draft row's conv history: rows 1..K-2 of its starting window first
+        m = hist >= 0
+        ln.state_conv[slot[None, :].expand(B, L)[m], hist[m], 0:K - 2] = window[m][:, 1:].float()
+    n_max = max(lens)
+    for c0 in range(0, n_max, chunk):
+        rows = [b for b in range(B) if lens[b] > c0]
+        T = min(chunk, n_max - c0)
+        sel = torch.tensor(rows, dtype=torch.int64, device=dev)
+        ar = torch.arange(T, device=dev)
+        valid = torch.tensor([min(lens[b] - c0, T) for b in rows], device=dev)
+        vmask = ar[None, :] < valid[:, None]  # (b', T)
+        pos = torch.tensor([starts[b] + c0 for b in rows], device=dev)[:, None] + ar
+        tok = ln.tokens[torch.where(vmask, pos, pos[:, :1])]
+        y, decay, xph, Bhh, A, U = _chunk(tables, tok, window[sel], h[sel])
+        if ln.y_out is not None:
+            yidx = (ln.y_start[sel] + c0)[:, None] + ar
+            ln.y_out[yidx[vmask]] = y[vmask].reshape(-1, L, HP).to(ln.y_out.dtype)
+        if ln.compares:
+            jj = c0 + ar[None, :]
+            yf, yc = ln.y_from[sel][:, None], ln.y_count[sel][:, None]
+            cm = vmask & (jj >= yf) & (jj < yf + yc)  # (b', T) outputs compared in this chunk
+            if bool(cm.any()):
+                ref = ln.y_ref[(ln.y_start[sel][:, None] + jj - yf)[cm]].to(torch.int64)  # (M, L, HP)
+                got = y[cm].reshape(-1, L, HP)
+                bad = got != ref  # (M, L, HP)
+                row_of = torch.arange(len(rows), device=dev)[:, None].expand(-1, T)[cm]
+                tok_of = (jj - yf).expand(len(rows), -1)[cm]
+                per = torch.zeros(len(rows), L, dtype=torch.int64, device=dev)
+                per.index_add_(0, row_of, bad.sum(-1))
+                dmax = torch.zeros(len(rows), L, dtype=torch.int64, device=dev)
+                dmax.scatter_reduce_(0, row_of[:, None].expand(-1, L), torch.where(bad, (got - ref).abs(), zero)
+                                     .amax(-1), "amax")
+                first = torch.full((len(rows), L), NO_MISMATCH, dtype=torch.int64, device=dev)
+                cand = torch.where(bad.any(-1), tok_of[:, None], torch.full((), NO_MISMATCH, device=dev))
+                first.scatter_reduce_(0, row_of[:, None].expand(-1, L), cand, "amin")
+                _accumulate(ln.stats, n_cmp + sel, per, dmax, first)
+        # states wanted in this chunk: events, comparisons, and each row's last state of the chunk
+        want_i, want_t, ev_k, ev_i, cmp_k, cmp_i = [], [], [], [], [], []
+        for i, b in enumerate(rows):
+            for e in range(ev_ptr[b], ev_ptr[b + 1]):
+                if c0 <= ev_t[e] < c0 + T:
+                    ev_k.append(len(want_i)), ev_i.append(e)
+                    want_i.append(i), want_t.append(ev_t[e] - c0)
+            for c in range(cmp_ptr[b], cmp_ptr[b + 1]):
+                if c0 <= cmp_t[c] < c0 + T:
+                    cmp_k.append(len(want_i)), cmp_i.append(c)
+                    want_i.append(i), want_t.append(cmp_t[c] - c0)
+        carry0 = len(want_i)
+        want_i += list(range(len(rows)))
+        want_t += (valid - 1).tolist()
+        as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
+        win, hs = _states_at(as_t(want_i), as_t(want_t), decay, xph, Bhh, A, U, h[sel], K)
+        if ev_k:
+            ki, ei = as_t(ev_k), as_t(ev_i)
+            sl = slot[None, :].expand(len(ev_k), L)
+            tpg, cpg = ln.ev_tpage[ei], ln.ev_cpage[ei]
+            m = tpg >= 0
+            ln.state_temporal[sl[m], tpg[m]] = hs[ki][m].float()
+            m = cpg >= 0
+            ln.state_conv[sl[m], cpg[m], 0:K - 1] = win[ki][m].float()
+        if cmp_k:
+            ki, ci = as_t(cmp_k), as_t(cmp_i)
+            cpg, tpg = ln.cmp_cpage[ci], ln.cmp_tpage[ci]
+            cv, _ = _page_values(ln.cmp_conv, ln.cmp_temporal, ln.cmp_slot, cpg, ln.cmp_off[ci], K)
+            _, tv = _page_values(ln.cmp_conv, ln.cmp_temporal, ln.cmp_slot, tpg, ln.cmp_off[ci], K)
+            c_cnt, c_max, c_first = _mismatch(cv, win[ki], cpg >= 0)
+            t_cnt, t_max, t_first = _mismatch(tv, hs[ki], tpg >= 0)
+            t_first = torch.where(t_first == NO_MISMATCH, t_first, t_first + wsz)
+            _accumulate(ln.stats, ci, c_cnt + t_cnt, torch.maximum(c_max, t_max), torch.minimum(c_first, t_first))
+        if hist is not None:  # the draft rows' inputs of this chunk after the window rows
+            hm = (hist[sel] >= 0)[:, :, None] & vmask[:, None, :]  # (b', L, T)
+            i_, l_, t_ = hm.nonzero(as_tuple=True)
+            ln.state_conv[slot[l_], hist[sel][i_, l_], K - 2 + c0 + t_] = U[i_, l_, K - 1 + t_].float()
+        window[sel] = win[carry0:]
+        h[sel] = hs[carry0:]

@@ -1,0 +1,350 @@
+"""The Mamba probe scan as one Triton launch (semantics: ``probe_scan.ScanLaunch``).
+
+Grid: (row x layer, head x head-dim tile). A program keeps its (BP x N) slice of the
+state in registers and walks the row's tokens in order: hash the token into its
+channels, run the depthwise conv over a three-deep register window, update h, emit y,
+and write or compare states where the row's events and comparisons say. All arithmetic
+is int32 residues mod Q: every intermediate stays below 2**31 (``layers.exact``), so
+the result equals the torch reference bit for bit whatever the tiling.
+
+x channels belong to one program each; the B and C channels of a group are computed by
+every program of the group (it needs them) but written and compared by one (the group's
+first head, first tile), so each page element is touched by exactly one program.
+Addresses of pages are int64.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..layers.exact import Q, pow_table
+from ..layers.mamba import StackedTables
+from .probe_scan import ScanLaunch
+
+
+@triton.jit
+def _hash(lo, hi, a, b, d, e, QQ: tl.constexpr):
+    v = (lo * a + hi * b + d) % QQ
+    return (v * v + e) % QQ
+
+
+@triton.jit
+def _residue(v):
+    """float32 page value -> int32 residue; NaN (nothing wrote it) reads as 0."""
+    return tl.where(v == v, v, 0.0).to(tl.int32)
+
+
+@triton.jit
+def _keys(tab, ch, m):
+    return (tl.load(tab + ch * 4, mask=m, other=0), tl.load(tab + ch * 4 + 1, mask=m, other=0),
+            tl.load(tab + ch * 4 + 2, mask=m, other=0), tl.load(tab + ch * 4 + 3, mask=m, other=0))
+
+
+@triton.jit
+def _weights(cw, cb, ch, m, DIM: tl.constexpr):
+    return (tl.load(cw + ch, mask=m, other=0), tl.load(cw + DIM + ch, mask=m, other=0),
+            tl.load(cw + 2 * DIM + ch, mask=m, other=0), tl.load(cw + 3 * DIM + ch, mask=m, other=0),
+            tl.load(cb + ch, mask=m, other=0))
+
+
+@triton.jit
+def _window_rows(src, ch, m, KM1: tl.constexpr, DIM: tl.constexpr):
+    """The three newest rows of a KM1-row window (oldest first), zeros where KM1 < 3."""
+    v2 = _residue(tl.load(src + (KM1 - 1) * DIM + ch, mask=m, other=0.0))
+    v1 = tl.zeros_like(v2)
+    v0 = tl.zeros_like(v2)
+    if KM1 >= 2:
+        v1 = _residue(tl.load(src + (KM1 - 2) * DIM + ch, mask=m, other=0.0))
+    if KM1 >= 3:
+        v0 = _residue(tl.load(src + (KM1 - 3) * DIM + ch, mask=m, other=0.0))
+    return v0, v1, v2
+
+
+@triton.jit
+def _conv(u, v0, v1, v2, w, QQ: tl.constexpr):
+    return (w[4] + w[0] * v0 + w[1] * v1 + w[2] * v2 + w[3] * u) % QQ
+
+
+@triton.jit
+def _store_window(dst, row_stride, ch, m, v0, v1, v2, KM1: tl.constexpr):
+    """Rows 0..KM1-1 of a conv page <- the window (oldest first)."""
+    if KM1 >= 3:
+        tl.store(dst + ch, v0.to(tl.float32), mask=m)
+        tl.store(dst + row_stride + ch, v1.to(tl.float32), mask=m)
+        tl.store(dst + 2 * row_stride + ch, v2.to(tl.float32), mask=m)
+    elif KM1 == 2:
+        tl.store(dst + ch, v1.to(tl.float32), mask=m)
+        tl.store(dst + row_stride + ch, v2.to(tl.float32), mask=m)
+    else:
+        tl.store(dst + ch, v2.to(tl.float32), mask=m)
+
+
+@triton.jit
+def _cmp_row(src, ch, m, want, elem_base, st):
+    """Compare one row of page values with residues; fold mismatches into stats (count, max, first)."""
+    got = tl.load(src + ch, mask=m, other=0.0)
+    wf = want.to(tl.float32)
+    bad = (got != wf) & m
+    cnt = tl.sum(bad.to(tl.int64), axis=0)
+    if cnt > 0:
+        d = tl.where(got == got, tl.abs(got - wf), 2147483648.0)
+        tl.atomic_add(st, cnt)
+        tl.atomic_max(st + 1, tl.max(tl.where(bad, d, 0.0), axis=0).to(tl.int64))
+        tl.atomic_min(st + 2, tl.min(tl.where(bad, elem_base + ch.to(tl.int64), 1 << 62), axis=0))
+
+
+@triton.jit
+def _cmp_window(src, row_stride, ch, m, v0, v1, v2, st, KM1: tl.constexpr, DIM: tl.constexpr):
+    if KM1 >= 3:
+        _cmp_row(src, ch, m, v0, 0, st)
+        _cmp_row(src + row_stride, ch, m, v1, DIM, st)
+        _cmp_row(src + 2 * row_stride, ch, m, v2, 2 * DIM, st)
+    elif KM1 == 2:
+        _cmp_row(src, ch, m, v1, 0, st)
+        _cmp_row(src + row_stride, ch, m, v2, DIM, st)
+    else:
+        _cmp_row(src, ch, m, v2, 0, st)
+
+
+@triton.jit
+def _probe_scan_kernel(
+        tokens, row_start, row_len, init_window, init_tpage,
+        conv, temporal, state_slot, c_ss, c_sp, c_sr, t_ss, t_sp,
+        ev_ptr, ev_t, ev_tpage, ev_cpage, hist_cpage,
+        y_out, y_start,
+        cmp_conv, cmp_temporal, cmp_slot, cc_ss, cc_sp, cc_sr, ct_ss, ct_sp,
+        cmp_ptr, cmp_t, cmp_tpage, cmp_cpage, cmp_off, y_ref, y_from, y_count, stats, n_cmp,
+        emb, conv_w, conv_b, head, Dt, bc, powt, L,
+        H: tl.constexpr, P: tl.constexpr, G: tl.constexpr, N: tl.constexpr, KM1: tl.constexpr,
+        DIM: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, NPT: tl.constexpr, BC_CONV: tl.constexpr,
+        WRITE_Y: tl.constexpr, HAS_HIST: tl.constexpr, COMPARE: tl.constexpr, QQ: tl.constexpr):
+    pid0 = tl.program_id(0)
+    pid1 = tl.program_id(1)
+    b = pid0 // L
+    lay = pid0 % L
+    hd = pid1 // NPT
+    pt = pid1 % NPT
+    R: tl.constexpr = H // G
+    HP: tl.constexpr = H * P
+    grp = hd // R
+    offs_p = pt * BP + tl.arange(0, BP)
+    pm = offs_p < P
+    offs_n = tl.arange(0, BN)
+    nm = offs_n < N
+    om = nm & ((offs_n * 0 + hd % R + pt) == 0)  # the group's first head, first tile owns B and C
+    xc = hd * P + offs_p
+    bch = HP + grp * N + offs_n
+    cch = HP + G * N + grp * N + offs_n
+    start = tl.load(row_start + b)
+    n = tl.load(row_len + b)
+    L64 = L.to(tl.int64)
+    # this layer's tables
+    embl = emb + lay * (DIM * 4)
+    kx = _keys(embl, xc, pm)
+    cwl = conv_w + lay * (4 * DIM)
+    cbl = conv_b + lay * DIM
+    wx = _weights(cwl, cbl, xc, pm, DIM)
+    hrow = head + (lay * H + hd) * 6
+    rho = tl.load(hrow)
+    sig = tl.load(hrow + 1)
+    tau = tl.load(hrow + 2)
+    mu = tl.load(hrow + 3)
+    nu = tl.load(hrow + 4)
+    kap = tl.load(hrow + 5)
+    Dh = tl.load(Dt + lay * H + hd)
+    if BC_CONV:
+        kb = _keys(embl, bch, nm)
+        kc = _keys(embl, cch, nm)
+        wb = _weights(cwl, cbl, bch, nm, DIM)
+        wc = _weights(cwl, cbl, cch, nm, DIM)
+    else:
+        bcl = bc + lay * (2 * N * 4)
+        kb = _keys(bcl, offs_n, nm)
+        kc = _keys(bcl, N + offs_n, nm)
+    # the starting state
+    iw = init_window + (b * L64 + lay) * (KM1 * DIM)
+    x0, x1, x2 = _window_rows(iw, xc, pm, KM1, DIM)
+    if BC_CONV:
+        b0, b1, b2 = _window_rows(iw, bch, nm, KM1, DIM)
+        c0, c1, c2 = _window_rows(iw, cch, nm, KM1, DIM)
+    else:  # Mamba1: the conv carries x only
+        b0 = tl.zeros([BN], dtype=tl.int32)
+        b1, b2, c0, c1, c2 = b0, b0, b0, b0, b0
+    slot = tl.load(state_slot + lay).to(tl.int64)
+    tpg0 = tl.load(init_tpage + b * L64 + lay).to(tl.int64)
+    tile = hd * (P * N) + offs_p[:, None] * N + offs_n[None, :]
+    tm = pm[:, None] & nm[None, :]
+    h = _residue(tl.load(temporal + slot * t_ss + tl.maximum(tpg0, 0) * t_sp + tile, mask=tm, other=0.0))
+    h = tl.where(tpg0 >= 0, h, 0)  # a row from the zero state
+    hist = -1
+    if HAS_HIST:
+        hist = tl.load(hist_cpage + b * L64 + lay).to(tl.int64)
+        if hist >= 0:  # rows 1..KM1-1 of the starting window go to rows 0..KM1-2
+            hb = conv + slot * c_ss + hist * c_sp
+            if KM1 >= 3:
+                tl.store(hb + xc, x1.to(tl.float32), mask=pm)
+                tl.store(hb + c_sr + xc, x2.to(tl.float32), mask=pm)
+                if BC_CONV:
+                    tl.store(hb + bch, b1.to(tl.float32), mask=om)
+                    tl.store(hb + c_sr + bch, b2.to(tl.float32), mask=om)
+                    tl.store(hb + cch, c1.to(tl.float32), mask=om)
+                    tl.store(hb + c_sr + cch, c2.to(tl.float32), mask=om)
+            elif KM1 == 2:
+                tl.store(hb + xc, x2.to(tl.float32), mask=pm)
+                if BC_CONV:
+                    tl.store(hb + bch, b2.to(tl.float32), mask=om)
+                    tl.store(hb + cch, c2.to(tl.float32), mask=om)
+    ei = tl.load(ev_ptr + b)
+    ee = tl.load(ev_ptr + b + 1)
+    et = tl.load(ev_t + ei, mask=ei < ee, other=-1)
+    ci = 0
+    ce = 0
+    ct = -1
+    yf = 0
+    yc = 0
+    if COMPARE:
+        ci = tl.load(cmp_ptr + b)
+        ce = tl.load(cmp_ptr + b + 1)
+        ct = tl.load(cmp_t + ci, mask=ci < ce, other=-1)
+        yf = tl.load(y_from + b)
+        yc = tl.load(y_count + b)
+    ys = 0
+    if WRITE_Y or COMPARE:
+        ys = tl.load(y_start + b)
+    for j in range(0, n):
+        tok = tl.load(tokens + start + j)
+        lo = (tok % QQ).to(tl.int32)
+        hi = ((tok // QQ) % QQ).to(tl.int32)
+        ux = _hash(lo, hi, kx[0], kx[1], kx[2], kx[3], QQ)
+        zx = _conv(ux, x0, x1, x2, wx, QQ)
+        if BC_CONV:
+            ub = _hash(lo, hi, kb[0], kb[1], kb[2], kb[3], QQ)
+            uc = _hash(lo, hi, kc[0], kc[1], kc[2], kc[3], QQ)
+            Bv = _conv(ub, b0, b1, b2, wb, QQ)
+            Cv = _conv(uc, c0, c1, c2, wc, QQ)
+            b0, b1, b2 = b1, b2, ub
+            c0, c1, c2 = c1, c2, uc
+        else:
+            Bv = _hash(lo, hi, kb[0], kb[1], kb[2], kb[3], QQ)
+            Cv = _hash(lo, hi, kc[0], kc[1], kc[2], kc[3], QQ)
+        x0, x1, x2 = x1, x2, ux
+        e = (lo * rho + hi * sig + tau) % (QQ - 1)
+        a = tl.load(powt + e)
+        g = 1 + (lo * mu + hi * nu + kap) % (QQ - 1)
+        xp = (g * zx) % QQ
+        h = (a * h + xp[:, None] * Bv[None, :]) % QQ
+        y = (tl.sum(h * Cv[None, :], axis=1) % QQ + Dh * zx) % QQ
+        yo = ((ys + j).to(tl.int64) * L64 + lay) * HP + xc
+        if WRITE_Y:
+            tl.store(y_out + yo, y, mask=pm)
+        if HAS_HIST:
+            if hist >= 0:
+                hr = conv + slot * c_ss + hist * c_sp + (KM1 - 1 + j) * c_sr
+                tl.store(hr + xc, x2.to(tl.float32), mask=pm)
+                if BC_CONV:
+                    tl.store(hr + bch, b2.to(tl.float32), mask=om)
+                    tl.store(hr + cch, c2.to(tl.float32), mask=om)
+        while et == j:
+            tp = tl.load(ev_tpage + ei * L64 + lay).to(tl.int64)
+            cp = tl.load(ev_cpage + ei * L64 + lay).to(tl.int64)
+            if tp >= 0:
+                tl.store(temporal + slot * t_ss + tp * t_sp + tile, h.to(tl.float32), mask=tm)
+            if cp >= 0:
+                cb = conv + slot * c_ss + cp * c_sp
+                _store_window(cb, c_sr, xc, pm, x0, x1, x2, KM1)
+                if BC_CONV:
+                    _store_window(cb, c_sr, bch, om, b0, b1, b2, KM1)
+                    _store_window(cb, c_sr, cch, om, c0, c1, c2, KM1)
+            ei += 1
+            et = tl.load(ev_t + ei, mask=ei < ee, other=-1)
+        if COMPARE:
+            if (j >= yf) & (j < yf + yc):
+                yo_ref = ((ys + j - yf).to(tl.int64) * L64 + lay) * HP + xc
+                yr = tl.load(y_ref + yo_ref, mask=pm, other=0)
+                bad = (yr != y) & pm
+                cnt = tl.sum(bad.to(tl.int64), axis=0)
+                if cnt > 0:
+                    st = stats + ((n_cmp + b) * L64 + lay) * 3
+                    tl.atomic_add(st, cnt)
+                    tl.atomic_max(st + 1, tl.max(tl.where(bad, tl.abs(yr - y), 0), axis=0).to(tl.int64))
+                    tl.atomic_min(st + 2, (j - yf).to(tl.int64))
+            cslot = tl.load(cmp_slot + lay).to(tl.int64)
+            while ct == j:
+                st = stats + (ci * L64 + lay) * 3
+                tp = tl.load(cmp_tpage + ci * L64 + lay).to(tl.int64)
+                cp = tl.load(cmp_cpage + ci * L64 + lay).to(tl.int64)
+                if tp >= 0:
+                    got = tl.load(cmp_temporal + cslot * ct_ss + tp * ct_sp + tile, mask=tm, other=0.0)
+                    hf = h.to(tl.float32)
+                    bad = (got != hf) & tm
+                    cnt = tl.sum(tl.sum(bad.to(tl.int64), axis=1), axis=0)
+                    if cnt > 0:
+                        d = tl.where(got == got, tl.abs(got - hf), 2147483648.0)
+                        tl.atomic_add(st, cnt)
+                        tl.atomic_max(st + 1, tl.max(tl.max(tl.where(bad, d, 0.0), axis=1), axis=0).to(tl.int64))
+                        idx = KM1 * DIM + tile.to(tl.int64)
+                        tl.atomic_min(st + 2, tl.min(tl.min(tl.where(bad, idx, 1 << 62), axis=1), axis=0))
+                if cp >= 0:
+                    off = tl.load(cmp_off + ci).to(tl.int64)
+                    cb = cmp_conv + cslot * cc_ss + cp * cc_sp + off * cc_sr
+                    _cmp_window(cb, cc_sr, xc, pm, x0, x1, x2, st, KM1, DIM)
+                    if BC_CONV:
+                        _cmp_window(cb, cc_sr, bch, om, b0, b1, b2, st, KM1, DIM)
+                        _cmp_window(cb, cc_sr, cch, om, c0, c1, c2, st, KM1, DIM)
+                ci += 1
+                ct = tl.load(cmp_t + ci, mask=ci < ce, other=-1)
+
+
+def pack_tables(t: StackedTables) -> dict:
+    """int32 copies of the tables in the kernel's layout (conv weights padded to 4 taps)."""
+    if t.K > 4:
+        raise ValueError(f"the Triton probe scan supports conv_kernel 2..4, not {t.K}")
+    i32 = lambda x: x.to(torch.int32).contiguous()  # noqa: E731
+    L = t.layers
+    w = torch.zeros(L, 4, t.dim, dtype=torch.int64, device=t.emb.device)
+    w[:, 4 - t.K:] = t.conv_w
+    dev = t.emb.device
+    return {"emb": i32(t.emb), "conv_w": i32(w), "conv_b": i32(t.conv_b), "head": i32(t.head), "D": i32(t.D),
+            "bc": i32(t.bc) if t.bc is not None else torch.zeros(1, dtype=torch.int32, device=dev),
+            "pow": i32(pow_table().to(dev))}
+
+
+def scan_triton(tables: StackedTables, ln: ScanLaunch, block_p: int = 32, num_warps: int = 4) -> None:
+    pk = tables.derived.get("triton")
+    if pk is None:
+        pk = tables.derived["triton"] = pack_tables(tables)
+    B, L = ln.rows, tables.layers
+    H, P, G, N, K = tables.H, tables.P, tables.G, tables.N, tables.K
+    BP = min(triton.next_power_of_2(P), block_p)
+    BN = triton.next_power_of_2(N)
+    npt = triton.cdiv(P, BP)
+    dummy_f = ln.state_temporal
+    dummy_i = ln.row_len
+    compare = ln.compares
+    cconv = ln.cmp_conv if compare else dummy_f
+    ctemp = ln.cmp_temporal if compare else dummy_f
+    conv, temporal = ln.state_conv, ln.state_temporal
+    assert conv.stride(-1) == 1 and temporal[0, 0].is_contiguous() and ln.init_window.is_contiguous()
+    _probe_scan_kernel[(B * L, H * npt)](
+        ln.tokens, ln.row_start, ln.row_len, ln.init_window, ln.init_tpage,
+        conv, temporal, ln.state_slot, conv.stride(0), conv.stride(1), conv.stride(2),
+        temporal.stride(0), temporal.stride(1),
+        ln.ev_ptr, ln.ev_t if ln.ev_t.numel() else dummy_i, ln.ev_tpage if ln.ev_tpage.numel() else dummy_i,
+        ln.ev_cpage if ln.ev_cpage.numel() else dummy_i,
+        ln.hist_cpage if ln.hist_cpage is not None else dummy_i,
+        ln.y_out if ln.y_out is not None else dummy_i, ln.y_start if ln.y_start is not None else dummy_i,
+        cconv, ctemp, ln.cmp_slot if compare else dummy_i, cconv.stride(0), cconv.stride(1), cconv.stride(2),
+        ctemp.stride(0), ctemp.stride(1),
+        ln.cmp_ptr if compare else dummy_i, ln.cmp_t if compare and ln.cmp_t.numel() else dummy_i,
+        ln.cmp_tpage if compare and ln.cmp_tpage.numel() else dummy_i,
+        ln.cmp_cpage if compare and ln.cmp_cpage.numel() else dummy_i,
+        ln.cmp_off if compare and ln.cmp_off.numel() else dummy_i,
+        ln.y_ref if compare and ln.y_ref is not None else dummy_i,
+        ln.y_from if compare else dummy_i, ln.y_count if compare else dummy_i,
+        ln.stats if compare else dummy_i, ln.cmp_t.numel() if compare else 0,
+        pk["emb"], pk["conv_w"], pk["conv_b"], pk["head"], pk["D"], pk["bc"], pk["pow"], L,
+        H=H, P=P, G=G, N=N, KM1=K - 1, DIM=tables.dim, BP=BP, BN=BN, NPT=npt, BC_CONV=tables.bc_from_conv,
+        WRITE_Y=ln.y_out is not None, HAS_HIST=ln.hist_cpage is not None, COMPARE=compare, QQ=Q,
+        num_warps=num_warps)

@@ -1,0 +1,240 @@
+"""The probe layers' arithmetic: the batched scans equal the token-by-token definition bit for
+bit, comparisons count exactly the elements that differ, and the exact quantities (Mamba
+states, MLA latent entries, RoPE tables) are pinned to values no platform can change.
+
+The Triton scan runs under the interpreter here (small sizes); ``-m gpu`` runs it compiled
+at real sizes.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import random
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hybridsim.kernels.probe_scan import NAN_DIFF, NO_MISMATCH, ScanBuilder, scan_reference  # noqa: E402
+from hybridsim.kernels.probe_scan_triton import scan_triton  # noqa: E402
+from hybridsim.layers.exact import MAX_STATE_DIM, Q, fingerprint_rows, rope_phases, trig_table  # noqa: E402
+from hybridsim.layers.mamba import MambaProbe, stack_tables  # noqa: E402
+from hybridsim.layers.mla import MLAProbe, MLAStack, dense_reference  # noqa: E402
+from hybridsim.model import MambaGeometry, MLAGeometry  # noqa: E402
+from hybridsim.presets import build_preset  # noqa: E402
+
+GEOMETRIES = {
+    "mamba2": MambaGeometry(layers=3, heads=4, head_dim=8, d_state=16, n_groups=2, conv_kernel=4),
+    "mamba1": MambaGeometry(kind="mamba1", layers=2, heads=2, head_dim=8, d_state=4, conv_kernel=4),
+    "gdn": MambaGeometry(kind="gdn", layers=2, heads=4, head_dim=8, d_state=8, n_groups=2, conv_kernel=4),
+    "mamba2-k3": MambaGeometry(layers=2, heads=2, head_dim=8, d_state=8, n_groups=1, conv_kernel=3),
+    "mamba2-k2": MambaGeometry(layers=2, heads=2, head_dim=8, d_state=8, n_groups=1, conv_kernel=2),
+}
+
+
+def _definition(probe: MambaProbe, window, h, tokens):
+    """Token by token: outputs and the state after every token."""
+    ys, states = [], []
+    w, hh = window[None], h[None]
+    for t in tokens:
+        y, w, hh = probe.token_step(w, hh, torch.tensor([t]))
+        ys.append(y[0])
+        states.append((w[0].clone(), hh[0].clone()))
+    return torch.stack(ys), states
+
+
+def _case(geo: MambaGeometry, seed: int, lens: list[int], spec_rows=(), pages: int = 64):
+    """Rows with random tokens, half from random cached states; events at random tokens."""
+    rnd = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    probes = [MambaProbe(geo, layer, seed) for layer in range(geo.layers)]
+    tab = stack_tables(probes, "cpu")
+    L, K = geo.layers, geo.conv_kernel
+    R = K - 1 + 3
+    conv = torch.full((L, pages, R, tab.dim), float("nan"))
+    temporal = torch.full((L, pages, tab.H, tab.P, tab.N), float("nan"))
+    slot = torch.arange(L)
+    free = iter(rnd.sample(range(1, pages), pages - 1))  # shuffled pages
+    b = ScanBuilder(L)
+    window = torch.zeros(len(lens), L, K - 1, tab.dim)
+    expect = []
+    for row, n in enumerate(lens):
+        toks = [rnd.randrange(0, 200_000) for _ in range(n)]
+        if row % 2:
+            w0 = torch.randint(0, Q, (L, K - 1, tab.dim), generator=gen)
+            h0 = torch.randint(0, Q, (L, tab.H, tab.P, tab.N), generator=gen)
+            pg = next(free)
+            temporal[:, pg] = h0.float()
+            window[row] = w0.float()
+            init = [pg] * L
+        else:
+            w0 = torch.zeros(L, K - 1, tab.dim, dtype=torch.int64)
+            h0 = torch.zeros(L, tab.H, tab.P, tab.N, dtype=torch.int64)
+            init = [-1] * L
+        hist = [next(free)] * L if row in spec_rows else None
+        i = b.add_row(toks, init, hist)
+        expect.append((toks, [_definition(probes[layer], w0[layer], h0[layer], toks) for layer in range(L)], w0))
+        for t in sorted({n - 1, rnd.randrange(n)}):
+            pg = next(free)
+            b.write(i, t, [pg] * L, [pg] * L)
+    y = torch.full((sum(lens), L, tab.H * tab.P), -1, dtype=torch.int32)
+    starts = torch.tensor([sum(lens[:i]) for i in range(len(lens))])
+    ln, _ = b.build(window, conv, temporal, slot, "cpu", y_out=y, y_start=starts)
+    return probes, tab, b, ln, expect
+
+
+def _clone(ln):
+    twin = copy.copy(ln)
+    for k, v in ln.__dict__.items():
+        if isinstance(v, torch.Tensor):
+            setattr(twin, k, v.clone())
+    return twin
+
+
+@pytest.mark.parametrize("kind", sorted(GEOMETRIES))
+@pytest.mark.parametrize("chunk", [5, 64])
+def test_reference_scan_equals_the_definition(kind, chunk):
+    geo = GEOMETRIES[kind]
+    probes, tab, b, ln, expect = _case(geo, 11, [1, 4, 23, 70, 3], spec_rows=(1, 4))
+    scan_reference(tab, ln, chunk=chunk)
+    K = geo.conv_kernel
+    for row, (toks, per_layer, w0) in enumerate(expect):
+        ys = int(ln.y_start[row])
+        for layer, (y_def, states) in enumerate(per_layer):
+            assert torch.equal(ln.y_out[ys:ys + len(toks), layer].long(), y_def), (row, layer)
+        if ln.hist_cpage is not None and int(ln.hist_cpage[row, 0]) >= 0:  # draft rows' conv history
+            pg = int(ln.hist_cpage[row, 0])
+            for layer, (_, states) in enumerate(per_layer):
+                hist = ln.state_conv[layer, pg, : K - 2 + len(toks)].long()
+                inputs = torch.cat([w0[layer][1:], torch.stack([s[0][-1] for s in states])])
+                assert torch.equal(hist, inputs)
+    for row, t, tpages, cpages in b.events:
+        for layer, (_, states) in enumerate(expect[row][1]):
+            w, h = states[t]
+            assert torch.equal(ln.state_temporal[layer, tpages[layer]].long(), h)
+            assert torch.equal(ln.state_conv[layer, cpages[layer], : K - 1].long(), w)
+
+
+@pytest.mark.parametrize("kind", sorted(GEOMETRIES))
+def test_triton_scan_equals_reference_bit_for_bit(kind):
+    geo = GEOMETRIES[kind]
+    _, tab, _, ln, _ = _case(geo, 5, [1, 4, 9], spec_rows=(1,))
+    tri = _clone(ln)
+    scan_reference(tab, ln)
+    scan_triton(tab, tri)
+    same = lambda a, b: torch.equal(torch.nan_to_num(a, -1.0), torch.nan_to_num(b, -1.0))  # noqa: E731
+    assert same(ln.state_conv, tri.state_conv) and same(ln.state_temporal, tri.state_temporal)
+    assert torch.equal(ln.y_out, tri.y_out)
+
+
+@pytest.mark.parametrize("provider", ["reference", "triton"])
+def test_comparisons_count_exactly_the_differing_elements(provider):
+    """The oracle's mode: compare states after given tokens with pages; one changed element,
+    one NaN element and one changed output are reported where they are, nothing else."""
+    geo = GEOMETRIES["mamba2"]
+    _, tab, b, ln, expect = _case(geo, 3, [3, 6], pages=32)
+    scan_reference(tab, ln)  # the pages now hold the true states after the events' tokens
+    L, K = geo.layers, geo.conv_kernel
+    cb = ScanBuilder(L)
+    for row, (toks, _, _) in enumerate(expect):
+        cb.add_row(toks, ln.init_tpage[row].tolist(), y_from=1, y_count=len(toks) - 1)
+    for row, t, tpages, cpages in b.events:
+        cb.compare(row, t, tpages, cpages, 0, (row, t))
+    conv, temporal, y_ref = ln.state_conv.clone(), ln.state_temporal.clone(), ln.y_out.clone()
+    e_row, e_t, e_tp, e_cp = b.events[0]
+    temporal[1, e_tp[1], 0, 1, 2] += 5  # layer 1: one temporal element off by 5
+    conv[2, e_cp[2], 1, 3] = float("nan")  # layer 2: one conv element never written
+    y_ref[int(ln.y_start[1]) + 2, 0, 4] += 1  # row 1, token 2 (the second compared), layer 0
+    oracle_conv, oracle_t = ln.state_conv.clone(), ln.state_temporal.clone()
+    launch, tags = cb.build(ln.init_window, oracle_conv, oracle_t, torch.arange(L), "cpu",
+                            y_start=ln.y_start + 1, cmp=(conv, temporal, torch.arange(L)), y_ref=y_ref)
+    (scan_reference if provider == "reference" else scan_triton)(tab, launch)
+    st = launch.stats
+    first = tags.index((e_row, e_t))
+    P_N = tab.P * tab.N
+    assert st[first, 1].tolist() == [1, 5, (K - 1) * tab.dim + 0 * P_N + 1 * tab.N + 2]
+    assert st[first, 2].tolist() == [1, NAN_DIFF, 1 * tab.dim + 3]
+    assert st[len(tags) + 1, 0].tolist() == [1, 1, 1]
+    others = torch.ones_like(st[..., 0], dtype=torch.bool)
+    others[first, 1] = others[first, 2] = others[len(tags) + 1, 0] = False
+    assert (st[..., 0][others] == 0).all() and (st[..., 2][others] == NO_MISMATCH).all()
+
+
+def test_every_state_element_depends_on_the_first_token():
+    """Change only the first token of 40: (nearly) every element of the final state moves."""
+    probe = MambaProbe(build_preset("tiny-hybrid").mamba, 0, seed=1)
+    toks = [random.Random(2).randrange(1000) for _ in range(40)]
+    _, w1, h1 = probe.run(toks)
+    _, w2, h2 = probe.run([toks[0] + 1] + toks[1:])
+    assert (h1 != h2).float().mean() > 0.99
+    assert torch.equal(w1, w2)  # the conv window holds only the last K-1 inputs
+
+
+def test_exact_arithmetic_stays_in_int32():
+    """Bounds the Triton scan relies on: h update, conv and the d_state sum of products."""
+    assert 2 * (Q - 1) ** 2 < 2 ** 31
+    assert MAX_STATE_DIM * (Q - 1) ** 2 + (Q - 1) ** 2 < 2 ** 31
+    assert 4 * (Q - 1) ** 2 + Q < 2 ** 31
+
+
+def test_rope_and_trig_tables_are_pinned():
+    """The tables come from decimal arithmetic; these digests are what every machine computes."""
+    cos_t, sin_t = trig_table()
+    digest = hashlib.sha256(cos_t.numpy().tobytes() + sin_t.numpy().tobytes()).hexdigest()
+    assert digest[:16] == TRIG_DIGEST
+    assert rope_phases(64)[:4].tolist() == ROPE64_HEAD
+    assert int(cos_t.abs().max()) == 1024 and int(cos_t[0]) == 1024 and int(sin_t[1024]) == 1024
+
+
+TRIG_DIGEST = "9c787d66d3278a05"
+ROPE64_HEAD = [683565276, 512601642, 384397003, 288257087]  # 2**32 / (2 pi) * 10000**(-2i/64)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mla_latent_is_exact_and_batch_invariant(dtype):
+    geo = MLAGeometry(layers=1, heads=4, kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=16,
+                      v_head_dim=16, dtype=dtype)
+    probe = MLAProbe(geo, 0, seed=4)
+    tok = torch.randint(0, 100_000, (37,))
+    pos = torch.arange(1000, 1037)
+    lat64 = probe.latent64(tok, pos)
+    lat32 = probe.latent(tok, pos)
+    assert torch.equal(lat32.double(), lat64)  # exactly representable in float32
+    for i in (0, 5, 36):  # one token alone: the same bits
+        assert torch.equal(probe.latent(tok[i:i + 1], pos[i:i + 1])[0], lat32[i])
+    perm = torch.randperm(37)
+    assert torch.equal(probe.latent(tok[perm], pos[perm]), lat32[perm])
+
+
+def test_mla_oracle_equals_the_unabsorbed_definition():
+    geo = MLAGeometry(layers=2, heads=4, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                      v_head_dim=16)
+    probes = [MLAProbe(geo, layer, seed=9) for layer in range(2)]
+    stack = MLAStack(probes, "cpu")
+    rows = [torch.randint(0, 50_000, (n,)) for n in (5, 40, 17)]
+    qs = [(0, 5), (35, 5), (10, 7)]
+    n = max(len(r) for r in rows)
+    tok = torch.zeros(3, n, dtype=torch.int64)
+    qpos = torch.zeros(3, 7, dtype=torch.int64)
+    for i, (r, (c, k)) in enumerate(zip(rows, qs)):
+        tok[i, : len(r)] = r
+        qpos[i] = torch.clamp(c + torch.arange(7), max=c + k - 1)
+    out = stack.attend(tok, qpos)
+    for i, (r, (c, k)) in enumerate(zip(rows, qs)):
+        for layer, p in enumerate(probes):
+            want = dense_reference(p, r, torch.arange(c, c + k))
+            assert torch.allclose(out[layer, i, :k], want, rtol=1e-10, atol=1e-12)
+
+
+def test_fingerprints_are_exact_and_order_free():
+    t = torch.randint(0, Q, (3, 50)).float()
+    t[1, 7] = float("nan")
+    fp = fingerprint_rows(t)
+    assert torch.equal(fingerprint_rows(t.clone()), fp)
+    u = t.clone()
+    u[2, 49] += 1
+    assert fingerprint_rows(u)[2] != fp[2] and torch.equal(fingerprint_rows(u)[:2], fp[:2])
