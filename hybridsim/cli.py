@@ -40,6 +40,10 @@ def _guard(fn: Callable[[], int]) -> None:
     except EnvironmentProblem as e:
         err.print(f"[bold red]environment:[/] {e}", highlight=False)
         raise typer.Exit(3)
+    except torch_oom():  # a device allocation outside the executor's own guard
+        err.print("[bold red]environment:[/] out of device memory (the memory plan printed before the run says "
+                  "what was expected; make the pool or the batch smaller)", highlight=False)
+        raise typer.Exit(3)
     except MemoryError:
         err.print("[bold red]environment:[/] out of memory: the workload or the pool is larger than this "
                   "machine holds (make the scenario smaller)", highlight=False)
@@ -48,6 +52,18 @@ def _guard(fn: Callable[[], int]) -> None:
         err.print("interrupted")
         raise typer.Exit(130)
     raise typer.Exit(code)
+
+
+def torch_oom() -> type:
+    """torch's out-of-memory error type, without importing torch for commands that do not need it."""
+    torch = sys.modules.get("torch")
+    return getattr(torch, "OutOfMemoryError", MemoryError) if torch is not None else MemoryError
+
+
+def _announce(lines: list[str]) -> None:
+    """The memory plan, printed before anything is allocated."""
+    for line in lines:
+        err.print(line, style="dim", highlight=False)
 
 
 def _writable(path: Optional[Path], flag: str) -> None:
@@ -107,6 +123,7 @@ def run(
         if csv_dir is not None and not csv_dir.parent.exists():
             raise InputError(f"folder {csv_dir.parent} does not exist", "--csv")
         loaded = load_scenario(scenario)
+        announce = None if quiet else _announce
         if max_steps is not None:
             s = loaded.scenario
             loaded.scenario = s.model_copy(update={"execution": s.execution.model_copy(update={"max_steps": max_steps})})
@@ -123,10 +140,10 @@ def run(
                     if stats.steps % 64 == 0:
                         progress.update(task, completed=stats.finished, total=stats.requests)
                 res = plan_scenario(loaded, record=record, check=check.value if check else None, progress=tick,
-                                    bugs=bugs, kernels=kernels, device=device)
+                                    bugs=bugs, kernels=kernels, device=device, announce=announce)
         else:
             res = plan_scenario(loaded, record=record, check=check.value if check else None, bugs=bugs,
-                                kernels=kernels, device=device)
+                                kernels=kernels, device=device, announce=announce)
         if json_out is not None:
             _write_json(json_out, res.as_dict())
         if csv_dir is not None:
@@ -191,7 +208,7 @@ def replay(
             if json_out is not None:
                 _write_json(json_out, {"traces": [r.__dict__ for r in rows]})
             return 0 if update_expected else (1 if any(r.result != "pass" for r in rows) else 0)
-        results = [replay_trace(t, **kw) for t in trace_files(traces)]
+        results = [replay_trace(t, announce=None if quiet else _announce, **kw) for t in trace_files(traces)]
         if json_out is not None:
             data = [r.as_dict() for r in results]
             _write_json(json_out, data[0] if len(data) == 1 else {"traces": data})

@@ -260,6 +260,10 @@ class ExecutionSection(_Strict):
     kernels: Literal["auto", "triton", "reference"] = "auto"
     check: Literal["full", "sampled", "off"] = "full"
     max_steps: int = Field(5000, ge=1)
+    mla_workspace_tokens: int = Field(
+        256, ge=1, le=1 << 20, description="tokens of cached context the MLA prefill path up-projects at once "
+        "(rounded down to whole blocks; vLLM sizes its workspace at 8 x max_model_len up to 128k tokens; small "
+        "values exercise the chunked log-sum-exp merge)")
 
     @field_validator("check", mode="before")
     @classmethod

@@ -25,6 +25,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from .engine.transfer import upload
 from .kernels.probe_scan import ScanBuilder, ScanLaunch
 from .layers.mamba import StackedTables
 from .layers.mla import MLAProbe, MLAStack
@@ -106,10 +107,10 @@ class MambaOracle:
             for cp in r.compares:
                 b.compare(i, cp.position - f - 1, cp.tpages, cp.cpages, cp.off, cp.tag)
             self.frontier[r.rid] = end
-        idx = torch.tensor(reads, dtype=torch.int64, device=self.device)
+        idx = upload(reads, self.device)
         window = self.conv[:, idx.clamp(min=0)].transpose(0, 1)  # (B, L, K-1, dim)
         window = torch.where((idx >= 0)[:, None, None, None], window, torch.zeros((), device=self.device))
-        y_start = torch.tensor([r.y_start for r in rows], dtype=torch.int64, device=self.device)
+        y_start = upload([r.y_start for r in rows], self.device)
         launch, tags = b.build(window.contiguous(), self.conv, self.temporal, self.identity, self.device,
                                y_start=y_start, cmp=cache, y_ref=y_ref)
         self.scan(self.t, launch)
@@ -151,7 +152,7 @@ class MLAOracle:
                 toks, c, k = rows[i]
                 tok[j, : c + k] = toks[: c + k]
                 qpos[j] = np.minimum(c + q0 + np.arange(q_max), c + q1 - 1)  # padding repeats the last query
-            res = self.stack.attend(torch.from_numpy(tok).to(self.device), torch.from_numpy(qpos).to(self.device))
+            res = self.stack.attend(upload(tok, self.device), upload(qpos, self.device))
             for j, (i, q0, q1) in enumerate(batch):
                 out[i].append((q0, res[:, j, : q1 - q0]))
             start = end

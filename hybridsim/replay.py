@@ -31,6 +31,7 @@ class ReplayResult:
     timings: dict = field(default_factory=dict)
     digests: dict = field(default_factory=dict)
     kernel_timings: Optional[dict] = None  # GPU runs: per-kernel CUDA-event timings
+    memory: Optional[dict] = None  # the memory plan and, on a GPU, the measured peak
 
     @property
     def failed(self) -> bool:
@@ -42,7 +43,7 @@ class ReplayResult:
                 "checks": self.checks.as_list(),
                 "first_divergence": dict(sorted(self.checks.divergence.items(), key=lambda kv: kv[1])),
                 "timings": [{"phase": k, "total_s": round(v, 6)} for k, v in self.timings.items()],
-                "kernel_timings": self.kernel_timings}
+                "kernel_timings": self.kernel_timings, "memory": self.memory}
 
 
 def replay_trace(path: str | Path, *, check: str = "full", bugs: Optional[set[str]] = None,
@@ -68,4 +69,5 @@ def replay_trace(path: str | Path, *, check: str = "full", bugs: Optional[set[st
         ex.step(plan, outcome)
     wall = perf_counter() - t0
     return ReplayResult(Path(path), len(tr.steps), len(tr.requests), checks, wall, notes, dict(ex.timings),
-                        ex.state_digests(), ex.kernel_timer.summary() if ex.kernel_timer is not None else None)
+                        ex.state_digests(), ex.kernel_timer.summary() if ex.kernel_timer is not None else None,
+                        ex.memory_report())

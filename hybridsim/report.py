@@ -42,6 +42,10 @@ def summary_table(res: RunResult) -> Table:
         plan_s = res.schedule_s + res.update_s
         rows.append(("wall time (plan + execute + check)", rate))
         rows.append(("of which planning (schedule + update)", f"{plan_s:.3f} s"))
+        if res.memory is not None:
+            peak = res.memory.get("peak_bytes")
+            rows.append(("device memory: planned / peak", f"{res.memory['total_bytes'] / 2**30:,.2f} GiB / "
+                         + (f"{peak / 2**30:,.2f} GiB" if peak is not None else "-")))
     else:
         rows.append(("planning wall time", rate))
     if res.trace_path is not None:
@@ -119,8 +123,9 @@ def kernel_timings_table(kt: dict) -> Table:
     t = Table(title=f"kernel timings — {kt['device']}, copy ceiling {kt['copy_ceiling_TBps']:.2f} TB/s (measured)",
               title_justify="left",
               caption="time = GPU time of each call's kernels (CUDA events; the host finishes launching "
-                      "while the GPU spins before the start event); untimed = calls whose launch outlasted "
-                      "the spin (e.g. a first call that compiles), left out; bytes = read + written; "
+                      "while the GPU spins before the start event); untimed = calls left out: after a kernel's "
+                      "first 8 calls only every 16th is timed, and a call whose launch outlasted the spin (e.g. a "
+                      "first call that compiles) is dropped; bytes = read + written by the timed calls; "
                       "% = GB/s against the measured device-to-device copy rate")
     for col in ("kernel", "calls", "untimed", "total", "median", "p90", "bytes", "GB/s", "% of copy ceiling"):
         t.add_column(col, justify="left" if col == "kernel" else "right", no_wrap=col == "kernel")

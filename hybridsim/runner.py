@@ -49,6 +49,7 @@ class RunResult:
     steps: list[StepRecord] = field(default_factory=list)
     kernel_timings: Optional[dict] = None  # GPU runs: per-kernel CUDA-event timings
     executed: bool = False  # steps executed and/or checked: wall_s is not planning alone
+    memory: Optional[dict] = None  # the memory plan (engine/memory.py) and, on a GPU, the measured peak
 
     @property
     def failed(self) -> bool:
@@ -70,6 +71,7 @@ class RunResult:
                  "steps_per_s": round(self.stats.steps / self.wall_s, 1) if self.wall_s else None},
             ],
             "kernel_timings": self.kernel_timings,
+            "memory": self.memory,
         }
 
 
@@ -146,4 +148,5 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
         res.timings = [{"phase": k, "total_s": round(v, 6)} for k, v in executor.timings.items()]
         if executor.kernel_timer is not None:
             res.kernel_timings = executor.kernel_timer.summary()
+        res.memory = executor.memory_report()
     return res

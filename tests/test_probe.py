@@ -119,6 +119,10 @@ def test_reference_scan_equals_the_definition(kind, chunk):
             assert torch.equal(ln.state_conv[layer, cpages[layer], : K - 1].long(), w)
 
 
+INTERPRETER = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test (CPU); -m gpu runs it compiled")
+
+
+@INTERPRETER
 @pytest.mark.parametrize("kind", sorted(GEOMETRIES))
 def test_triton_scan_equals_reference_bit_for_bit(kind):
     geo = GEOMETRIES[kind]
@@ -131,7 +135,7 @@ def test_triton_scan_equals_reference_bit_for_bit(kind):
     assert torch.equal(ln.y_out, tri.y_out)
 
 
-@pytest.mark.parametrize("provider", ["reference", "triton"])
+@pytest.mark.parametrize("provider", ["reference", pytest.param("triton", marks=INTERPRETER)])
 def test_comparisons_count_exactly_the_differing_elements(provider):
     """The oracle's mode: compare states after given tokens with pages; one changed element,
     one NaN element and one changed output are reported where they are, nothing else."""
@@ -238,3 +242,38 @@ def test_fingerprints_are_exact_and_order_free():
     u = t.clone()
     u[2, 49] += 1
     assert fingerprint_rows(u)[2] != fp[2] and torch.equal(fingerprint_rows(u)[:2], fp[:2])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["nemotron-h-8b", "jamba-1.5-mini", "qwen3-next-80b"])
+def test_triton_scan_at_real_sizes_on_the_gpu(preset):
+    """Compiled, at a real model's head and state sizes (two layers, a few rows): the Triton scan
+    equals the torch form on the GPU bit for bit, writes, outputs and comparisons alike."""
+    geo = build_preset(preset).mamba.model_copy(update={"layers": 2})
+    probes = [MambaProbe(geo, layer, 7) for layer in range(2)]
+    tab = stack_tables(probes, "cuda")
+    L, K, dim = 2, geo.conv_kernel, tab.dim
+    pages = 12
+    conv = torch.full((L, pages, K - 1 + 3, dim), float("nan"), device="cuda")
+    temporal = torch.full((L, pages, tab.H, tab.P, tab.N), float("nan"), device="cuda")
+    temporal[:, 1] = torch.randint(0, Q, temporal[:, 1].shape, device="cuda").float()
+    b = ScanBuilder(L)
+    lens = [4, 37, 130]
+    for row, n in enumerate(lens):
+        b.add_row(torch.randint(0, 10 ** 6, (n,)).tolist(), [1] * L if row else [-1] * L,
+                  hist=[2] * L if row == 0 else None, y_from=0, y_count=n)
+        b.write(row, n - 1, [3 + row] * L, [3 + row] * L)
+        b.write(row, n // 2, [6 + row] * L, [6 + row] * L)
+        b.compare(row, n - 1, [1] * L, [1] * L, 0, row)
+    window = torch.randint(0, Q, (3, L, K - 1, dim), device="cuda").float()
+    y = torch.full((sum(lens), L, tab.H * tab.P), -1, dtype=torch.int32, device="cuda")
+    starts = torch.tensor([0, 4, 41], device="cuda")
+    ln, _ = b.build(window, conv, temporal, torch.arange(L, device="cuda"), "cuda", y_out=y, y_start=starts,
+                    cmp=(conv.clone(), temporal.clone(), torch.arange(L, device="cuda")), y_ref=y.clone() + 1)
+    tri = _clone(ln)
+    scan_reference(tab, ln)
+    scan_triton(tab, tri)
+    same = lambda a, b: torch.equal(torch.nan_to_num(a, -1.0), torch.nan_to_num(b, -1.0))  # noqa: E731
+    assert same(ln.state_conv, tri.state_conv) and same(ln.state_temporal, tri.state_temporal)
+    assert torch.equal(ln.y_out, tri.y_out) and torch.equal(ln.stats, tri.stats)
+    assert int(ln.stats[..., 0].sum()) > 0  # the comparisons found the (deliberate) differences

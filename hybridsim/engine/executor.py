@@ -20,7 +20,7 @@ import torch
 
 from ..checks import Checks, Failure
 from ..config import Scenario
-from ..errors import InputError
+from ..errors import EnvironmentProblem, InputError
 from ..sched.plan import PLACEHOLDER_DRAFT, StepOutcome, StepPlan
 from .cache import BlockMap
 from .mamba_exec import BadAccess, MambaExecution
@@ -78,7 +78,7 @@ class ExecRequest:
 class Executor:
     def __init__(self, scenario: Scenario, groups: list[GroupInfo], kernels, checks: Checks,
                  check: str = "full", bugs: Optional[set[str]] = None, device: str = "cpu",
-                 mla_workspace_tokens: int = 256, oracle_scan=None, digests: bool = False):
+                 oracle_scan=None, digests: bool = False):
         self.s = scenario
         self.geo = scenario.geometry()
         self.groups = groups
@@ -90,6 +90,7 @@ class Executor:
         self.reqs: dict[str, ExecRequest] = {}
         self.blocks = BlockMap(scenario.cache.num_blocks)
         self.kernel_timer = None  # a TimedKernels on a GPU: per-kernel CUDA-event timings
+        self.memory_plan = None  # engine/memory.py's plan, set by whoever sized the run
         self.mamba: Optional[MambaExecution] = None
         self.mla: Optional[MLAExecution] = None
         if self.geo.mamba is not None:
@@ -103,7 +104,7 @@ class Executor:
                 self.mamba.output_digest = hashlib.sha256()
         if self.geo.mla is not None:
             self.mla = MLAExecution(scenario, groups, kernels, checks, self.bugs, self.device, self.blocks,
-                                    mla_workspace_tokens)
+                                    scenario.execution.mla_workspace_tokens)
 
     @property
     def last_copies(self) -> int:
@@ -120,6 +121,16 @@ class Executor:
 
     # ------------------------------------------------------------------ step
     def step(self, plan: StepPlan, outcome: StepOutcome) -> None:
+        try:
+            self._step(plan, outcome)
+        except torch.OutOfMemoryError as e:  # an environment limit, not a failed check
+            raise EnvironmentProblem(_oom_message(self, plan.step, e)) from None
+        finally:
+            flush = getattr(self.k, "flush", None)  # checked kernels: the step's verdicts, one transfer
+            if flush is not None:
+                flush(plan.step)
+
+    def _step(self, plan: StepPlan, outcome: StepOutcome) -> None:
         if self.mamba is not None:
             self.mamba.last_copies = 0
         resumed = [s.req_id for s in plan.scheduled if s.is_new and s.resumed]
@@ -188,6 +199,15 @@ class Executor:
         if mla_fwd is not None:
             self.mla.check(plan, reqs, mla_fwd, committed)
 
+    def memory_report(self) -> Optional[dict]:
+        """The memory plan, with the device's measured peak on a GPU."""
+        if self.memory_plan is None:
+            return None
+        out = self.memory_plan.as_dict()
+        if self.device.type == "cuda":
+            out["peak_bytes"] = int(torch.cuda.max_memory_allocated(self.device))
+        return out
+
     def state_digests(self) -> dict[str, str]:
         """sha256 of every cache page, in physical block order, per slot (Mamba) and layer (MLA),
         and of every checked Mamba output: exact values only, so the same on every machine."""
@@ -200,3 +220,13 @@ class Executor:
         if self.mla is not None:
             out.update(self.mla.cache_digests(order))
         return out
+
+
+def _oom_message(ex: Executor, step: int, e: Exception) -> str:
+    planned = getattr(ex, "memory_plan", None)
+    plan = f"; the run planned {planned.total / 2**30:,.1f} GiB for its caches and buffers" if planned else ""
+    where = str(ex.device)
+    if ex.device.type == "cuda":
+        where += f" ({torch.cuda.get_device_name(ex.device)}, {torch.cuda.max_memory_allocated(ex.device) / 2**30:,.1f} GiB peak)"
+    first = str(e).splitlines()[0] if str(e) else "out of memory"
+    return f"{where}: out of memory at step {step}{plan}: {first}"

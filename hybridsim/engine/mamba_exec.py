@@ -32,7 +32,7 @@ from ..sched.plan import StepOutcome, StepPlan, prefill_end
 from .cache import BlockMap, MambaStateCache
 from .mamba_state import TRACKERS, Bugs, Copy, RowPlan
 from .metadata import chunk_metadata, chunk_metadata_varlen
-from .transfer import to_device
+from .transfer import to_device, upload
 
 
 class BadAccess(Exception):
@@ -217,7 +217,7 @@ class MambaExecution:
         y = torch.full((total, L, self.HP), -1, dtype=torch.int32, device=self.device)  # poisoned
         window = self.stage_windows(win_pages, win_off)
         launch, _ = b.build(window, self.cache.conv.data, self.cache.temporal.data, self.slot_of_layer,
-                            self.device, y_out=y, y_start=torch.tensor(y_start, device=self.device))
+                            self.device, y_out=y, y_start=upload(y_start, self.device))
         self.k.mamba_scan(self.tables, launch)
         self.timings["mamba"] += perf_counter() - t0
         return Forward(plans, y, y_start)
@@ -225,8 +225,8 @@ class MambaExecution:
     def stage_windows(self, pages: list[list[int]], offsets: list[int]) -> torch.Tensor:
         """Every row's starting conv window (B, L, K-1, dim), read from the cache before the scan
         writes anything (a row's pages may be written by the same launch). -1: zeros."""
-        pg = torch.tensor(pages, dtype=torch.int64, device=self.device)
-        off = torch.tensor(offsets, dtype=torch.int64, device=self.device)
+        pg = upload(pages, self.device)
+        off = upload(offsets, self.device)
         rows = off[:, None, None] + torch.arange(self.K - 1, device=self.device)[None, None, :]
         sl = self.slot_of_layer[None, :].expand_as(pg)
         w = self.cache.conv.data[sl[..., None], pg.clamp(min=0)[..., None], rows]
@@ -278,7 +278,7 @@ class MambaExecution:
         if self.output_digest is not None:
             idx = [fwd.y_start[i] + t for i, row in enumerate(rows) for t in range(row.k)]
             if idx:
-                fp = fingerprint_rows(fwd.y[torch.tensor(idx, device=self.device)])
+                fp = fingerprint_rows(fwd.y[upload(idx, self.device)])
                 self.output_digest.update(fp.cpu().numpy().tobytes())
         self.timings["oracle"] += perf_counter() - t0
 
@@ -294,12 +294,13 @@ class MambaExecution:
             return
         row.compares.append(StateCompare(pos, tpages, cpages, off, (kind, row.rid, pos, col, off, tcol)))
 
-    def _tally(self, step: int, rows: list[OracleRow], stats: torch.Tensor, tags: list) -> None:
+    def _tally(self, step: int, rows: list[OracleRow], stats_t: torch.Tensor, tags: list) -> None:
+        stats = stats_t.tolist()
         for ci, (kind, rid, pos, col, off, tcol) in enumerate(tags):
             name, what = WHAT[kind]
             tally = self.checks.get(name)
             for layer in range(self.L):
-                n, worst, first = (int(v) for v in stats[ci, layer])
+                n, worst, first = stats[ci][layer]
                 if n == 0:
                     tally.passed()
                     continue
@@ -312,7 +313,7 @@ class MambaExecution:
         n_cmp = len(tags)
         for i, row in enumerate(rows):
             for layer in range(self.L):
-                n, worst, first = (int(v) for v in stats[n_cmp + i, layer])
+                n, worst, first = stats[n_cmp + i][layer]
                 if n == 0:
                     out.passed(row.k)
                     continue

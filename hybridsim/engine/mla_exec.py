@@ -12,6 +12,7 @@ a step come back to the host in one transfer.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Optional
@@ -21,32 +22,34 @@ import torch
 
 from ..checks import Checks, Failure
 from ..config import Scenario
+from ..kernels.segments import rel_errors
 from ..layers.exact import fingerprint_rows
 from ..layers.mla import MLAProbe
 from ..oracle import MLAOracle
 from ..sched.plan import StepPlan
 from .cache import BlockMap, PagedTensor
 from .mamba_state import Bugs
-from .transfer import to_device
+from .transfer import to_device, upload
 
 TOLERANCE = {"float32": 1e-5, "float64": 1e-9, "bfloat16": 2e-2, "float16": 5e-3}
+SCORE_ELEMS = 1 << 26  # the largest attention score matrix the prefill path materialises
 
 
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
-    """(max |got - want|, that over max |want|) as a (2,) float64 tensor, inf when got is not finite."""
-    g, w = got.double(), want.double()
-    if not g.numel():
-        return torch.zeros(2, dtype=torch.float64, device=g.device)
-    d = (g - w).abs().amax()
-    rel = d / w.abs().amax().clamp_min(1e-30)
-    out = torch.stack([d, rel])
-    return torch.where(torch.isfinite(g).all(), out, torch.full_like(out, float("inf")))
+@contextmanager
+def _matmul_tf32(enabled: bool):
+    """Allow TF32 float32 matrix products inside the block (restored after)."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = enabled or before
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 @dataclass
 class MLAForward:
     outs: list[list[torch.Tensor]]  # per layer, per row: (n, H, v) float32
-    paths: list[tuple[int, int, torch.Tensor]]  # (row, layer, rel_err) of prefill rows
+    paths: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (row, layer, decode path, prefill path)
 
 
 class MLAExecution:
@@ -66,6 +69,7 @@ class MLAExecution:
         self.caches = [PagedTensor((self.bs, lg.entry_dim()), p.dtype, device, blocks.capacity) for p in self.probes]
         self.workspace = max(workspace_tokens // self.bs, 1) * self.bs
         self.tol = TOLERANCE[lg.dtype]
+        self.low_precision = lg.dtype in ("bfloat16", "float16")
         self.oracle = MLAOracle(cpu_probes, device)
         self.timings = {"mla": 0.0, "mla_oracle": 0.0}
 
@@ -87,14 +91,14 @@ class MLAExecution:
         ns = [s.num_scheduled_tokens for s in plan.scheduled]
         cs = [s.num_computed_tokens for s in plan.scheduled]
         decode_rows = set(meta.order[: meta.num_decodes])
-        tok = torch.from_numpy(np.concatenate(inputs)).to(dev)
-        pos = torch.from_numpy(np.concatenate([np.arange(c, c + n) for c, n in zip(cs, ns)])).to(dev)
-        row_of = torch.repeat_interleave(torch.arange(len(ns), device=dev), torch.tensor(ns, device=dev))
+        tok = upload(np.concatenate(inputs), dev)
+        pos = upload(np.concatenate([np.arange(c, c + n) for c, n in zip(cs, ns)]), dev)
+        row_of = upload(np.repeat(np.arange(len(ns)), ns), dev)
         starts = np.concatenate([[0], np.cumsum(ns)])
         by_n: dict[int, list[int]] = {}
         for i, n in enumerate(ns):
             by_n.setdefault(n, []).append(i)
-        gather = {n: torch.from_numpy(np.concatenate([np.arange(starts[i], starts[i] + n) for i in idx])).to(dev)
+        gather = {n: upload(np.concatenate([np.arange(starts[i], starts[i] + n) for i in idx]), dev)
                   for n, idx in by_n.items()}
         tables: dict[int, torch.Tensor] = {}
         outs, paths = [], []
@@ -105,8 +109,8 @@ class MLAExecution:
                 table = tables[g] = self._block_table(plan, reqs, g)
             cache = self.caches[layer].data
             slots = table[row_of, pos // self.bs] * self.bs + pos % self.bs
-            self.k.concat_and_cache(probe.latent(tok, pos), slots, cache)
-            q_nope, q_pe = probe.queries(tok, pos)
+            lat, q_nope, q_pe = probe.project(tok, pos)
+            self.k.concat_and_cache(lat, slots, cache)
             decoded: list[Optional[torch.Tensor]] = [None] * len(ns)
             for n, idx in by_n.items():  # the absorbed decode path, one call per query count
                 sel = gather[n]
@@ -117,8 +121,9 @@ class MLAExecution:
                 o_lat, _ = self.k.mla_decode(q_lat, qp, cache, table.index_select(0, rows_d),
                                              to_device(torch.tensor(lens, dtype=torch.int64), dev),
                                              probe.geo.kv_lora_rank, probe.scale, num_splits=0, max_seq_len=max(lens))
+                o = probe.unabsorb(o_lat)
                 for j, i in enumerate(idx):
-                    decoded[i] = probe.unabsorb(o_lat[j])
+                    decoded[i] = o[j]
             layer_out = []
             for i, (c, n) in enumerate(zip(cs, ns)):
                 if i in decode_rows:
@@ -126,36 +131,51 @@ class MLAExecution:
                     continue
                 sl = slice(int(starts[i]), int(starts[i]) + n)
                 pre = self._prefill_path(probe, q_nope[sl], q_pe[sl], cache, table[i, : -(-(c + n) // self.bs)], c, n)
-                paths.append((i, layer, rel_err(decoded[i], pre)))
+                paths.append((i, layer, decoded[i], pre))
                 layer_out.append(pre)
             outs.append(layer_out)
         self.timings["mla"] += perf_counter() - t0
         return MLAForward(outs, paths)
 
     def _prefill_path(self, probe: MLAProbe, q_nope, q_pe, cache, block_row, c, n):
+        """With a bf16/fp16 cache the engine runs this path on the matrix units; here its float32
+        products may use TF32 (10-bit inputs, float32 sums), well inside the dtype's tolerance."""
+        with _matmul_tf32(self.low_precision and cache.is_cuda):
+            return self._prefill_path_fp32(probe, q_nope, q_pe, cache, block_row, c, n)
+
+    def _prefill_path_fp32(self, probe: MLAProbe, q_nope, q_pe, cache, block_row, c, n):
+        """The new tokens attend to themselves (causal), then to the cached context chunk by chunk
+        (each chunk up-projected once), merged by lse. Queries go in blocks sized so that no score
+        matrix passes ``SCORE_ELEMS`` elements (a 4k-token chunk over 12k of context is 25 GB whole)."""
         q = torch.cat([q_nope, q_pe], dim=-1).float()
+        qb = max(1, SCORE_ELEMS // (q.shape[1] * max(n, min(c, self.workspace), 1)))
+        blocks = [(q0, min(n, q0 + qb)) for q0 in range(0, n, qb)]
         new_lat = self._gather(cache, block_row, c, n)
         k_new, v_new = probe.up_project(new_lat)
         ar = torch.arange(n, device=q.device)
-        mask = ar[None, :] <= ar[:, None]
-        out, lse = self.k.attention_partial(q, k_new, v_new, probe.scale, mask)
         base2 = "lse_base2" in self.bugs
         unguarded = "lse_unmasked" in self.bugs
-        if c == 0 and unguarded:
-            # the buggy variant merges an empty context partial without sanitising it
-            empty_o = torch.full_like(out, float("nan"))
-            empty_l = torch.full_like(lse, float("-inf"))
-            out, lse = self.k.merge_states(empty_o, empty_l, out, lse, base2_bug=base2, unguarded=True)
+        parts = []
+        for q0, q1 in blocks:
+            mask = ar[None, :q1] <= ar[q0:q1, None]
+            out, lse = self.k.attention_partial(q[q0:q1], k_new[:q1], v_new[:q1], probe.scale, mask)
+            if c == 0 and unguarded:
+                # the buggy variant merges an empty context partial without sanitising it
+                empty_o = torch.full_like(out, float("nan"))
+                empty_l = torch.full_like(lse, float("-inf"))
+                out, lse = self.k.merge_states(empty_o, empty_l, out, lse, base2_bug=base2, unguarded=True)
+            parts.append((out, lse))
         step = self.workspace - 1 if "ctx_chunk_unaligned" in self.bugs else self.workspace
         start = 0
         while start < c:
             length = min(step, c - start)
             lat = self._gather(cache, block_row, start, length, unaligned_bug="ctx_chunk_unaligned" in self.bugs)
             k_ctx, v_ctx = probe.up_project(lat)
-            o_c, l_c = self.k.attention_partial(q, k_ctx, v_ctx, probe.scale, None)
-            out, lse = self.k.merge_states(o_c, l_c, out, lse, base2_bug=base2, unguarded=unguarded)
+            for j, (q0, q1) in enumerate(blocks):
+                o_c, l_c = self.k.attention_partial(q[q0:q1], k_ctx, v_ctx, probe.scale, None)
+                parts[j] = self.k.merge_states(o_c, l_c, *parts[j], base2_bug=base2, unguarded=unguarded)
             start += length
-        return out
+        return parts[0][0] if len(parts) == 1 else torch.cat([o for o, _ in parts])
 
     def _gather(self, cache, block_row, start, length, unaligned_bug=False):
         bs = self.bs
@@ -171,15 +191,17 @@ class MLAExecution:
         rows = [i for i, k in enumerate(committed) if k > 0]
         expected = self.oracle.expected([(reqs[i].tokens.view(), plan.scheduled[i].num_computed_tokens,
                                           committed[i]) for i in rows])
-        errs = [rel_err(fwd.outs[layer][i][: committed[i]], exp[layer])
-                for i, exp in zip(rows, expected) for layer in range(len(self.probes))]
-        all_errs = torch.stack(errs + [e for _, _, e in fwd.paths]).cpu() if errs or fwd.paths else None
-        tally = self.checks.get("mla.output")
         L = len(self.probes)
+        got = [fwd.outs[layer][i][: committed[i]] for i in rows for layer in range(L)] + [d for *_, d, _ in fwd.paths]
+        want = [exp[layer] for exp in expected for layer in range(L)] + [p for *_, p in fwd.paths]
+        # (abs, rel) per comparison; a non-finite output (NaN or inf where the reference has none) is inf
+        all_errs = [(a, rel) if not bad else (float("inf"), float("inf"))
+                    for a, rel, bad in rel_errors(got, want).cpu().tolist()] if got else []
+        tally = self.checks.get("mla.output")
         for j, i in enumerate(rows):
             s = plan.scheduled[i]
             for layer in range(L):
-                a, rel = (float(v) for v in all_errs[j * L + layer])
+                a, rel = all_errs[j * L + layer]
                 tally.max_abs_err = max(tally.max_abs_err, a)
                 tally.max_rel_err = max(tally.max_rel_err, rel)
                 if rel <= self.tol:
@@ -189,8 +211,8 @@ class MLAExecution:
                                                               f"(tolerance {self.tol:g})", layer=f"mla{layer}",
                                          position=s.num_computed_tokens, max_abs_err=a, max_rel_err=rel))
         paths = self.checks.get("mla.paths")
-        for j, (i, layer, _) in enumerate(fwd.paths):
-            a, rel = (float(v) for v in all_errs[len(errs) + j])
+        for j, (i, layer, _, _) in enumerate(fwd.paths):
+            a, rel = all_errs[len(rows) * L + j]
             paths.max_abs_err = max(paths.max_abs_err, a)
             paths.max_rel_err = max(paths.max_rel_err, rel)
             if rel <= self.tol:

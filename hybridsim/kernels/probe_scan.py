@@ -33,6 +33,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..engine.transfer import upload
 from ..layers.exact import Q, pow_table
 from ..layers.mamba import StackedTables, hash_channels, head_terms
 
@@ -132,7 +133,7 @@ class ScanBuilder:
               y_out=None, y_start=None, cmp=None, y_ref=None) -> tuple[ScanLaunch, list]:
         """The launch, and the comparison tags in ``stats`` order."""
         B, L = len(self.row_len), self.layers
-        as_t = lambda v, shape=None: torch.tensor(v, dtype=torch.int64).reshape(shape or (-1,)).to(device)  # noqa
+        as_t = lambda v, shape=None: upload(torch.tensor(v, dtype=torch.int64).reshape(shape or (-1,)), device)  # noqa
         ev = sorted(self.events, key=lambda e: (e[0], e[1]))
         ev_ptr = [0] * (B + 1)
         for r, *_ in ev:
@@ -140,7 +141,7 @@ class ScanBuilder:
         for i in range(B):
             ev_ptr[i + 1] += ev_ptr[i]
         launch = ScanLaunch(
-            tokens=torch.from_numpy(np.concatenate(self.tokens)).to(device), row_start=as_t(self.row_start), row_len=as_t(self.row_len),
+            tokens=upload(np.concatenate(self.tokens), device), row_start=as_t(self.row_start), row_len=as_t(self.row_len),
             init_window=init_window, init_tpage=as_t(self.init_tpage, (B, L)),
             state_conv=state_conv, state_temporal=state_temporal, state_slot=state_slot,
             ev_ptr=as_t(ev_ptr), ev_t=as_t([e[1] for e in ev]),

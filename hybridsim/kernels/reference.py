@@ -6,13 +6,13 @@ Block ids are widened to int64 before any address arithmetic.
 
 from __future__ import annotations
 
-import math
 
 import torch
 
 from .probe_scan import scan_reference
 
 NEG_INF = float("-inf")
+SCORE_ELEMS = 1 << 27  # mla_decode materialises scores of at most this many elements at once
 
 
 class ReferenceKernels:
@@ -131,40 +131,53 @@ class ReferenceKernels:
     def mla_decode(self, q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
                    seq_lens: torch.Tensor, kv_lora_rank: int, scale: float, num_splits: int = 0,
                    max_seq_len: int | None = None):
-        """A batch of requests with the same query count: q_lat (B, nq, H, L), q_pe (B, nq, H, R),
-        block_table (B, cols), seq_lens (B,). Returns o_lat (B, nq, H, L) and lse (B, nq, H).
-        ``num_splits`` 0 is the provider's choice; here every request's keys are split in two,
-        enough to exercise the merge. ``max_seq_len`` is a speed hint other providers use."""
+        """Absorbed MLA over the paged latent cache for a batch of requests with the same query
+        count: q_lat (B, nq, H, L), q_pe (B, nq, H, R), block_table (B, cols), seq_lens (B,). The nq
+        queries are the last nq positions of each sequence (bottom-right causal mask). Returns
+        o_lat (B, nq, H, L) and lse (B, nq, H), natural log.
+
+        Each request's keys are split into ``num_splits`` parts (0 = the provider's choice; here
+        two, enough to exercise the merge), attended separately and merged with ``merge_states``.
+        ``max_seq_len`` is a speed hint other providers use."""
         splits = num_splits if num_splits > 0 else 2
-        outs = [self.mla_decode_one(q_lat[b], q_pe[b], cache, block_table[b], int(n), kv_lora_rank, scale, splits)
-                for b, n in enumerate(seq_lens.tolist())]
-        return torch.stack([o for o, _ in outs]), torch.stack([lse for _, lse in outs])
+        dev = q_lat.device
+        B, nq = q_lat.shape[:2]
+        lens = seq_lens.to(dev, torch.int64)
+        n = max_seq_len if max_seq_len is not None else (int(lens.max()) if B else 0)
+        per = max(1, SCORE_ELEMS // max(1, nq * q_lat.shape[2] * n))
+        if B > per:  # a batch whose scores would not fit goes in slices
+            parts = [self.mla_decode(q_lat[i:i + per], q_pe[i:i + per], cache, block_table[i:i + per],
+                                     seq_lens[i:i + per], kv_lora_rank, scale, num_splits, max_seq_len=n)
+                     for i in range(0, B, per)]
+            return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
+        bs = cache.shape[1]
+        kpos = torch.arange(n, device=dev)
+        table = block_table.to(dev, torch.int64)
+        lat = cache[table[:, kpos // bs], kpos % bs].to(q_lat.dtype)  # (B, n, L+R)
+        # keys past a shorter request's end read whatever its padding names (the NaN null page)
+        lat = torch.where((kpos[None, :] < lens[:, None])[..., None], lat, torch.zeros((), dtype=lat.dtype, device=dev))
+        kv_c, k_pe = lat[..., :kv_lora_rank], lat[..., kv_lora_rank:]
+        s = (torch.einsum("bqhd,bmd->bqhm", q_lat, kv_c) + torch.einsum("bqhr,bmr->bqhm", q_pe, k_pe)) * scale
+        qpos = lens[:, None] - nq + torch.arange(nq, device=dev)[None, :]  # (B, nq)
+        visible = (kpos[None, None, :] <= qpos[:, :, None]) & (kpos[None, None, :] < lens[:, None, None])
+        per = torch.div(lens + splits - 1, splits, rounding_mode="floor").clamp_min(1)  # (B,)
+        part = kpos[None, :] // per[:, None]  # (B, n): which split each key falls in
+        out = torch.zeros(B, nq, q_lat.shape[2], kv_lora_rank, dtype=q_lat.dtype, device=dev)
+        lse = torch.full((B, nq, q_lat.shape[2]), NEG_INF, dtype=q_lat.dtype, device=dev)
+        for sp in range(splits):
+            mask = visible & (part == sp)[:, None, :]  # (B, nq, n)
+            sm = s.masked_fill(~mask[:, :, None, :], NEG_INF)
+            l_part = torch.logsumexp(sm, dim=-1)
+            finite = torch.isfinite(l_part)
+            p = torch.exp(sm - torch.where(finite, l_part, torch.zeros_like(l_part))[..., None])
+            p = torch.where(finite[..., None], p, torch.zeros_like(p))
+            o_part = torch.einsum("bqhm,bmd->bqhd", p, kv_c)
+            out, lse = self.merge_states(out, lse, o_part, l_part)
+        return out, lse
 
     def mla_decode_one(self, q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_row: torch.Tensor,
                        seq_len: int, kv_lora_rank: int, scale: float, num_splits: int = 1):
-        """Absorbed MLA over one request's paged latent cache, split over the keys and merged.
-
-        q_lat (q, H, kv_lora), q_pe (q, H, rope); the q queries are the last q positions of
-        the sequence of ``seq_len`` tokens (bottom-right causal mask). Returns o_lat (q, H, kv_lora), lse (q, H).
-        """
-        nq = q_lat.shape[0]
-        lat = self.gather_cache(cache, block_row, 0, seq_len).to(q_lat.dtype)
-        kv_c, k_pe = lat[:, :kv_lora_rank], lat[:, kv_lora_rank:]
-        dev = q_lat.device
-        qpos = torch.arange(seq_len - nq, seq_len, device=dev)
-        kpos = torch.arange(seq_len, device=dev)
-        out = torch.zeros(nq, q_lat.shape[1], kv_lora_rank, dtype=q_lat.dtype, device=dev)
-        lse = torch.full((nq, q_lat.shape[1]), NEG_INF, dtype=q_lat.dtype, device=dev)
-        per = max(1, math.ceil(seq_len / max(num_splits, 1)))
-        for start in range(0, seq_len, per):
-            sl = slice(start, min(seq_len, start + per))
-            mask = kpos[sl][None, :] <= qpos[:, None]
-            s = (torch.einsum("qhd,md->qhm", q_lat, kv_c[sl]) + torch.einsum("qhr,mr->qhm", q_pe, k_pe[sl])) * scale
-            s = s.masked_fill(~mask[:, None, :], NEG_INF)
-            l_part = torch.logsumexp(s, dim=-1)
-            finite = torch.isfinite(l_part)
-            p = torch.exp(s - torch.where(finite, l_part, torch.zeros_like(l_part))[..., None])
-            p = torch.where(finite[..., None], p, torch.zeros_like(p))
-            o_part = torch.einsum("qhm,md->qhd", p, kv_c[sl])
-            out, lse = self.merge_states(out, lse, o_part, l_part)
-        return out, lse
+        """``mla_decode`` for one request: q_lat (q, H, L), q_pe (q, H, R) -> (q, H, L), (q, H)."""
+        o, lse = self.mla_decode(q_lat[None], q_pe[None], cache, block_row[None],
+                                 torch.tensor([seq_len], device=q_lat.device), kv_lora_rank, scale, num_splits)
+        return o[0], lse[0]

@@ -130,24 +130,46 @@ def rope_phases(dim: int, base: float = 10000.0) -> torch.Tensor:
 def rope_cos_sin(pos: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Integer cos/sin (over 1024) for positions ``pos`` (any shape S) and the frequencies of a
     ``dim``-wide rope: S + (dim/2,) int64 each, on pos's device. Pure integer arithmetic."""
-    phases = rope_phases(dim).to(pos.device)
+    phases, cos_t, sin_t = _rope_tables(dim, str(pos.device))
     turn = (pos.to(torch.int64)[..., None] * phases) % (1 << TURN_BITS)
     shift = TURN_BITS - 12  # ANGLE_STEPS = 2**12
     idx = ((turn + (1 << (shift - 1))) >> shift) % ANGLE_STEPS
+    return cos_t[idx], sin_t[idx]
+
+
+@functools.lru_cache(maxsize=None)
+def _rope_tables(dim: int, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The phases and the cos/sin table, copied to ``device`` once."""
     cos_t, sin_t = trig_table()
-    return cos_t.to(pos.device)[idx], sin_t.to(pos.device)[idx]
+    return rope_phases(dim).to(device), cos_t.to(device), sin_t.to(device)
+
+
+_ROTATION: dict[tuple[int, str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _rotation(dim: int, n: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """[cos | cos] and [-sin | sin] (times 1024) for positions 0..n-1 at least, cached per device:
+    rope is then one gather and three element-wise operations."""
+    key = (dim, str(device), dtype)
+    cached = _ROTATION.get(key)
+    if cached is None or cached[0].shape[0] < n:
+        size = 1 << max(10, (n - 1).bit_length())
+        c, s = rope_cos_sin(torch.arange(size, device=device), dim)
+        cached = _ROTATION[key] = (torch.cat([c, c], dim=-1).to(dtype), torch.cat([-s, s], dim=-1).to(dtype))
+    return cached
 
 
 def rope_exact(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE of integer-valued ``x`` (..., d) by positions ``pos`` (broadcastable to
     x.shape[:-1]), returning the rotated values times 1024 as exact integers in x's dtype
     (float64 or int64); callers scale by a power of two, so the result is exact in float32
-    too while |x| <= 2**12."""
+    too while |x| <= 2**12. Each element is one product of x, one of its rotated partner, and
+    one sum: x1*cos - x2*sin and x2*cos + x1*sin."""
     d = x.shape[-1]
-    cos_i, sin_i = rope_cos_sin(pos, d)
-    cos_i, sin_i = cos_i.to(x.dtype), sin_i.to(x.dtype)
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    return torch.cat([x1 * cos_i - x2 * sin_i, x2 * cos_i + x1 * sin_i], dim=-1)
+    cc, ss = _rotation(d, int(pos.max()) + 1 if pos.numel() else 1, x.device, x.dtype)
+    p = pos.to(torch.int64)
+    rotated = torch.cat([x[..., d // 2:], x[..., : d // 2]], dim=-1)
+    return x * cc[p] + rotated * ss[p]
 
 
 # ----------------------------------------------------------------------------- digests

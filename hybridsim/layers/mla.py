@@ -64,13 +64,15 @@ class MLAProbe:
         self.hidden = hidden
         g = rng(seed, 0x31A, layer)
         H, L, R, N, V = geo.heads, geo.kv_lora_rank, geo.qk_rope_head_dim, geo.qk_nope_head_dim, geo.v_head_dim
-        ints = lambda lo, hi, *shape: torch.from_numpy(g.integers(lo, hi + 1, size=shape).astype(np.float64))  # noqa
+        def ints(lo: int, hi: int, *shape: int, scale: float = 1.0) -> torch.Tensor:
+            """Integers in [lo, hi] (times a power of two): exact in float32."""
+            return torch.from_numpy(g.integers(lo, hi + 1, size=shape, dtype=np.int8)).to(torch.float32) * scale
+
         self.w = MLAWeights(
             emb1=ints(-8, 8, TABLE, hidden), emb2=ints(-8, 8, TABLE2, hidden),
             w_dkv=ints(-4, 4, hidden, L), w_kr=ints(-4, 4, hidden, R),
             w_qn=ints(-4, 4, hidden, H, N), w_qr=ints(-4, 4, hidden, H, R),
-            w_uk=ints(-4, 4, H, N, L) * _pow2_scale(L), w_uv=ints(-4, 4, H, L, V) * _pow2_scale(L))
-        self.w = MLAWeights(**{k: v.to(torch.float32) for k, v in self.w.__dict__.items()})
+            w_uk=ints(-4, 4, H, N, L, scale=_pow2_scale(L)), w_uv=ints(-4, 4, H, L, V, scale=_pow2_scale(L)))
         self.scale = geo.scale()
         self.dtype = torch_dtype(geo.dtype)
 
@@ -105,6 +107,14 @@ class MLAProbe:
         q_nope, q_pe = self.queries64(tokens, pos)
         return q_nope.to(torch.float32), q_pe.to(torch.float32)
 
+    def project(self, tokens: torch.Tensor, pos: torch.Tensor):
+        """``latent`` and ``queries`` of the same tokens at once (one embedding lookup), float32."""
+        w = self.w
+        x = self.hidden_states(tokens)[None]
+        lat = latent_of(x, w.w_dkv[None].double(), w.w_kr[None].double(), pos)[0]
+        q_nope, q_pe = queries_of(x, w.w_qn[None].double(), w.w_qr[None].double(), pos[:, None])
+        return lat.to(torch.float32), q_nope[0].to(torch.float32), q_pe[0].to(torch.float32)
+
     def up_project(self, lat: torch.Tensor):
         """Latent (m, L+R) -> k (m, H, nope+rope), v (m, H, v), in float32."""
         L = self.geo.kv_lora_rank
@@ -119,7 +129,8 @@ class MLAProbe:
         return torch.einsum("qhn,hnl->qhl", q_nope, self.w.w_uk)
 
     def unabsorb(self, o_lat: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("qhl,hlv->qhv", o_lat.float(), self.w.w_uv)
+        """(..., H, kv_lora) -> (..., H, v)."""
+        return torch.einsum("...hl,hlv->...hv", o_lat.float(), self.w.w_uv)
 
     def cache_entry_bytes(self) -> int:
         return self.geo.entry_dim() * DTYPE_BYTES[self.geo.dtype]

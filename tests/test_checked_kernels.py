@@ -1,0 +1,75 @@
+"""``kernel.<name>`` checks: a provider that differs from the reference is caught, at the step it
+was called in, on the pages it touched; a correct one passes with real comparisons."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridsim.checks import Checks
+from hybridsim.kernels.checked import REFERENCE_MAX_QUERIES, CheckedKernels
+from hybridsim.kernels.reference import ReferenceKernels
+
+
+class Wrong(ReferenceKernels):
+    """Each kernel off in one element."""
+
+    name = "wrong"
+
+    def state_copy(self, conv, temporal, table, items):
+        super().state_copy(conv, temporal, table, items)
+        r, layer, _, dst = items[0, :4].tolist()
+        temporal[layer, int(table[r, dst])].view(-1)[3] += 1
+
+    def concat_and_cache(self, entries, slots, cache):
+        super().concat_and_cache(entries, slots, cache)
+        cache.view(-1, cache.shape[-1])[int(slots[0]), 0] += 1
+
+    def merge_states(self, o_a, lse_a, o_b, lse_b, base2_bug=False, unguarded=False):
+        out, lse = super().merge_states(o_a, lse_a, o_b, lse_b, base2_bug, unguarded)
+        return out * 1.01, lse
+
+    def mla_decode(self, *a, **k):
+        out, lse = super().mla_decode(*a, **k)
+        return out + 0.1, lse
+
+
+def _calls(k, gen, nq: int = 2):
+    conv = torch.randn(2, 12, 3, 8, generator=gen)
+    temporal = torch.randn(2, 12, 4, 4, generator=gen)
+    table = torch.tensor([[3, 5, 7], [9, 10, 11]])
+    items = torch.tensor([[0, 0, 0, 1, 2, 1], [1, 1, 0, 2, 1, 0]])  # (row, slot, src, dst, temporal src, offset)
+    k.state_copy(conv, temporal, table, items)
+    cache = torch.randn(6, 4, 40, generator=gen)
+    k.concat_and_cache(torch.randn(3, 40, generator=gen), torch.tensor([5, 9, 20]), cache)
+    o = torch.randn(5, 2, 8, generator=gen)
+    k.merge_states(o, torch.randn(5, 2, generator=gen), o.flip(0), torch.randn(5, 2, generator=gen))
+    q_lat, q_pe = torch.randn(2, nq, 2, 32, generator=gen), torch.randn(2, nq, 2, 8, generator=gen)
+    k.mla_decode(q_lat, q_pe, cache, torch.tensor([[1, 2], [3, 4]]), torch.tensor([7, 6]), 32, 0.2, max_seq_len=7)
+
+
+def test_a_correct_provider_passes_every_comparison():
+    checks = Checks()
+    k = CheckedKernels(ReferenceKernels(), checks)
+    _calls(k, torch.Generator().manual_seed(0))
+    k.flush(4)
+    counts = {t.name: (t.count, t.failures) for t in checks.tallies.values()}
+    assert counts == {"kernel.state_copy": (2, 0), "kernel.cache_ops": (1, 0), "kernel.merge_states": (2, 0),
+                      "kernel.mla_decode": (2, 0)}
+
+
+def test_every_wrong_kernel_is_caught_at_its_step():
+    checks = Checks()
+    k = CheckedKernels(Wrong(), checks)
+    _calls(k, torch.Generator().manual_seed(1))
+    k.flush(7)
+    for name, fails in (("state_copy", 1), ("cache_ops", 1), ("merge_states", 1), ("mla_decode", 1)):
+        t = checks.tallies[f"kernel.{name}"]
+        assert t.failures == fails and t.first_failure.step == 7, (name, t)
+
+
+def test_prefill_sized_decode_calls_are_left_to_the_paths_check():
+    checks = Checks()
+    k = CheckedKernels(Wrong(), checks)
+    _calls(k, torch.Generator().manual_seed(2), nq=REFERENCE_MAX_QUERIES + 1)
+    k.flush(0)
+    assert "kernel.mla_decode" not in checks.tallies
