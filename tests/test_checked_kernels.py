@@ -73,3 +73,28 @@ def test_prefill_sized_decode_calls_are_left_to_the_paths_check():
     _calls(k, torch.Generator().manual_seed(2), nq=REFERENCE_MAX_QUERIES + 1)
     k.flush(0)
     assert "kernel.mla_decode" not in checks.tallies
+
+
+def test_many_copies_are_checked_in_bounded_batches(monkeypatch):
+    """A step whose copies touch more pages than one staging batch holds is checked (and launched)
+    batch by batch, with the same results as one launch, and a wrong copy is still caught."""
+    import hybridsim.kernels.checked as checked
+
+    monkeypatch.setattr(checked, "STAGED_PAGES", 6)  # one request: 2 slots x 3 pages
+    gen = torch.Generator().manual_seed(3)
+    conv = torch.randn(2, 40, 3, 8, generator=gen)
+    temporal = torch.randn(2, 40, 4, 4, generator=gen)
+    table = torch.arange(1, 37).view(6, 6)
+    items = torch.tensor([[r, s, 0, 1, 2, r % 3] for r in range(6) for s in range(2)])
+    want_c, want_t = conv.clone(), temporal.clone()
+    ReferenceKernels().state_copy(want_c, want_t, table, items)
+    for provider, fails in ((ReferenceKernels(), 0), (Wrong(), 6)):  # Wrong spoils one element a launch
+        checks = Checks()
+        k = CheckedKernels(provider, checks)
+        c, t = conv.clone(), temporal.clone()
+        k.state_copy(c, t, table, items)
+        k.flush(1)
+        tally = checks.tallies["kernel.state_copy"]
+        assert tally.count == 2 * 6 and tally.failures == fails  # 6 batches of one request's two copies
+        if not fails:
+            assert torch.equal(c, want_c) and torch.equal(t, want_t)

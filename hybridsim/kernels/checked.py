@@ -24,6 +24,7 @@ def _specials_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 LOW_PRECISION_TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 REFERENCE_MAX_QUERIES = 16  # mla_decode calls with more query tokens a request are prefill rows (see mla_decode)
+STAGED_PAGES = 256  # state pages one checked state_copy batch copies for the reference (about 1 GB at real sizes)
 
 
 class CheckedKernels:
@@ -79,10 +80,26 @@ class CheckedKernels:
         self.inner.mamba_scan(tables, launch)
 
     def state_copy(self, conv, temporal, table, items):
-        """The reference runs on copies of just the pages the step's copies touch (a state
-        cache is tens of GB at real sizes), and the kernel's result is compared on those pages."""
+        """The reference runs on copies of just the pages the copies touch (a state cache is tens
+        of GB at real sizes), and the kernel's result is compared on those pages. A step's copies
+        are independent of each other (the reference refuses any that are not), so a step with
+        many copies is checked, and launched, in batches of at most ``STAGED_PAGES`` pages."""
         t = table.to(torch.int64).cpu()
         it = items.to(torch.int64).cpu()
+        self.ref.check_copy_items(t, it)
+        batch, pages = [], set()
+        for k in range(len(it)):
+            mine = {(int(it[k, 1]), int(t[it[k, 0], c])) for c in it[k, 2:5].tolist()}
+            if batch and len(pages | mine) > STAGED_PAGES:
+                self._state_copy_batch(conv, temporal, table, items, t, it, batch)
+                batch, pages = [], set()
+            batch.append(k)
+            pages |= mine
+        self._state_copy_batch(conv, temporal, table, items, t, it, batch)
+
+    def _state_copy_batch(self, conv, temporal, table, items, t, it_all, batch):
+        sel = torch.tensor(batch)
+        it = it_all[sel]
         rows, slots = it[:, 0], it[:, 1]
         touched = sorted({(int(sl), int(t[r, c])) for r, sl, *cols in zip(rows, slots, it[:, 2], it[:, 3], it[:, 4])
                           for c in cols})
@@ -100,7 +117,8 @@ class CheckedKernels:
         local_items[:, 0] = torch.arange(len(it))
         local_items[:, 1] = 0
         self.ref.state_copy(ref_c, ref_t, local, local_items)
-        self.inner.state_copy(conv, temporal, table, items)
+        self.inner.state_copy(conv, temporal, table, items if len(batch) == len(it_all) else
+                              items.index_select(0, sel.to(items.device)))
         self._exact("state_copy", conv[sl_idx, pg_idx], ref_c[0])
         self._exact("state_copy", temporal[sl_idx, pg_idx], ref_t[0])
 
