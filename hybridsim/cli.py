@@ -306,7 +306,7 @@ def presets(num_spec: int = typer.Option(0, "--spec-tokens", min=0,
 
 @app.command()
 def fidelity(
-    recordings: List[Path] = typer.Argument(..., help="vLLM recordings (../shared/vllm-recorded/*.jsonl)"),
+    recordings: List[Path] = typer.Argument(..., help="vLLM recordings (data/vllm-recorded/*.jsonl)"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the reports as JSON"),
 ) -> None:
     """Re-simulate recordings of the real vLLM scheduler and compare step by step."""

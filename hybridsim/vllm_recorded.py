@@ -1,6 +1,6 @@
 """Step traces recorded from the real vLLM scheduler: reading, converting, re-simulating.
 
-Format (../shared/vllm-recorded/README.md): line 1 the engine config, line 2
+Format (data/vllm-recorded/README.md): line 1 the engine config, line 2
 the requests with prompt token ids, then one line per step, last a summary.
 ``load_recording`` turns one into a scenario + workload + the recorded model
 outputs (sampled tokens and drafts), which is all ``fidelity`` needs to re-run

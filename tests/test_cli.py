@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from .conftest import REPO, SCENARIOS, need_shared
+from .conftest import DATA, RECORDINGS, REPO, SCENARIOS
 
 
 def hs(*args, cwd=REPO):
@@ -95,20 +95,18 @@ def test_presets_lists_real_models():
 
 
 def test_fidelity_json(tmp_path):
-    shared = need_shared()
     js = tmp_path / "f.json"
-    r = hs("fidelity", shared / "vllm-recorded/mem_pressure.jsonl", "--json", js)
+    r = hs("fidelity", DATA / "vllm-recorded/mem_pressure.jsonl", "--json", js)
     assert r.returncode == 0, r.stderr
     assert json.loads(js.read_text())["identical_steps_pct"] == 100.0
 
 
 def test_convert_then_validate(tmp_path):
-    shared = need_shared()
     out = tmp_path / "c.jsonl"
-    r = hs("convert", shared / "vllm-recorded/spec_ngram.jsonl", "--out", out)
+    r = hs("convert", DATA / "vllm-recorded/spec_ngram.jsonl", "--out", out)
     assert r.returncode == 0, r.stderr
     assert hs("validate", out).returncode == 0
-    r = hs("validate", shared / "vllm-recorded/spec_ngram.jsonl")
+    r = hs("validate", DATA / "vllm-recorded/spec_ngram.jsonl")
     assert r.returncode == 2 and "convert" in r.stderr
 
 
@@ -136,8 +134,7 @@ def test_cuda_without_gpu_is_environment_error():
 
 
 def test_replay_of_recorded_vllm_traces_is_green(tmp_path):
-    from .conftest import RECORDINGS
-    need_shared()
+    assert len(RECORDINGS) == 3
     traces = []
     for rec in RECORDINGS:
         out = tmp_path / f"{rec.stem}.jsonl"
