@@ -14,6 +14,7 @@ from typing import Callable, List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .errors import EnvironmentProblem, InputError
@@ -35,10 +36,10 @@ def _guard(fn: Callable[[], int]) -> None:
     try:
         code = fn()
     except InputError as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False)
+        err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)  # (brackets in it are text)
         raise typer.Exit(2)
     except EnvironmentProblem as e:
-        err.print(f"[bold red]environment:[/] {e}", highlight=False)
+        err.print(f"[bold red]environment:[/] {escape(str(e))}", highlight=False)
         raise typer.Exit(3)
     except MemoryError:
         err.print("[bold red]environment:[/] out of memory: the workload or the pool is larger than this "
