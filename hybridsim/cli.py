@@ -214,16 +214,22 @@ def _check_choice(value: Optional[str], allowed: tuple[str, ...], flag: str) -> 
 
 
 def _print_bugs() -> None:
+    out.print(bugs_table())
+
+
+def bugs_table():
+    """The injectable bugs with what each breaks and the check that catches it (``run --list-bugs``)."""
     from rich.table import Table
 
     from .execute import BUGS
 
     t = Table(title="injectable bugs (--inject-bug NAME)", title_justify="left")
-    for col in ("name", "what it breaks", "caught by"):
-        t.add_column(col, overflow="fold")
+    t.add_column("name", no_wrap=True)  # (names whole at 80 columns: the description wraps)
+    t.add_column("what it breaks", overflow="fold")
+    t.add_column("caught by", no_wrap=True)
     for name, (what, check) in BUGS.items():
         t.add_row(name, what, check)
-    out.print(t)
+    return t
 
 
 @app.command()
