@@ -25,6 +25,29 @@ out = Console()
 err = Console(stderr=True)
 
 
+def _version() -> str:
+    """The installed package's version (its metadata), else the source tree's ``__version__``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hybridsim")
+    except PackageNotFoundError:
+        from . import __version__
+        return __version__
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        out.print(f"hybridsim {_version()}", highlight=False)
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                       help="print the version and exit")) -> None:
+    """Simulate and replay LLM-serving schedules for hybrid (Mamba + attention) and MLA models."""
+
+
 class CheckMode(str, Enum):
     full = "full"
     sampled = "sampled"

@@ -110,6 +110,13 @@ def test_convert_then_validate(tmp_path):
     assert r.returncode == 2 and "convert" in r.stderr
 
 
+def test_version():
+    from importlib.metadata import version
+
+    r = hs("--version")
+    assert r.returncode == 0 and r.stdout == f"hybridsim {version('hybridsim')}\n", r.stdout + r.stderr
+
+
 def test_replay_runs_a_vllm_recording_directly(tmp_path):
     """A recording is converted in memory (a note says so) and replays exactly as its converted trace."""
     rec = DATA / "vllm-recorded/spec_ngram.jsonl"
