@@ -28,7 +28,7 @@ test: $(STAMP)
 	$(BIN)/hybridsim replay traces/ --check
 
 fidelity: $(STAMP)
-	$(BIN)/hybridsim fidelity ../shared/vllm-recorded/*.jsonl
+	$(BIN)/hybridsim fidelity data/vllm-recorded/*.jsonl
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_planner.py all
@@ -41,5 +41,5 @@ GOLDEN_SCENARIOS := quickstart chunked_prefill align_prefix_hits all_mode no_pre
                     forced_preemption spec_decode spec_padding mla_long_context mixed_hybrid_mla
 golden: $(STAMP)
 	@for s in $(GOLDEN_SCENARIOS); do $(BIN)/hybridsim run scenarios/$$s.yaml -q --check off --record traces/$$s.jsonl || exit 1; done
-	@for r in ../shared/vllm-recorded/*.jsonl; do $(BIN)/hybridsim convert $$r --out traces/vllm_$$(basename $$r) || exit 1; done
+	@for r in data/vllm-recorded/*.jsonl; do $(BIN)/hybridsim convert $$r --out traces/vllm_$$(basename $$r) || exit 1; done
 	$(BIN)/hybridsim replay traces/ --update-expected

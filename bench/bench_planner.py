@@ -4,7 +4,7 @@
     python bench/bench_planner.py decode64       # 64 decoding requests
     python bench/bench_planner.py spec256        # 256 decoding requests, 3 spec tokens
     python bench/bench_planner.py mooncake2000   # first 2,000 Mooncake conversation requests, lengths x 0.05
-    python bench/bench_planner.py mooncake_full  # all 12,031 requests, lengths x 0.05
+    python bench/bench_planner.py mooncake_full --mooncake-full PATH  # all 12,031 requests, lengths x 0.05
     python bench/bench_planner.py spec256_whole  # spec256 from the first step to the last request's end
     python bench/bench_planner.py decode256_whole
     python bench/bench_planner.py all
@@ -19,12 +19,19 @@ the median of --repeat runs; the peer figures are vLLM 0.33's own scheduler on
 this machine class (issue 2 / SPEC §8). Each line also shows a calibration time
 (a fixed pure-Python loop, lower = faster machine phase) so that results taken in
 different phases of this shared machine can be told apart.
+
+mooncake2000 reads the repository's slice of the Mooncake conversation trace
+(data/mooncake/conversation_trace.jsonl: its first 2,000 requests). mooncake_full needs the
+whole trace (12,031 requests, 3 MB; where to get it: data/SOURCES.md), named with
+--mooncake-full PATH or the environment variable HYBRIDSIM_MOONCAKE_FULL; without it, ``all``
+skips mooncake_full and says so.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -39,6 +46,10 @@ from hybridsim.config import parse_scenario  # noqa: E402
 from hybridsim.sched.plan import PLACEHOLDER_DRAFT  # noqa: E402
 from hybridsim.simulate import Simulation  # noqa: E402
 from hybridsim.workload import build_workload  # noqa: E402
+
+MOONCAKE_SLICE = REPO / "data/mooncake/conversation_trace.jsonl"  # the first 2,000 requests
+MOONCAKE_FULL_ENV = "HYBRIDSIM_MOONCAKE_FULL"
+_mooncake_full: Path | None = Path(os.environ[MOONCAKE_FULL_ENV]) if os.environ.get(MOONCAKE_FULL_ENV) else None
 
 MODEL = """model:
   mamba: {layers: 1, heads: 8, head_dim: 32, d_state: 16, n_groups: 1, conv_kernel: 4, chunk_size: 16,
@@ -74,13 +85,28 @@ execution: {{max_steps: 100000, check: off}}
 """
 
 
+def mooncake_full_path() -> Path:
+    """The whole Mooncake conversation trace (--mooncake-full or $HYBRIDSIM_MOONCAKE_FULL)."""
+    if _mooncake_full is None:
+        raise SystemExit(f"mooncake_full needs the whole Mooncake conversation trace (12,031 requests; the "
+                         f"repository ships its first 2,000): pass --mooncake-full PATH or set "
+                         f"{MOONCAKE_FULL_ENV} (where to get it: data/SOURCES.md)")
+    if not _mooncake_full.is_file():
+        raise SystemExit(f"mooncake_full: {_mooncake_full} is not a file (the whole Mooncake conversation trace; "
+                         "see data/SOURCES.md)")
+    return _mooncake_full.resolve()
+
+
 def mooncake_scenario(limit: int | None) -> str:
+    """The Mooncake conversation trace: its first ``limit`` requests from the repository's slice,
+    or (``None``) every request of the whole trace named with --mooncake-full."""
     lim = f", limit: {limit}" if limit else ""
+    path = MOONCAKE_SLICE if limit is not None and limit <= 2000 else mooncake_full_path()
     return f"""name: mooncake
 seed: 1
 {MODEL}
 scheduler: {{max_num_batched_tokens: 4096, max_num_seqs: 128, max_model_len: 32768}}
-workload: {{kind: trace, format: mooncake, path: {REPO.parent / 'shared/traces-real/mooncake/conversation_trace.jsonl'}{lim},
+workload: {{kind: trace, format: mooncake, path: {path}{lim},
            length_scale: 0.05, arrival: {{kind: fixed, per_step: 4}}}}
 execution: {{max_steps: 1000000, check: off}}
 """
@@ -216,7 +242,13 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--export", type=Path, metavar="PATH",
                     help="write the workload for bench/peer_vllm.py (the vLLM peer) instead of timing it")
+    ap.add_argument("--mooncake-full", type=Path, metavar="PATH",
+                    help=f"the whole Mooncake conversation trace for mooncake_full (default: ${MOONCAKE_FULL_ENV}; "
+                         "the repository ships only its first 2,000 requests)")
     args = ap.parse_args()
+    global _mooncake_full
+    if args.mooncake_full is not None:
+        _mooncake_full = args.mooncake_full
     if args.export:
         if args.workload not in PEER_WORKLOADS:
             ap.error(f"--export: one of {', '.join(PEER_WORKLOADS)}")
@@ -225,6 +257,10 @@ def main() -> None:
     if args.workload not in WORKLOADS and args.workload != "all":
         ap.error(f"{args.workload} is for comparing plans with the peer (--export), not timed")
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
+    if args.workload == "all" and _mooncake_full is None:
+        names.remove("mooncake_full")
+        print(f"mooncake_full skipped: it needs the whole Mooncake conversation trace (--mooncake-full PATH or "
+              f"${MOONCAKE_FULL_ENV}; see data/SOURCES.md)", flush=True)
     results = {}
     for name in names:
         cal = calibrate()

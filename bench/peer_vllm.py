@@ -77,7 +77,7 @@ def make_scheduler(w: dict):
             use_eagle=no, use_eagle_block_drop=no, needs_eagle_block_drop=no, use_dspark=no, use_dflash=no,
             uses_draft_model=no, disable_eagle_block_drop=True, disable_lookahead_block_hashes=True,
             max_num_new_slots_for_drafting=0))
-    # the recordings' NemotronH-style geometry (shared/vllm-recorded: config line)
+    # the recordings' NemotronH-style geometry (data/vllm-recorded/*.jsonl: the config line)
     # (align mode: one prefill-checkpoint block, as the recordings; mode none: one block holds a
     # request's whole state, so its block is max_model_len tokens long, as the engine sizes it)
     ckpt = dict(num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=bs) if mode == "align" else {}

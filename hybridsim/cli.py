@@ -14,6 +14,7 @@ from typing import Callable, List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .errors import EnvironmentProblem, InputError
@@ -22,6 +23,29 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Simulate and replay LLM-serving schedules for hybrid (Mamba + attention) and MLA models.")
 out = Console()
 err = Console(stderr=True)
+
+
+def _version() -> str:
+    """The installed package's version (its metadata), else the source tree's ``__version__``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hybridsim")
+    except PackageNotFoundError:
+        from . import __version__
+        return __version__
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        out.print(f"hybridsim {_version()}", highlight=False)
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                       help="print the version and exit")) -> None:
+    """Simulate and replay LLM-serving schedules for hybrid (Mamba + attention) and MLA models."""
 
 
 class CheckMode(str, Enum):
@@ -35,10 +59,10 @@ def _guard(fn: Callable[[], int]) -> None:
     try:
         code = fn()
     except InputError as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False)
+        err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)  # (brackets in it are text)
         raise typer.Exit(2)
     except EnvironmentProblem as e:
-        err.print(f"[bold red]environment:[/] {e}", highlight=False)
+        err.print(f"[bold red]environment:[/] {escape(str(e))}", highlight=False)
         raise typer.Exit(3)
     except torch_oom():  # a device allocation outside the executor's own guard
         err.print("[bold red]environment:[/] out of device memory (the memory plan printed before the run says "
@@ -230,16 +254,22 @@ def _check_choice(value: Optional[str], allowed: tuple[str, ...], flag: str) -> 
 
 
 def _print_bugs() -> None:
+    out.print(bugs_table())
+
+
+def bugs_table():
+    """The injectable bugs with what each breaks and the check that catches it (``run --list-bugs``)."""
     from rich.table import Table
 
     from .execute import BUGS
 
     t = Table(title="injectable bugs (--inject-bug NAME)", title_justify="left")
-    for col in ("name", "what it breaks", "caught by"):
-        t.add_column(col, overflow="fold")
+    t.add_column("name", no_wrap=True)  # (names whole at 80 columns: the description wraps)
+    t.add_column("what it breaks", overflow="fold")
+    t.add_column("caught by", no_wrap=True)
     for name, (what, check) in BUGS.items():
         t.add_row(name, what, check)
-    out.print(t)
+    return t
 
 
 @app.command()
@@ -323,7 +353,7 @@ def presets(num_spec: int = typer.Option(0, "--spec-tokens", min=0,
 
 @app.command()
 def fidelity(
-    recordings: List[Path] = typer.Argument(..., help="vLLM recordings (../shared/vllm-recorded/*.jsonl)"),
+    recordings: List[Path] = typer.Argument(..., help="vLLM recordings (data/vllm-recorded/*.jsonl)"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the reports as JSON"),
 ) -> None:
     """Re-simulate recordings of the real vLLM scheduler and compare step by step."""

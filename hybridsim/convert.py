@@ -6,7 +6,7 @@ from pathlib import Path
 
 from .sched.plan import ScheduledRequest, StepOutcome, StepPlan
 from .simulate import kv_groups
-from .trace import header_dict, read_trace, write_trace
+from .trace import Trace, header_dict, trace_in_memory, write_trace
 from .vllm_recorded import load_recording
 
 
@@ -40,11 +40,26 @@ def recording_records(rec) -> list[tuple[StepPlan, StepOutcome]]:
     return out
 
 
+def _header(rec, src: str | Path) -> dict:
+    return header_dict(rec.scenario.model_dump(mode="json"), kv_groups(rec.scenario), rec.workload.requests,
+                       f"vllm {rec.config.get('vllm_version')} recording {Path(src).name}")
+
+
 def convert_recording(src: str | Path, dst: str | Path) -> int:
     rec = load_recording(src)
-    header = header_dict(rec.scenario.model_dump(mode="json"), kv_groups(rec.scenario), rec.workload.requests,
-                         f"vllm {rec.config.get('vllm_version')} recording {Path(src).name}")
-    records = recording_records(rec)
+    header, records = _header(rec, src), recording_records(rec)
+    _as_trace(src, rec, header, records)  # it must pass our own accounting check before anything is written
     write_trace(dst, header, records)
-    read_trace(dst)  # the converted trace must pass our own accounting check
     return len(records)
+
+
+def recording_trace(src: str | Path) -> Trace:
+    """A vLLM recording as the trace ``convert`` would write, built in memory (``replay`` runs
+    recordings through this)."""
+    rec = load_recording(src)
+    return _as_trace(src, rec, _header(rec, src), recording_records(rec))
+
+
+def _as_trace(src: str | Path, rec, header: dict, records: list) -> Trace:
+    # step i of the trace is the recording's step line i: errors name the recording's own line
+    return trace_in_memory(src, header, ((ln, plan, outcome) for ln, (plan, outcome) in zip(rec.step_lines, records)))

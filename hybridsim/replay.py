@@ -1,7 +1,9 @@
 """Replay: execute a recorded step trace exactly as recorded, with the same checks as ``run``.
 
 The trace's token accounting is verified before any kernel runs; a trace that does
-not add up is rejected with the line number of the first inconsistency.
+not add up is rejected with the line number of the first inconsistency. A vLLM scheduler
+recording is converted in memory first (what ``hybridsim convert`` would write) and replayed
+the same way, with a note saying so.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from .config import Scenario
 from .errors import InputError
 from .execute import make_executor
 from .trace import read_trace
+from .vllm_recorded import is_vllm_recording
+
+CONVERTED_NOTE = "vLLM recording converted in memory (`hybridsim convert` writes the trace)"
 
 
 @dataclass
@@ -49,7 +54,13 @@ class ReplayResult:
 def replay_trace(path: str | Path, *, check: str = "full", bugs: Optional[set[str]] = None,
                  kernels: str = "reference", device: str = "auto",
                  announce: Optional[Callable[[list[str]], None]] = None) -> ReplayResult:
-    tr = read_trace(path)  # raises InputError (with line) on any accounting inconsistency
+    notes: list[str] = []
+    if is_vllm_recording(path):  # (``read_trace`` would refuse it: convert it here, in memory)
+        from .convert import recording_trace
+        tr = recording_trace(path)
+        notes.append(CONVERTED_NOTE)
+    else:
+        tr = read_trace(path)  # raises InputError (with line) on any accounting inconsistency
     if not tr.steps:  # (every check would pass having compared nothing)
         raise InputError("the trace has no steps after its header: nothing to replay", str(path))
     try:
@@ -57,7 +68,6 @@ def replay_trace(path: str | Path, *, check: str = "full", bugs: Optional[set[st
     except ValidationError as e:
         raise InputError(f"the header's scenario is invalid: {e.errors()[0]['msg']}", f"{path}:1") from None
     checks = Checks()
-    notes: list[str] = []
     recorded_bugs = tr.header.get("inject_bug")
     if recorded_bugs and not bugs:
         notes.append(f"this trace was recorded with --inject-bug {' '.join(recorded_bugs)}; replay with the same "

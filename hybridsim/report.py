@@ -1,8 +1,14 @@
-"""Rich tables for runs, checks, timings, presets and fidelity reports."""
+"""Rich tables for runs, checks, timings, presets and fidelity reports.
+
+Every table fits an 80-column terminal without breaking a name (check, trace, preset, kernel,
+bug, phase): name columns never wrap, and the free-text columns (first failure, differences)
+wrap at spaces and absorb the narrowing (``tests/test_report_width.py``).
+"""
 
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .fidelity import FidelityReport
@@ -18,11 +24,16 @@ def _human_bytes(n: int) -> str:
     return str(n)  # pragma: no cover
 
 
+def _compact(x: float, decimals: int) -> str:
+    """``x`` with thousands separators, its decimals dropped from 1,000 up (narrow table columns)."""
+    return f"{x:,.{decimals if abs(x) < 1000 else 0}f}"
+
+
 def summary_table(res: RunResult) -> Table:
     st = res.stats
     t = Table(title=f"run summary — {res.scenario_name}", show_header=False, title_justify="left")
-    t.add_column("what", style="bold")
-    t.add_column("value", justify="right")
+    t.add_column("what", style="bold", no_wrap=True)
+    t.add_column("value", justify="right", overflow="fold")
     rows = [
         ("steps", f"{st.steps:,}"),
         ("requests (finished)", f"{st.requests:,} ({st.finished:,})"),
@@ -71,9 +82,10 @@ def _divergence_caption(t: Table, checks) -> None:
 
 
 def _checks_rows(t: Table, checks) -> None:
-    for col, j in (("check", "left"), ("count", "right"), ("failures", "right"), ("worst error", "right"),
-                   ("first failure", "left")):
-        t.add_column(col, justify=j, overflow="fold")
+    t.add_column("check", no_wrap=True)
+    for col in ("count", "failures", "worst error"):
+        t.add_column(col, justify="right", no_wrap=True)
+    t.add_column("first failure", overflow="fold")  # (wraps at spaces; folds only a word wider than it)
     for tally in checks.tallies.values():
         ff = tally.first_failure
         first = "-" if ff is None else (f"step {ff.step}" + (f", {ff.request}" if ff.request else "")
@@ -86,14 +98,24 @@ def _checks_rows(t: Table, checks) -> None:
 
 
 def golden_table(rows, updated: bool) -> Table:
-    t = Table(title="golden traces" + (" (expected files rewritten)" if updated else ""), title_justify="left")
-    for col, j in (("trace", "left"), ("steps", "right"), ("comparisons", "right"), ("result", "left"),
-                   ("what differed", "left")):
-        t.add_column(col, justify=j, overflow="fold")
+    """One row per trace; what differed (or changed, with ``updated``) is listed under the table, one
+    line per difference and trace, so that neither the names nor the differences are squeezed."""
+    t = Table(title="golden traces" + (" (expected files rewritten)" if updated else ""), title_justify="left",
+              caption_justify="left", caption_style="none")
+    t.add_column("trace", no_wrap=True)
+    for col in ("steps", "comparisons"):
+        t.add_column(col, justify="right", no_wrap=True)
+    t.add_column("result", no_wrap=True)
+    lines = []
     for r in rows:
         style = {"pass": "green", "unchanged": "green", "updated": "yellow"}.get(r.result, "red")
-        diff = "; ".join(r.differences[:4]) + (f" (+{len(r.differences) - 4} more)" if len(r.differences) > 4 else "")
-        t.add_row(r.trace, f"{r.steps:,}", f"{r.comparisons:,}", f"[{style}]{r.result}[/{style}]", diff or "-")
+        t.add_row(r.trace, f"{r.steps:,}", f"{r.comparisons:,}", f"[{style}]{r.result}[/{style}]")
+        shown = r.differences[:8]
+        lines += [f"[bold]{escape(r.trace)}[/]: {escape(d)}" for d in shown]
+        if len(r.differences) > len(shown):
+            lines.append(f"[bold]{escape(r.trace)}[/]: (+{len(r.differences) - len(shown)} more)")
+    if lines:
+        t.caption = ("changed" if updated else "what differed") + ":\n" + "\n".join(lines)
     return t
 
 
@@ -108,7 +130,7 @@ def replay_table(res) -> Table:
 def timings_table(res: RunResult) -> Table:
     t = Table(title="host timings", title_justify="left")
     for col in ("phase", "total", "per step"):
-        t.add_column(col, justify="left" if col == "phase" else "right")
+        t.add_column(col, justify="left" if col == "phase" else "right", no_wrap=True)
     steps = max(res.stats.steps, 1)
     rows = [("schedule", res.schedule_s), ("update", res.update_s)]
     rows += [(f"execute: {d['phase']}", d["total_s"]) for d in res.timings]
@@ -123,26 +145,29 @@ def kernel_timings_table(kt: dict) -> Table:
     t = Table(title=f"kernel timings — {kt['device']}, copy ceiling {kt['copy_ceiling_TBps']:.2f} TB/s (measured)",
               title_justify="left",
               caption="time = GPU time of each call's kernels (CUDA events; the host finishes launching "
-                      "while the GPU spins before the start event); untimed = calls left out: after a kernel's "
-                      "first 8 calls only every 16th is timed, and a call whose launch outlasted the spin (e.g. a "
-                      "first call that compiles) is dropped; bytes = read + written by the timed calls; "
+                      "while the GPU spins before the start event); not timed = calls left out: after a "
+                      "kernel's first 8 calls only every 16th is timed, and a call whose launch outlasted the spin "
+                      "(e.g. a first call that compiles) is dropped; bytes = read + written by the timed calls; "
                       "% = GB/s against the measured device-to-device copy rate")
-    for col in ("kernel", "calls", "untimed", "total", "median", "p90", "bytes", "GB/s", "% of copy ceiling"):
-        t.add_column(col, justify="left" if col == "kernel" else "right", no_wrap=col == "kernel")
+    t.add_column("kernel", no_wrap=True)
+    # (headers of short words and compact numbers: at 80 columns these wrap, the kernel names stay whole)
+    for col in ("calls (not timed)", "total ms", "median / p90 µs", "bytes", "GB/s", "% of copy ceiling"):
+        t.add_column(col, justify="right")
     for r in kt["kernels"]:
-        t.add_row(r["kernel"], f"{r['calls']:,}", f"{r['untimed']:,}", f"{r['total_s'] * 1e3:,.2f} ms",
-                  f"{r['median_us']:,.1f} µs",
-                  f"{r['p90_us']:,.1f} µs", _human_bytes(r["bytes"]), f"{r['GBps']:,.1f}",
-                  f"{r['pct_copy_ceiling']:.1f}%")
+        t.add_row(r["kernel"], f"{r['calls']:,} ({r['untimed']:,})", _compact(r["total_s"] * 1e3, 2),
+                  f"{_compact(r['median_us'], 1)} / {_compact(r['p90_us'], 1)}", _human_bytes(r["bytes"]),
+                  _compact(r["GBps"], 1), f"{r['pct_copy_ceiling']:.1f}%")
     return t
 
 
 def presets_table(rows: list[tuple[ModelGeometry, str]], num_spec: int = 0) -> Table:
     t = Table(title="model presets", title_justify="left",
-              caption="state = conv window + SSM state of every recurrent layer for one request; "
+              caption="layers M/A/MLA = Mamba / attention / MLA layers; "
+                      "state = conv window + SSM state of every recurrent layer for one request; "
                       "KV = attention/MLA cache per token over all layers")
-    for col in ("preset", "mamba/attn/mla layers", "state per request", "state per layer", "KV per token"):
-        t.add_column(col, justify="left" if col == "preset" else "right")
+    t.add_column("preset", no_wrap=True)
+    for col in ("layers M/A/MLA", "state per request", "state per layer", "KV per token"):
+        t.add_column(col, justify="right")
     for geo, _ in rows:
         layers = "/".join(str(getattr(geo, k).layers) if getattr(geo, k) else "0" for k in ("mamba", "attention", "mla"))
         per_layer = _human_bytes(geo.mamba.state_bytes(num_spec)) if geo.mamba else "-"
@@ -153,7 +178,9 @@ def presets_table(rows: list[tuple[ModelGeometry, str]], num_spec: int = 0) -> T
 
 def fidelity_table(rep: FidelityReport) -> Table:
     t = Table(title=f"fidelity — {rep.recording}", title_justify="left")
-    for col in ("step", "differs in", "recorded (vLLM)", "ours"):
+    t.add_column("step", justify="right", no_wrap=True)
+    t.add_column("differs in", no_wrap=True)
+    for col in ("recorded (vLLM)", "ours"):
         t.add_column(col, overflow="fold")
     for d in rep.diffs[:20]:
         t.add_row(str(d.step), d.what, d.recorded, d.ours)

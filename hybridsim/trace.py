@@ -26,6 +26,7 @@ committed after the step, ``acc`` the drafts accepted, ``done`` the requests tha
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import IO, Iterator
@@ -198,7 +199,18 @@ def read_trace(path: str | Path, check: bool = True) -> Trace:
     p = Path(path)
     if not p.exists():
         raise InputError("no such file", str(p))
-    it = _lines(p)
+    return _read(p, _lines(p), check)
+
+
+def trace_in_memory(path: str | Path, header: dict, records, check: bool = True) -> Trace:
+    """The trace that ``write_trace(path, header, ...)`` then ``read_trace(path)`` would give, built
+    without a file. ``records`` yields (line number, plan, outcome): the line that messages about a
+    step name (e.g. the line of the source the step came from)."""
+    lines = ((ln, json.loads(_dumps(step_dict(plan, outcome)))) for ln, plan, outcome in records)
+    return _read(Path(path), itertools.chain([(1, json.loads(_dumps(header)))], lines), check)
+
+
+def _read(p: Path, it: Iterator[tuple[int, dict]], check: bool) -> Trace:
     try:
         ln, header = next(it)
     except StopIteration:
@@ -332,5 +344,5 @@ def write_trace(path: str | Path, header: dict, records: list[tuple[StepPlan, St
     w.close()
 
 
-__all__ = ["TraceWriter", "read_trace", "check_accounting", "header_dict", "step_dict", "write_trace",
-           "Trace"]
+__all__ = ["TraceWriter", "read_trace", "trace_in_memory", "check_accounting", "header_dict", "step_dict",
+           "write_trace", "Trace"]

@@ -2,18 +2,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
+DATA = REPO / "data"  # the trace slices and vLLM recordings the repository ships (data/SOURCES.md)
 SCENARIOS = sorted((REPO / "scenarios").glob("*.yaml"))
-RECORDINGS = sorted((SHARED / "vllm-recorded").glob("*.jsonl"))
-
-
-def need_shared() -> Path:
-    if not SHARED.exists():
-        pytest.skip(f"{SHARED} is not present (CI clones it beside the repo)")
-    return SHARED
+RECORDINGS = sorted((DATA / "vllm-recorded").glob("*.jsonl"))
 
 
 TINY = """

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from .conftest import REPO, SCENARIOS, need_shared
+from .conftest import DATA, RECORDINGS, REPO, SCENARIOS
 
 
 def hs(*args, cwd=REPO):
@@ -95,21 +95,89 @@ def test_presets_lists_real_models():
 
 
 def test_fidelity_json(tmp_path):
-    shared = need_shared()
     js = tmp_path / "f.json"
-    r = hs("fidelity", shared / "vllm-recorded/mem_pressure.jsonl", "--json", js)
+    r = hs("fidelity", DATA / "vllm-recorded/mem_pressure.jsonl", "--json", js)
     assert r.returncode == 0, r.stderr
     assert json.loads(js.read_text())["identical_steps_pct"] == 100.0
 
 
 def test_convert_then_validate(tmp_path):
-    shared = need_shared()
     out = tmp_path / "c.jsonl"
-    r = hs("convert", shared / "vllm-recorded/spec_ngram.jsonl", "--out", out)
+    r = hs("convert", DATA / "vllm-recorded/spec_ngram.jsonl", "--out", out)
     assert r.returncode == 0, r.stderr
     assert hs("validate", out).returncode == 0
-    r = hs("validate", shared / "vllm-recorded/spec_ngram.jsonl")
+    r = hs("validate", DATA / "vllm-recorded/spec_ngram.jsonl")
     assert r.returncode == 2 and "convert" in r.stderr
+
+
+def test_version():
+    from importlib.metadata import version
+
+    r = hs("--version")
+    assert r.returncode == 0 and r.stdout == f"hybridsim {version('hybridsim')}\n", r.stdout + r.stderr
+
+
+def test_replay_runs_a_vllm_recording_directly(tmp_path):
+    """A recording is converted in memory (a note says so) and replays exactly as its converted trace."""
+    rec = DATA / "vllm-recorded/spec_ngram.jsonl"
+    js, js_trace = tmp_path / "rec.json", tmp_path / "trace.json"
+    r = hs("replay", rec, "--json", js)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "converted in memory" in r.stdout and "hybridsim convert" in r.stdout
+    assert hs("replay", REPO / "traces/vllm_spec_ngram.jsonl", "--json", js_trace, "-q").returncode == 0
+    got, want = json.loads(js.read_text()), json.loads(js_trace.read_text())
+    assert got["checks"] == want["checks"] and got["checks"]
+    assert got["summary"]["steps"] == want["summary"]["steps"] == 65
+    # --check: a recording has no expected file, which is what the gate says of any trace without one
+    r = hs("replay", rec, "--check")
+    assert r.returncode == 1 and "no expected file" in r.stdout and "Traceback" not in r.stderr
+
+
+def _bad_recordings(tmp_path) -> dict:
+    import copy
+
+    lines = [json.loads(line) for line in (DATA / "vllm-recorded/spec_ngram.jsonl").read_text().splitlines()]
+    cases = {}
+
+    def case(name, where, edit=None, text=None):
+        d = copy.deepcopy(lines)
+        if edit:
+            edit(d)
+        p = tmp_path / f"{name}.jsonl"
+        p.write_text(text if text is not None else "\n".join(json.dumps(x) for x in d) + "\n")
+        cases[p] = where
+
+    case("no_groups", ":1", lambda d: d[0].pop("kv_cache_groups"))
+    case("bad_shapes", ":1", lambda d: d[0]["kv_cache_groups"][0].update(shapes=[[3], [8, 32, 16]]))
+    case("unknown_spec", ":1", lambda d: d[0]["kv_cache_groups"][1].update(spec="SlidingWindowSpec"))
+    case("tiny_pool", ":1", lambda d: d[0].update(num_blocks=1))
+    case("requests", ":2", lambda d: d[1].update(requests=5))
+    case("no_token_counts", ":5", lambda d: d[4].pop("num_scheduled_tokens"))
+    case("block_ids", ":3", lambda d: d[2]["scheduled_new_reqs"][0].update(block_ids="x"))
+    case("accounting", ":6", lambda d: d[5]["scheduled_cached_reqs"][0].update(num_computed_tokens=189))
+    case("no_steps", "", lambda d: d.__delitem__(slice(2, None)))
+    case("cut", ":2", text=(DATA / "vllm-recorded/spec_ngram.jsonl").read_text()[:5000])
+    return cases
+
+
+def test_malformed_recording_is_one_message_exit_2(tmp_path):
+    """replay, convert and fidelity on a broken recording: one error naming the file (and line), exit 2."""
+    from typer.testing import CliRunner
+
+    from hybridsim.cli import app
+
+    runner = CliRunner()
+    for path, where in _bad_recordings(tmp_path).items():
+        for args in (["replay", path], ["convert", path, "--out", tmp_path / "out.jsonl"], ["fidelity", path]):
+            if args[0] == "fidelity" and path.stem == "accounting":
+                continue  # (fidelity compares decisions and reports differences; it does not check accounting)
+            r = runner.invoke(app, [str(a) for a in args])
+            assert r.exit_code == 2, (path.stem, args[0], r.output)
+            assert isinstance(r.exception, SystemExit), (path.stem, args[0], r.exception)
+            text = "".join(r.output.split())  # (the console wraps long messages)
+            assert text.startswith(f"error:{path}{where}"), (path.stem, args[0], r.output)
+            assert text.count("error:") == 1
+        assert not (tmp_path / "out.jsonl").exists()  # convert wrote nothing
 
 
 def test_run_executes_and_names_the_failing_check():
@@ -136,8 +204,7 @@ def test_cuda_without_gpu_is_environment_error():
 
 
 def test_replay_of_recorded_vllm_traces_is_green(tmp_path):
-    from .conftest import RECORDINGS
-    need_shared()
+    assert len(RECORDINGS) == 3
     traces = []
     for rec in RECORDINGS:
         out = tmp_path / f"{rec.stem}.jsonl"
@@ -196,8 +263,8 @@ def test_kernel_timings_table_renders_every_kernel_row():
     console.print(kernel_timings_table(kt))
     text = console.export_text()
     assert "Test GPU" in text and "3.00 TB/s" in text
-    assert "state_copy" in text and "92.4%" in text and "76.3 µs" in text and "1.6 GiB" in text
-    assert "mla_decode" in text and "untimed" in text
+    assert "state_copy" in text and "92.4%" in text and "76.3 / 78.5" in text and "1.6 GiB" in text
+    assert "mla_decode" in text and "0 (3)" in text and "not timed" in text
 
 
 def test_checked_run_labels_its_wall_time_as_the_whole_loop():

@@ -12,7 +12,7 @@ from hybridsim.sched.request import Request
 from hybridsim.simulate import Simulation
 from hybridsim.workload import build_workload
 
-from .conftest import need_shared, tiny_scenario
+from .conftest import DATA, tiny_scenario
 
 _TOKENS = st.one_of(st.integers(0, 50_000), st.integers(-(1 << 63), (1 << 63) - 1))
 
@@ -89,13 +89,12 @@ def test_workload_prompt_array_is_the_prompts_and_hashes_match():
 
 
 def test_mooncake_prompt_array_is_the_prompts():
-    shared = need_shared()
     text = f"""
 name: t
 model: {{preset: tiny-hybrid}}
 cache: {{block_size: 16, num_blocks: 60000}}
 scheduler: {{max_num_batched_tokens: 4096, max_num_seqs: 64, max_model_len: 2048}}
-workload: {{kind: trace, format: mooncake, path: {shared / 'traces-real/mooncake/conversation_trace.jsonl'},
+workload: {{kind: trace, format: mooncake, path: {DATA / 'mooncake/conversation_trace.jsonl'},
            limit: 60, length_scale: 0.1, arrival: {{kind: fixed, per_step: 4}}}}
 execution: {{check: off}}
 """

@@ -9,7 +9,7 @@ from hybridsim.errors import InputError
 from hybridsim.workload import build_workload
 from hybridsim.workload.tokens import stream_token, token_block, token_segments
 
-from .conftest import need_shared, tiny_scenario
+from .conftest import DATA, tiny_scenario
 
 
 def test_token_stream_scalar_matches_vector():
@@ -32,13 +32,13 @@ def test_shared_prefix_is_shared_and_rest_differs():
     assert len({p[40:50] for p in ps}) == len(ps)
 
 
-def _trace_scenario(shared, fmt, path, extra=""):
+def _trace_scenario(fmt, path, extra=""):
     return f"""
 name: t
 model: {{preset: tiny-hybrid}}
 cache: {{block_size: 16, num_blocks: 60000}}
 scheduler: {{max_num_batched_tokens: 4096, max_num_seqs: 64, max_model_len: 32768}}
-workload: {{kind: trace, format: {fmt}, path: {shared / path}, limit: 50 {extra}}}
+workload: {{kind: trace, format: {fmt}, path: {DATA / path}, limit: 50 {extra}}}
 """
 
 
@@ -53,10 +53,9 @@ workload: {{kind: trace, format: {fmt}, path: {path}{workload_extra}}}
 
 
 def test_mooncake_equal_hash_ids_give_equal_tokens():
-    shared = need_shared()
     import json
-    rows = [json.loads(l) for l in (shared / "traces-real/mooncake/conversation_trace.jsonl").open()][:50]
-    text = _trace_scenario(shared, "mooncake", "traces-real/mooncake/conversation_trace.jsonl",
+    rows = [json.loads(l) for l in (DATA / "mooncake/conversation_trace.jsonl").open()][:50]
+    text = _trace_scenario("mooncake", "mooncake/conversation_trace.jsonl",
                            ", length_scale: 0.05, arrival: {kind: fixed, per_step: 4}")
     wl = build_workload(parse_scenario(text, "t.yaml"))
     per_hash = round(512 * 0.05)
@@ -71,8 +70,7 @@ def test_mooncake_equal_hash_ids_give_equal_tokens():
 
 
 def test_azure_timestamps_become_steps():
-    shared = need_shared()
-    text = _trace_scenario(shared, "azure", "traces-real/azure-llm-2023/AzureLLMInferenceTrace_conv.csv",
+    text = _trace_scenario("azure", "azure-llm-2023/AzureLLMInferenceTrace_conv.csv",
                            ", arrival: {kind: timestamps, step_seconds: 1.0}")
     wl = build_workload(parse_scenario(text, "t.yaml"))
     assert wl.requests[0].arrival_step == 0 and len(wl.requests[0].prompt) == 374
@@ -81,8 +79,7 @@ def test_azure_timestamps_become_steps():
 
 
 def test_vidur_length_file_needs_an_arrival_process():
-    shared = need_shared()
-    text = _trace_scenario(shared, "vidur", "traces-real/vidur-processed/arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv")
+    text = _trace_scenario("vidur", "vidur/arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv")
     with pytest.raises(InputError) as ei:
         build_workload(parse_scenario(text, "t.yaml"))
     assert "workload.arrival" in str(ei.value)
@@ -97,7 +94,7 @@ def test_malformed_trace_row_names_line(tmp_path):
     assert ei.value.where == f"{bad}:2"
 
 
-LLMSS = "traces-real/llmservingsim-vllm-bench/workloads/sharegpt-llama-3.1-8b-300-sps10.jsonl"
+LLMSS = "llmservingsim/sharegpt-llama-3.1-8b-300-sps10.jsonl"
 
 
 def test_llmservingsim_prompts_outputs_and_arrivals_are_the_recorded_ones():
@@ -107,9 +104,8 @@ def test_llmservingsim_prompts_outputs_and_arrivals_are_the_recorded_ones():
 
     from hybridsim.simulate import Simulation
 
-    shared = need_shared()
-    rows = [json.loads(line) for line in (shared / LLMSS).open()][:50]
-    text = _trace_scenario(shared, "llmservingsim", LLMSS,
+    rows = [json.loads(line) for line in (DATA / LLMSS).open()][:50]
+    text = _trace_scenario("llmservingsim", LLMSS,
                            ", length_scale: 0.25, arrival: {kind: timestamps, step_seconds: 0.01}")
     loaded = parse_scenario(text, "t.yaml")
     wl = build_workload(loaded)
