@@ -91,7 +91,7 @@ def make_executor(s: Scenario, groups, checks: Checks, check: str, bugs: set[str
         notes.append("GQA attention layers are planned (their blocks are tracked) but not executed; "
                      "Mamba and MLA layers are executed and checked")
     specs = groups_from_specs(groups)
-    plan = plan_memory(s, specs, torch.device(dev))
+    plan = plan_memory(s, specs, torch.device(dev), checked_kernels=checked)
     if announce is not None:
         announce(plan.lines())
     check_fits(plan, s, where)

@@ -68,7 +68,13 @@ def free_bytes(device: torch.device) -> Optional[int]:
         return None
 
 
-def plan_memory(s: Scenario, groups, device: torch.device) -> MemoryPlan:
+def plan_memory(s: Scenario, groups, device: torch.device, checked_kernels: bool = False) -> MemoryPlan:
+    """What the run holds for its whole length, and an estimate of its largest step's transients
+    (these scale with ``max_num_batched_tokens``); ``checked_kernels`` adds the reference's staging."""
+    from ..kernels.checked import STAGED_PAGES
+    from ..kernels.reference import SCORE_ELEMS as DECODE_SCORES
+    from .mla_exec import SCORE_ELEMS
+
     geo = s.geometry()
     plan = MemoryPlan(str(device) if device.type != "cuda" else f"{device} ({torch.cuda.get_device_name(device)})")
     blocks = s.cache.num_blocks
@@ -89,6 +95,9 @@ def plan_memory(s: Scenario, groups, device: torch.device) -> MemoryPlan:
                                      f"{m.layers} layers x {seqs} requests (max_num_seqs)"))
         plan.items.append(MemoryItem("Mamba step buffers", m.layers * 4 * (budget * H * P + 2 * seqs * (
             m.conv_kernel - 1) * dim), f"outputs of {budget:,} tokens and starting windows, every layer"))
+        if checked_kernels:
+            plan.items.append(MemoryItem("checked state copies", 2 * STAGED_PAGES * page,
+                                         f"the reference's copy of at most {STAGED_PAGES} touched pages"))
     if geo.mla is not None:
         g = geo.mla
         bs = next(gr.block_size for gr in groups if gr.kind == "mla")
@@ -96,10 +105,21 @@ def plan_memory(s: Scenario, groups, device: torch.device) -> MemoryPlan:
         plan.items.append(MemoryItem("MLA latent caches", g.layers * blocks * page,
                                      f"{g.layers} layers x {blocks:,} blocks x {page / 2**10:,.1f} KiB pages, {g.dtype}",
                                      per_block=g.layers * page))
-        oracle = 8 * 4 * min(1 << 27, budget * g.heads * s.scheduler.max_model_len * g.layers)
-        plan.items.append(MemoryItem("MLA oracle workspace", oracle, "float64 scores of one batch of queries"))
-        step = 4 * budget * g.heads * (2 * g.kv_lora_rank + g.qk_rope_head_dim + g.qk_nope_head_dim + g.v_head_dim)
-        plan.items.append(MemoryItem("MLA step buffers", step, f"queries and outputs of {budget:,} tokens, one layer"))
+        H, L, R, N, V, Ly = g.heads, g.kv_lora_rank, g.qk_rope_head_dim, g.qk_nope_head_dim, g.v_head_dim, g.layers
+        work = min(s.execution.mla_workspace_tokens, s.scheduler.max_model_len)
+        out = budget * H * V
+        step = (2 * Ly * out * 4  # every layer's outputs (both paths on prefill rows) until the check
+                + 3 * out * 8  # the check's float64 copies of its largest comparison
+                + budget * H * (N + R) * 20 + 3 * budget * H * L * 4  # one layer: queries, absorbed, decoded
+                + work * H * (N + R + V) * 8 + budget * H * (N + R + V) * 8  # up-projected context and tokens
+                + 3 * 4 * min(SCORE_ELEMS, budget * H * max(budget, work)))  # the prefill path's scores
+        if checked_kernels:  # the reference decode's scores and partials
+            step += 6 * 4 * min(DECODE_SCORES, seqs * (1 + S) * H * s.scheduler.max_model_len)
+        oracle = Ly * out * 8 + 4 * 8 * min(1 << 27, budget * H * s.scheduler.max_model_len * Ly)
+        plan.items.append(MemoryItem("MLA step transients (estimate)", int(1.15 * step),
+                                     f"largest step of {budget:,} tokens: outputs, queries, up-projections, scores; "
+                                     "15% allocator margin"))
+        plan.items.append(MemoryItem("MLA oracle (estimate)", oracle, "float64 expected outputs and scores"))
     plan.available = free_bytes(device)
     return plan
 

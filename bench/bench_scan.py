@@ -1,0 +1,121 @@
+"""The Mamba probe scan on the GPU at Nemotron-H-8B geometry (24 layers, 128 heads x 64 x 128).
+
+The scan is integer arithmetic: per state element and token, h = (a*h + x'*B) mod Q and the
+y sum term h*C. Its ceiling is measured here too: a kernel that runs exactly that update on
+a register tile with no memory traffic (same tile shape, same modulus) gives the device's
+element-update rate for this arithmetic. The scan's rate is reported against it, and its
+state traffic (pages read and written) against the measured copy bandwidth.
+
+    python3 bench/bench_scan.py [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import date
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from hybridsim.kernels.probe_scan import ScanBuilder  # noqa: E402
+from hybridsim.kernels.probe_scan_triton import scan_triton  # noqa: E402
+from hybridsim.layers.exact import Q  # noqa: E402
+from hybridsim.layers.mamba import MambaProbe, stack_tables  # noqa: E402
+from hybridsim.presets import build_preset  # noqa: E402
+
+
+@triton.jit
+def _update_ceiling(out, steps, a_in, BP: tl.constexpr, BN: tl.constexpr, QQ: tl.constexpr):
+    """The scan's inner update on a (BP, BN) register tile, ``steps`` times, nothing else."""
+    p = tl.arange(0, BP)
+    n = tl.arange(0, BN)
+    h = (p[:, None] * 7 + n[None, :] * 13 + tl.program_id(0)) % QQ
+    x = (p * 5 + 1) % QQ
+    b = (n * 3 + 2) % QQ
+    c = (n * 11 + 3) % QQ
+    a = tl.load(a_in)
+    acc = tl.zeros([BP], dtype=tl.int32)
+    for _ in range(steps):
+        h = (a * h + x[:, None] * b[None, :]) % QQ
+        acc = (acc + tl.sum(h * c[None, :], axis=1)) % QQ
+    tl.store(out + tl.program_id(0) * BP + p, acc)
+
+
+def ceiling_rate(programs: int = 132 * 16, steps: int = 512) -> float:
+    """State element-updates per second of the bare arithmetic (BP 32 x BN 128 tiles, 4 warps)."""
+    out = torch.empty(programs * 32, dtype=torch.int32, device="cuda")
+    a = torch.tensor([1234], dtype=torch.int32, device="cuda")
+    t = triton.testing.do_bench(lambda: _update_ceiling[(programs,)](out, steps, a, BP=32, BN=128, QQ=Q,
+                                                                      num_warps=4), return_mode="median") * 1e-3
+    return programs * steps * 32 * 128 / t
+
+
+def copy_ceiling() -> float:
+    x = torch.empty(2 ** 28, dtype=torch.float32, device="cuda")
+    y = torch.empty_like(x)
+    t = triton.testing.do_bench(lambda: y.copy_(x), return_mode="median") * 1e-3
+    return 2 * x.numel() * 4 / t
+
+
+def case(tab, rows: int, tokens: int, compare: bool):
+    """rows x tokens through all layers; each row starts from a cached state and writes the state
+    after every token (decode rows) or after its last (prefill rows); pages as the engine's slots."""
+    L, K, dim = tab.layers, tab.K, tab.dim
+    groups = 6
+    slots = L // groups
+    pages = rows * groups + 1
+    conv = torch.randint(0, Q, (slots, pages, K - 1 + 3, dim), device="cuda", dtype=torch.float32)
+    temporal = torch.randint(0, Q, (slots, pages, tab.H, tab.P, tab.N), device="cuda", dtype=torch.float32)
+    slot = torch.tensor([layer // groups for layer in range(L)], device="cuda")
+    b = ScanBuilder(L)
+    for r in range(rows):
+        pg = [1 + r * groups + layer % groups for layer in range(L)]
+        i = b.add_row(torch.randint(0, 10 ** 6, (tokens,)).tolist(), pg, y_from=0, y_count=tokens)
+        for t in (range(tokens) if tokens <= 4 else [tokens - 1]):
+            b.write(i, t, pg, pg)
+        if compare:
+            b.compare(i, tokens - 1, pg, pg, 0, r)
+    window = torch.randint(0, Q, (rows, L, K - 1, dim), device="cuda", dtype=torch.float32)
+    y = torch.empty(rows * tokens, L, tab.H * tab.P, dtype=torch.int32, device="cuda")
+    starts = torch.arange(rows, device="cuda") * tokens
+    kw = dict(cmp=(conv, temporal, slot), y_ref=y) if compare else dict(y_out=y)
+    ln, _ = b.build(window, conv, temporal, slot, "cuda", y_start=starts, **kw)
+    scan_triton(tab, ln)  # compile
+    t = triton.testing.do_bench(lambda: scan_triton(tab, ln), warmup=50, rep=400, return_mode="median") * 1e-3
+    elem = rows * tokens * L * tab.H * tab.P * tab.N
+    page = tab.H * tab.P * tab.N * 4
+    writes = sum(len(range(tokens) if tokens <= 4 else [0]) for _ in range(rows))
+    traffic = rows * L * page * (1 + (1 if compare else 0)) + writes * L * page + rows * tokens * L * tab.H * tab.P * 4
+    return t, elem, traffic
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    geo = build_preset("nemotron-h-8b").mamba
+    tab = stack_tables([MambaProbe(geo, layer, 1) for layer in range(geo.layers)], "cuda")
+    ceil, bw = ceiling_rate(), copy_ceiling()
+    dev = torch.cuda.get_device_name()
+    print(f"{dev}, {date.today()}: update ceiling {ceil / 1e12:.2f} T element-updates/s, copy {bw / 1e12:.2f} TB/s")
+    rows = []
+    for name, r, n, cmp in (("decode 128 rows x 4 tokens", 128, 4, False), ("decode, oracle mode", 128, 4, True),
+                            ("prefill 4 rows x 1024 tokens", 4, 1024, False), ("prefill 32 x 128", 32, 128, False)):
+        t, elem, traffic = case(tab, r, n, cmp)
+        rows.append({"case": name, "ms": t * 1e3, "Tupd_s": elem / t / 1e12, "pct_update_ceiling": 100 * elem / t / ceil,
+                     "GBps": traffic / t / 1e9, "pct_copy": 100 * traffic / t / bw})
+        print(f"  {name:30s} {t * 1e3:8.2f} ms  {elem / t / 1e12:6.2f} T upd/s ({100 * elem / t / ceil:5.1f}% of "
+              f"ceiling)  {traffic / t / 1e9:7.1f} GB/s ({100 * traffic / t / bw:5.1f}% of copy)")
+    if a.out:
+        a.out.write_text(json.dumps({"device": dev, "date": str(date.today()), "update_ceiling": ceil,
+                                     "copy_ceiling": bw, "cases": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
