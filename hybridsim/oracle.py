@@ -20,7 +20,7 @@ where in the cache to *look* when it compares.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable
 
 import numpy as np
 import torch
@@ -134,17 +134,19 @@ class MLAOracle:
         for i, (_, c, k) in enumerate(rows):
             step = max(1, self.budget // (per_q * (c + k)))
             pieces += [(i, q0, min(k, q0 + step)) for q0 in range(0, k, step)]
-        pieces.sort(key=lambda p: -(rows[p[0]][1] + rows[p[0]][2]))
+        size = lambda p: (p[2] - p[1], rows[p[0]][1] + rows[p[0]][2])  # noqa: E731  (queries, keys)
+        pieces.sort(key=lambda p: size(p), reverse=True)
         out: list[list[tuple[int, torch.Tensor]]] = [[] for _ in rows]
         start = 0
-        while start < len(pieces):
-            n_max = rows[pieces[start][0]][1] + rows[pieces[start][0]][2]
-            end, q_max = start, 0
+        while start < len(pieces):  # batches padded to their largest piece: within budget, at most 2x waste
+            q_max, n_max = size(pieces[start])
+            end, actual = start + 1, q_max * n_max
             while end < len(pieces):
-                q = max(q_max, pieces[end][2] - pieces[end][1])
-                if end > start and (end - start + 1) * q * per_q * n_max > self.budget:
+                q, n = size(pieces[end])
+                padded = (end - start + 1) * q_max * max(n_max, n)
+                if padded * per_q > self.budget or padded > 2 * (actual + q * n):
                     break
-                q_max, end = q, end + 1
+                n_max, actual, end = max(n_max, n), actual + q * n, end + 1
             batch = pieces[start:end]
             tok = np.zeros((len(batch), n_max), dtype=np.int64)
             qpos = np.zeros((len(batch), q_max), dtype=np.int64)
@@ -157,9 +159,3 @@ class MLAOracle:
                 out[i].append((q0, res[:, j, : q1 - q0]))
             start = end
         return [torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])], dim=1) for parts in out]
-
-
-def first_bad(stats_row: torch.Tensor) -> Optional[tuple[int, int, int]]:
-    """(mismatches, max diff, first index) of a stats row, or None when it matched."""
-    n = int(stats_row[0])
-    return (n, int(stats_row[1]), int(stats_row[2])) if n else None

@@ -176,13 +176,31 @@ class ScanBuilder:
 
 
 def _residues(t: torch.Tensor) -> torch.Tensor:
-    """float32 page contents -> int64 residues; NaN (a page nothing wrote) reads as 0."""
-    return torch.nan_to_num(t, nan=0.0).to(torch.int64)
+    """float32 page contents -> float64 residues; NaN (a page nothing wrote) reads as 0."""
+    return torch.nan_to_num(t.double(), nan=0.0)
 
 
-def _exact_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Integer matrix product of residue tensors through float64 (exact: sums stay < 2**53)."""
-    return torch.matmul(a.to(torch.float64), b.to(torch.float64)).to(torch.int64)
+# The torch form computes in float64 holding exact integers: every value it forms stays below
+# 2**53, where float64 arithmetic is exact, and ``remainder`` then vectorises (int64 modulo is a
+# scalar division per element on a CPU). Decay exponents index an extended power table, so the
+# products of decays need no modulo at all.
+
+
+def _mod(x: torch.Tensor) -> torch.Tensor:
+    return torch.remainder(x, float(Q))
+
+
+def _powers(n: int, device) -> torch.Tensor:
+    """gamma**e mod Q for e in [0, n) as float64 (the base table repeated; cached per device)."""
+    key = (str(device), n)
+    t = _POWERS.get(key)
+    if t is None:
+        base = pow_table().double().to(device)
+        t = _POWERS[key] = base.repeat(-(-n // base.numel()))[:n]
+    return t
+
+
+_POWERS: dict = {}
 
 
 def _split(tables: StackedTables, z: torch.Tensor, tok: torch.Tensor):
@@ -195,9 +213,7 @@ def _split(tables: StackedTables, z: torch.Tensor, tok: torch.Tensor):
         Cm = z[..., H * P + G * N: H * P + 2 * G * N].reshape(b, L, T, G, N)
     else:
         x = z.reshape(b, L, T, 1, P)
-        flat = tok.reshape(-1)
-        bc = torch.stack([hash_channels(flat, tables.bc[l_]) for l_ in range(L)], dim=1)  # (bT, L, 2N)
-        bc = bc.reshape(b, T, L, 2 * N).transpose(1, 2)
+        bc = hash_channels(tok.reshape(-1).double(), tables.bc).reshape(L, b, T, 2 * N).transpose(0, 1)  # (b,L,T,2N)
         Bm, Cm = bc[..., None, :N], bc[..., None, N:]
     return x, Bm, Cm
 
@@ -205,50 +221,43 @@ def _split(tables: StackedTables, z: torch.Tensor, tok: torch.Tensor):
 def _chunk(tables: StackedTables, tok: torch.Tensor, window: torch.Tensor, h0: torch.Tensor):
     """One chunk of T tokens for b rows (every row has T tokens here; padding is harmless
     because token t only ever influences later tokens). Returns what the caller needs to
-    read states at any t: (y, x', B, log-decays, U, E)."""
+    read states at any t: (y, decay matrix, x', B, A, inputs U)."""
     b, T = tok.shape
     L, K, H, G = tables.layers, tables.K, tables.H, tables.G
     R = H // G
-    flat = tok.reshape(-1)
-    u = torch.stack([hash_channels(flat, tables.emb[l_]) for l_ in range(L)], dim=1)  # (bT, L, dim)
-    u = u.reshape(b, T, L, -1).transpose(1, 2)  # (b, L, T, dim)
+    flat = tok.reshape(-1).double()
+    u = hash_channels(flat, tables.emb).reshape(L, b, T, -1).transpose(0, 1)  # (b, L, T, dim)
     U = torch.cat([window, u], dim=2)  # (b, L, K-1+T, dim)
-    z = tables.conv_b[None, :, None, :].clone().expand(b, L, T, -1)
-    for k in range(K):
-        z = z + tables.conv_w[None, :, k, None, :] * U[:, :, k:k + T, :]
-    z = z % Q
-    x, Bm, Cm = _split(tables, z, tok)
-    eg = [head_terms(flat, tables.head[l_]) for l_ in range(L)]
-    e = torch.stack([v[0] for v in eg], dim=1).reshape(b, T, L, H).permute(0, 2, 3, 1)  # (b, L, H, T)
-    g = torch.stack([v[1] for v in eg], dim=1).reshape(b, T, L, H).permute(0, 2, 1, 3)  # (b, L, T, H)
-    xp = g[..., None] * x % Q  # (b, L, T, H, P)
-    E = torch.cumsum(e, dim=-1)  # (b, L, H, T)
-    POW = pow_table().to(tok.device)
-    diff = (E[..., :, None] - E[..., None, :]) % (Q - 1)  # (b, L, H, T_j, T_i)
+    taps = U.unfold(2, K, 1)  # (b, L, T, dim, K): the conv window of every token
+    z = tables.conv_b.double()[None, :, None, :] + (taps * tables.conv_w.double().transpose(1, 2)[None, :, None]).sum(-1)
+    x, Bm, Cm = _split(tables, _mod(z), tok)
+    e, g = head_terms(flat, tables.head)  # (L, bT, H)
+    e = e.reshape(L, b, T, H).permute(1, 0, 3, 2).long()  # (b, L, H, T)
+    g = g.reshape(L, b, T, H).transpose(0, 1)  # (b, L, T, H)
+    xp = _mod(g[..., None] * x)  # (b, L, T, H, P)
+    E = torch.cumsum(e, dim=-1)  # (b, L, H, T): exponents of the decays' running products
+    powers = _powers(T * (Q - 1), tok.device)
     causal = torch.ones(T, T, dtype=torch.bool, device=tok.device).tril()
-    decay = torch.where(causal, POW[diff], torch.zeros((), dtype=torch.int64, device=tok.device))
-    A = POW[E % (Q - 1)]  # (b, L, H, T)
+    diff = (E[..., :, None] - E[..., None, :]).clamp(min=0)  # (b, L, H, T_j, T_i), >= 0 where causal
+    decay = torch.where(causal, powers[diff], 0.0)
+    A = powers[E]  # (b, L, H, T)
     # y_j = A_j (C_j . h0) + sum_i decay[j,i] (C_j . B_i) x'_i + D x_j
     Bh = Bm.permute(0, 1, 3, 2, 4)  # (b, L, G, T, N)
     Ch = Cm.permute(0, 1, 3, 2, 4)
-    CB = _exact_mm(Ch, Bh.transpose(-1, -2)) % Q  # (b, L, G, T_j, T_i)
-    CB = CB.repeat_interleave(R, dim=2)  # (b, L, H, T, T)
-    M = decay * CB % Q
+    CB = _mod(torch.matmul(Ch, Bh.transpose(-1, -2))).repeat_interleave(R, dim=2)  # (b, L, H, T, T)
     xph = xp.permute(0, 1, 3, 2, 4)  # (b, L, H, T, P)
-    term = _exact_mm(M, xph) % Q  # (b, L, H, T, P)
-    Chh = Ch.repeat_interleave(R, dim=2)  # (b, L, H, T, N)
-    ch0 = _exact_mm(Chh, h0.transpose(-1, -2)) % Q  # (b, L, H, T, P)
+    term = _mod(torch.matmul(_mod(decay * CB), xph))  # (b, L, H, T, P)
+    ch0 = _mod(torch.matmul(Ch.repeat_interleave(R, dim=2), h0.transpose(-1, -2)))  # (b, L, H, T, P)
     xh = x.permute(0, 1, 3, 2, 4)
-    y = (A[..., None] * ch0 % Q + term + tables.D[None, :, :, None, None] * xh) % Q  # (b, L, H, T, P)
-    y = y.permute(0, 3, 1, 2, 4)  # (b, T, L, H, P)
-    return y, decay, xph, Bh.repeat_interleave(R, dim=2), A, U
+    y = _mod(_mod(A[..., None] * ch0) + term + tables.D.double()[None, :, :, None, None] * xh)  # (b, L, H, T, P)
+    return y.permute(0, 3, 1, 2, 4), decay, xph, Bh.repeat_interleave(R, dim=2), A, U
 
 
 def _states_at(sel: torch.Tensor, ts: torch.Tensor, decay, xph, Bhh, A, U, h0, K: int):
     """States after token ts[k] of row sel[k]: windows (k, L, K-1, dim), h (k, L, H, P, N)."""
     w = decay[sel, :, :, ts, :]  # (k, L, H, T)
-    wx = w[..., None] * xph[sel] % Q  # (k, L, H, T, P)
-    h = (_exact_mm(wx.transpose(-1, -2), Bhh[sel]) % Q + A[sel, :, :, ts][..., None, None] * h0[sel]) % Q
+    wx = _mod(w[..., None] * xph[sel])  # (k, L, H, T, P)
+    h = _mod(_mod(torch.matmul(wx.transpose(-1, -2), Bhh[sel])) + _mod(A[sel, :, :, ts][..., None, None] * h0[sel]))
     idx = ts[:, None] + 1 + torch.arange(K - 1, device=ts.device)[None, :]  # U rows t+1 .. t+K-1
     win = U[sel[:, None], :, idx].permute(0, 2, 1, 3)  # (k, L, K-1, dim)
     return win, h
@@ -283,16 +292,24 @@ def _accumulate(stats: torch.Tensor, rows: torch.Tensor, count, maxd, first) -> 
     stats[rows, :, 2] = torch.minimum(stats[rows, :, 2], first)
 
 
-def scan_reference(tables: StackedTables, ln: ScanLaunch, chunk: int = 64) -> None:
+CHUNK_ELEMS = 1 << 22  # rows x layers x heads x T x T decay-matrix elements a chunk may hold
+
+
+def scan_reference(tables: StackedTables, ln: ScanLaunch, chunk: int | None = None) -> None:
     """``ScanLaunch`` in torch (chunked matrix form). Meant for a CPU and small models: it holds
-    every row's state (B x L states) and chunk-sized matrices at once."""
+    every row's state (B x L states) and chunk-sized matrices at once. The chunk is as long as
+    ``CHUNK_ELEMS`` allows (16 to 256 tokens): fewer, larger operations."""
     dev = ln.tokens.device
     B, L, K = ln.rows, tables.layers, tables.K
+    if chunk is None:
+        chunk = 16
+        while chunk < 32 and B * L * tables.H * (2 * chunk) ** 2 <= CHUNK_ELEMS:
+            chunk *= 2
     HP, wsz = tables.H * tables.P, (K - 1) * tables.dim
     lens = ln.row_len.tolist()
     starts = ln.row_start.tolist()
     slot = ln.state_slot
-    zero = torch.zeros((), dtype=torch.int64, device=dev)
+    zero = torch.zeros((), dtype=torch.float64, device=dev)
     # every row's initial state, read before anything is written
     window = _residues(ln.init_window)  # (B, L, K-1, dim)
     tp = ln.init_tpage
@@ -325,7 +342,7 @@ def scan_reference(tables: StackedTables, ln: ScanLaunch, chunk: int = 64) -> No
             yf, yc = ln.y_from[sel][:, None], ln.y_count[sel][:, None]
             cm = vmask & (jj >= yf) & (jj < yf + yc)  # (b', T) outputs compared in this chunk
             if bool(cm.any()):
-                ref = ln.y_ref[(ln.y_start[sel][:, None] + jj - yf)[cm]].to(torch.int64)  # (M, L, HP)
+                ref = ln.y_ref[(ln.y_start[sel][:, None] + jj - yf)[cm]].double()  # (M, L, HP)
                 got = y[cm].reshape(-1, L, HP)
                 bad = got != ref  # (M, L, HP)
                 row_of = torch.arange(len(rows), device=dev)[:, None].expand(-1, T)[cm]
@@ -334,7 +351,7 @@ def scan_reference(tables: StackedTables, ln: ScanLaunch, chunk: int = 64) -> No
                 per.index_add_(0, row_of, bad.sum(-1))
                 dmax = torch.zeros(len(rows), L, dtype=torch.int64, device=dev)
                 dmax.scatter_reduce_(0, row_of[:, None].expand(-1, L), torch.where(bad, (got - ref).abs(), zero)
-                                     .amax(-1), "amax")
+                                     .amax(-1).to(torch.int64), "amax")
                 first = torch.full((len(rows), L), NO_MISMATCH, dtype=torch.int64, device=dev)
                 cand = torch.where(bad.any(-1), tok_of[:, None], torch.full((), NO_MISMATCH, device=dev))
                 first.scatter_reduce_(0, row_of[:, None].expand(-1, L), cand, "amin")

@@ -136,10 +136,10 @@ class ReferenceKernels:
         queries are the last nq positions of each sequence (bottom-right causal mask). Returns
         o_lat (B, nq, H, L) and lse (B, nq, H), natural log.
 
-        Each request's keys are split into ``num_splits`` parts (0 = the provider's choice; here
-        two, enough to exercise the merge), attended separately and merged with ``merge_states``.
-        ``max_seq_len`` is a speed hint other providers use."""
-        splits = num_splits if num_splits > 0 else 2
+        With ``num_splits`` > 1 each request's keys are split into that many parts, attended
+        separately and merged with ``merge_states`` (the result does not depend on it; the tests
+        check that); 0 is the provider's choice, here one pass. ``max_seq_len`` is a speed hint."""
+        splits = num_splits if num_splits > 0 else 1
         dev = q_lat.device
         B, nq = q_lat.shape[:2]
         lens = seq_lens.to(dev, torch.int64)
@@ -160,19 +160,25 @@ class ReferenceKernels:
         s = (torch.einsum("bqhd,bmd->bqhm", q_lat, kv_c) + torch.einsum("bqhr,bmr->bqhm", q_pe, k_pe)) * scale
         qpos = lens[:, None] - nq + torch.arange(nq, device=dev)[None, :]  # (B, nq)
         visible = (kpos[None, None, :] <= qpos[:, :, None]) & (kpos[None, None, :] < lens[:, None, None])
+        if splits == 1:
+            sm = s.masked_fill(~visible[:, :, None, :], NEG_INF)
+            lse = torch.logsumexp(sm, dim=-1)
+            finite = torch.isfinite(lse)
+            p = torch.exp(sm - torch.where(finite, lse, 0.0)[..., None]).masked_fill(~finite[..., None], 0.0)
+            return torch.einsum("bqhm,bmd->bqhd", p, kv_c), lse
         per = torch.div(lens + splits - 1, splits, rounding_mode="floor").clamp_min(1)  # (B,)
         part = kpos[None, :] // per[:, None]  # (B, n): which split each key falls in
+        # every split's partial attention at once: (splits, B, nq, H, n)
+        mask = visible[None] & (part[None] == torch.arange(splits, device=dev)[:, None, None])[:, :, None, :]
+        sm = s[None].masked_fill(~mask[:, :, :, None, :], NEG_INF)
+        l_part = torch.logsumexp(sm, dim=-1)  # (splits, B, nq, H)
+        finite = torch.isfinite(l_part)
+        p = torch.exp(sm - torch.where(finite, l_part, 0.0)[..., None]).masked_fill(~finite[..., None], 0.0)
+        o_part = torch.einsum("sbqhm,bmd->sbqhd", p, kv_c)
         out = torch.zeros(B, nq, q_lat.shape[2], kv_lora_rank, dtype=q_lat.dtype, device=dev)
         lse = torch.full((B, nq, q_lat.shape[2]), NEG_INF, dtype=q_lat.dtype, device=dev)
-        for sp in range(splits):
-            mask = visible & (part == sp)[:, None, :]  # (B, nq, n)
-            sm = s.masked_fill(~mask[:, :, None, :], NEG_INF)
-            l_part = torch.logsumexp(sm, dim=-1)
-            finite = torch.isfinite(l_part)
-            p = torch.exp(sm - torch.where(finite, l_part, torch.zeros_like(l_part))[..., None])
-            p = torch.where(finite[..., None], p, torch.zeros_like(p))
-            o_part = torch.einsum("bqhm,bmd->bqhd", p, kv_c)
-            out, lse = self.merge_states(out, lse, o_part, l_part)
+        for sp in range(splits):  # merged in split order
+            out, lse = self.merge_states(out, lse, o_part[sp], l_part[sp])
         return out, lse
 
     def mla_decode_one(self, q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_row: torch.Tensor,

@@ -64,22 +64,26 @@ def make_tables(geo: MambaGeometry, layer: int, seed: int) -> MambaTables:
 
 
 def token_parts(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    t = tokens.to(torch.int64)
-    return t % Q, (t // Q) % Q
+    """(tok mod Q, (tok div Q) mod Q), in int64 or, for float64 token ids, float64 (exact: below 2**53;
+    a CPU divides float64 vectors far faster than int64 ones)."""
+    t = tokens if tokens.dtype == torch.float64 else tokens.to(torch.int64)
+    return t % Q, torch.div(t, Q, rounding_mode="floor") % Q
 
 
 def hash_channels(tokens: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-    """(n,) tokens x (C, 4) channel keys -> (n, C) residues."""
+    """(n,) tokens x (..., C, 4) channel keys (any leading layer axes) -> (..., n, C) residues."""
     lo, hi = token_parts(tokens)
-    v = (lo[:, None] * params[:, 0] + hi[:, None] * params[:, 1] + params[:, 2]) % Q
-    return (v * v + params[:, 3]) % Q
+    p = params[..., None, :, :]
+    v = (lo[:, None] * p[..., 0] + hi[:, None] * p[..., 1] + p[..., 2]) % Q
+    return (v * v + p[..., 3]) % Q
 
 
 def head_terms(tokens: torch.Tensor, head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(decay exponent in [0, Q-1), step in [1, Q)), each (n, H)."""
+    """(decay exponent in [0, Q-1), step in [1, Q)), each (..., n, H) for head keys (..., H, 6)."""
     lo, hi = token_parts(tokens)
-    e = (lo[:, None] * head[:, 0] + hi[:, None] * head[:, 1] + head[:, 2]) % (Q - 1)
-    g = 1 + (lo[:, None] * head[:, 3] + hi[:, None] * head[:, 4] + head[:, 5]) % (Q - 1)
+    p = head[..., None, :, :]
+    e = (lo[:, None] * p[..., 0] + hi[:, None] * p[..., 1] + p[..., 2]) % (Q - 1)
+    g = 1 + (lo[:, None] * p[..., 3] + hi[:, None] * p[..., 4] + p[..., 5]) % (Q - 1)
     return e, g
 
 
