@@ -109,7 +109,7 @@ class MLAExecution:
                 table = tables[g] = self._block_table(plan, reqs, g)
             cache = self.caches[layer].data
             slots = table[row_of, pos // self.bs] * self.bs + pos % self.bs
-            lat, q_nope, q_pe = probe.project(tok, pos)
+            lat, q_nope, q_pe = probe.project(tok, pos, max(c + n for c, n in zip(cs, ns)))
             self.k.concat_and_cache(lat, slots, cache)
             decoded: list[Optional[torch.Tensor]] = [None] * len(ns)
             for n, idx in by_n.items():  # the absorbed decode path, one call per query count

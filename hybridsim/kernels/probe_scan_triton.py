@@ -213,6 +213,10 @@ def _probe_scan_kernel(
     ys = 0
     if WRITE_Y or COMPARE:
         ys = tl.load(y_start + b)
+    # output comparisons accumulate per lane and are reduced once, after the row
+    ybad = tl.zeros([BP], dtype=tl.int32)
+    ymax = tl.zeros([BP], dtype=tl.int32)
+    yfirst = tl.full([BP], 1 << 30, dtype=tl.int32)
     for j in range(0, n):
         tok = tl.load(tokens + start + j)
         lo = (tok % QQ).to(tl.int32)
@@ -264,12 +268,9 @@ def _probe_scan_kernel(
                 yo_ref = ((ys + j - yf).to(tl.int64) * L64 + lay) * HP + xc
                 yr = tl.load(y_ref + yo_ref, mask=pm, other=0)
                 bad = (yr != y) & pm
-                cnt = tl.sum(bad.to(tl.int64), axis=0)
-                if cnt > 0:
-                    st = stats + ((n_cmp + b) * L64 + lay) * 3
-                    tl.atomic_add(st, cnt)
-                    tl.atomic_max(st + 1, tl.max(tl.where(bad, tl.abs(yr - y), 0), axis=0).to(tl.int64))
-                    tl.atomic_min(st + 2, (j - yf).to(tl.int64))
+                ybad += bad.to(tl.int32)
+                ymax = tl.maximum(ymax, tl.where(bad, tl.abs(yr - y), 0))
+                yfirst = tl.minimum(yfirst, tl.where(bad, (j - yf).to(tl.int32), 1 << 30))
             cslot = tl.load(cmp_slot + lay).to(tl.int64)
             while ct == j:
                 st = stats + (ci * L64 + lay) * 3
@@ -295,6 +296,13 @@ def _probe_scan_kernel(
                         _cmp_window(cb, cc_sr, cch, om, c0, c1, c2, st, KM1, DIM)
                 ci += 1
                 ct = tl.load(cmp_t + ci, mask=ci < ce, other=-1)
+    if COMPARE:
+        cnt = tl.sum(ybad, axis=0)
+        if cnt > 0:
+            st = stats + ((n_cmp + b) * L64 + lay) * 3
+            tl.atomic_add(st, cnt.to(tl.int64))
+            tl.atomic_max(st + 1, tl.max(ymax, axis=0).to(tl.int64))
+            tl.atomic_min(st + 2, tl.min(yfirst, axis=0).to(tl.int64))
 
 
 def pack_tables(t: StackedTables) -> dict:

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-SPIN_S = 3e-4  # GPU spin queued before each timed call (a provider call launches well within it)
+SPIN_S = 1e-3  # GPU spin queued before each timed call (an MLA decode call sets up TMA descriptors: ~0.3 ms)
 TIME_FIRST, TIME_EVERY = 8, 16  # time a kernel's first 8 calls, then every 16th (a spin costs the run its length)
 
 _CEILING: dict[int, float] = {}

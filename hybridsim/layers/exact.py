@@ -159,14 +159,17 @@ def _rotation(dim: int, n: int, device: torch.device, dtype: torch.dtype) -> tup
     return cached
 
 
-def rope_exact(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+def rope_exact(x: torch.Tensor, pos: torch.Tensor, n_pos: int | None = None) -> torch.Tensor:
     """Rotate-half RoPE of integer-valued ``x`` (..., d) by positions ``pos`` (broadcastable to
     x.shape[:-1]), returning the rotated values times 1024 as exact integers in x's dtype
     (float64 or int64); callers scale by a power of two, so the result is exact in float32
     too while |x| <= 2**12. Each element is one product of x, one of its rotated partner, and
-    one sum: x1*cos - x2*sin and x2*cos + x1*sin."""
+    one sum: x1*cos - x2*sin and x2*cos + x1*sin. ``n_pos`` bounds the positions (max + 1); a caller
+    that knows it saves reading ``pos`` back from the device."""
     d = x.shape[-1]
-    cc, ss = _rotation(d, int(pos.max()) + 1 if pos.numel() else 1, x.device, x.dtype)
+    if n_pos is None:
+        n_pos = int(pos.max()) + 1 if pos.numel() else 1
+    cc, ss = _rotation(d, n_pos, x.device, x.dtype)
     p = pos.to(torch.int64)
     rotated = torch.cat([x[..., d // 2:], x[..., : d // 2]], dim=-1)
     return x * cc[p] + rotated * ss[p]

@@ -107,12 +107,13 @@ class MLAProbe:
         q_nope, q_pe = self.queries64(tokens, pos)
         return q_nope.to(torch.float32), q_pe.to(torch.float32)
 
-    def project(self, tokens: torch.Tensor, pos: torch.Tensor):
-        """``latent`` and ``queries`` of the same tokens at once (one embedding lookup), float32."""
+    def project(self, tokens: torch.Tensor, pos: torch.Tensor, n_pos: int | None = None):
+        """``latent`` and ``queries`` of the same tokens at once (one embedding lookup), float32;
+        ``n_pos`` bounds the positions."""
         w = self.w
         x = self.hidden_states(tokens)[None]
-        lat = latent_of(x, w.w_dkv[None].double(), w.w_kr[None].double(), pos)[0]
-        q_nope, q_pe = queries_of(x, w.w_qn[None].double(), w.w_qr[None].double(), pos[:, None])
+        lat = latent_of(x, w.w_dkv[None].double(), w.w_kr[None].double(), pos, n_pos)[0]
+        q_nope, q_pe = queries_of(x, w.w_qn[None].double(), w.w_qr[None].double(), pos[:, None], n_pos)
         return lat.to(torch.float32), q_nope[0].to(torch.float32), q_pe[0].to(torch.float32)
 
     def up_project(self, lat: torch.Tensor):
@@ -136,20 +137,22 @@ class MLAProbe:
         return self.geo.entry_dim() * DTYPE_BYTES[self.geo.dtype]
 
 
-def latent_of(x: torch.Tensor, w_dkv: torch.Tensor, w_kr: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+def latent_of(x: torch.Tensor, w_dkv: torch.Tensor, w_kr: torch.Tensor, pos: torch.Tensor,
+              n_pos: int | None = None) -> torch.Tensor:
     """[kv_c | k_pe] for hidden states x (layers, ..., hidden) and per-layer weights (layers, hidden, r),
     positions broadcastable to x.shape[1:-1]. Integer sums below 2**13, so exact in float64 in any
     order; the power-of-two scales keep them exact in float32."""
     kv = torch.einsum("l...h,lhr->l...r", x, w_dkv) * 2.0 ** -LATENT_SHIFT
-    kr = rope_exact(torch.einsum("l...h,lhr->l...r", x, w_kr), pos) * 2.0 ** -ROPE_SHIFT
+    kr = rope_exact(torch.einsum("l...h,lhr->l...r", x, w_kr), pos, n_pos) * 2.0 ** -ROPE_SHIFT
     return torch.cat([kv, kr], dim=-1)
 
 
-def queries_of(x: torch.Tensor, w_qn: torch.Tensor, w_qr: torch.Tensor, pos: torch.Tensor):
+def queries_of(x: torch.Tensor, w_qn: torch.Tensor, w_qr: torch.Tensor, pos: torch.Tensor,
+               n_pos: int | None = None):
     """q_nope (layers, ..., H, nope) and q_pe (layers, ..., H, rope); pos broadcastable to
     x.shape[1:-1] + (H,)."""
     q_nope = torch.einsum("l...h,lhkd->l...kd", x, w_qn) * 2.0 ** -LATENT_SHIFT
-    q_pe = rope_exact(torch.einsum("l...h,lhkd->l...kd", x, w_qr), pos) * 2.0 ** -ROPE_SHIFT
+    q_pe = rope_exact(torch.einsum("l...h,lhkd->l...kd", x, w_qr), pos, n_pos) * 2.0 ** -ROPE_SHIFT
     return q_nope, q_pe
 
 
@@ -179,11 +182,11 @@ class MLAStack:
         b, n = tok.shape
         pos = torch.arange(n, device=tok.device)
         x = self.hidden(tok)  # (Ly, b, n, hidden)
-        lat = latent_of(x, self.w_dkv, self.w_kr, pos)
+        lat = latent_of(x, self.w_dkv, self.w_kr, pos, n)
         Lr = self.geo.kv_lora_rank
         kv, kr = lat[..., :Lr], lat[..., Lr:]
         xq = x[:, torch.arange(b, device=tok.device)[:, None], qpos]  # (Ly, b, q, hidden)
-        q_nope, q_pe = queries_of(xq, self.w_qn, self.w_qr, qpos[..., None])
+        q_nope, q_pe = queries_of(xq, self.w_qn, self.w_qr, qpos[..., None], n)
         q_lat = torch.einsum("lbqkd,lkdr->lbqkr", q_nope, self.w_uk)
         s = (torch.einsum("lbqkr,lbnr->lbqkn", q_lat, kv) + torch.einsum("lbqke,lbne->lbqkn", q_pe, kr)) * self.scale
         mask = pos[None, None, :] <= qpos[:, :, None]  # (b, q, n): also hides padding past each row
