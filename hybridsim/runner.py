@@ -67,6 +67,7 @@ class RunResult:
                  "per_step_us": round(1e6 * self.schedule_s / steps, 3)},
                 {"phase": "update", "total_s": round(self.update_s, 6),
                  "per_step_us": round(1e6 * self.update_s / steps, 3)},
+                *({"phase": f"execute: {t['phase']}", "total_s": t["total_s"]} for t in self.timings),
                 {"phase": "wall", "total_s": round(self.wall_s, 6),
                  "steps_per_s": round(self.stats.steps / self.wall_s, 1) if self.wall_s else None},
             ],
