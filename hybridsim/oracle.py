@@ -68,10 +68,6 @@ class MambaOracle:
         self.slot: dict[str, int] = {}
         self.frontier: dict[str, int] = {}
 
-    @staticmethod
-    def bytes_needed(t: StackedTables, max_requests: int) -> int:
-        return 4 * t.layers * max_requests * ((t.K - 1) * t.dim + t.H * t.P * t.N)
-
     def release(self, rid: str) -> None:
         s = self.slot.pop(rid, None)
         if s is not None:

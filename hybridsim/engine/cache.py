@@ -44,13 +44,6 @@ class PagedTensor:
         lead = () if slots is None else (slots,)
         self.data = torch.full((*lead, capacity, *page_shape), float("nan"), dtype=dtype, device=device)
 
-    @staticmethod
-    def bytes_for(page_shape: tuple[int, ...], dtype_bytes: int, capacity: int, slots: int = 1) -> int:
-        n = slots * capacity * dtype_bytes
-        for d in page_shape:
-            n *= d
-        return n
-
 
 class MambaStateCache:
     """Every Mamba state page: conv windows (slots, pages, R, dim) and temporal states

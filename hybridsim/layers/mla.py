@@ -103,10 +103,6 @@ class MLAProbe:
                                   pos[:, None])
         return q_nope[0], q_pe[0]
 
-    def queries(self, tokens: torch.Tensor, pos: torch.Tensor):
-        q_nope, q_pe = self.queries64(tokens, pos)
-        return q_nope.to(torch.float32), q_pe.to(torch.float32)
-
     def project(self, tokens: torch.Tensor, pos: torch.Tensor, n_pos: int | None = None):
         """``latent`` and ``queries`` of the same tokens at once (one embedding lookup), float32;
         ``n_pos`` bounds the positions."""
