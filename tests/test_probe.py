@@ -277,3 +277,19 @@ def test_triton_scan_at_real_sizes_on_the_gpu(preset):
     assert same(ln.state_conv, tri.state_conv) and same(ln.state_temporal, tri.state_temporal)
     assert torch.equal(ln.y_out, tri.y_out) and torch.equal(ln.stats, tri.stats)
     assert int(ln.stats[..., 0].sum()) > 0  # the comparisons found the (deliberate) differences
+
+
+@pytest.mark.gpu
+def test_triton_scan_with_a_single_layer_compiles_and_matches():
+    """L == 1 (the recorded engine's one Mamba layer): Triton must not specialise it away."""
+    geo = GEOMETRIES["mamba2"].model_copy(update={"layers": 1})
+    _, tab, _, ln, _ = _case(geo, 9, [3, 5])
+    ln = _clone(ln)
+    for name, v in list(ln.__dict__.items()):
+        if isinstance(v, torch.Tensor):
+            setattr(ln, name, v.cuda())
+    tab = stack_tables([MambaProbe(geo, 0, 9)], "cuda")
+    ref = _clone(ln)
+    scan_reference(tab, ref)
+    scan_triton(tab, ln)
+    assert torch.equal(ln.y_out, ref.y_out)

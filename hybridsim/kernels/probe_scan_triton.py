@@ -108,7 +108,7 @@ def _cmp_window(src, row_stride, ch, m, v0, v1, v2, st, KM1: tl.constexpr, DIM: 
         _cmp_row(src, ch, m, v2, 0, st)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["L"])  # a model of one Mamba layer must not turn L into a constant
 def _probe_scan_kernel(
         tokens, row_start, row_len, init_window, init_tpage,
         conv, temporal, state_slot, c_ss, c_sp, c_sr, t_ss, t_sp,
