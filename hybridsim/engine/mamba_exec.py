@@ -26,7 +26,7 @@ import torch
 from ..checks import Checks, Failure
 from ..config import Scenario
 from ..errors import InputError
-from ..layers.exact import fingerprint_rows
+from ..layers.exact import fingerprint_rows, pages_digest
 from ..layers.mamba import MambaProbe, stack_tables
 from ..oracle import MambaOracle, OracleRow, StateCompare
 from ..sched.plan import StepOutcome, StepPlan, prefill_end
@@ -324,14 +324,9 @@ class MambaExecution:
 
     def state_digests(self, order: list[int]) -> dict[str, str]:
         """Per slot: sha256 over the exact fingerprints of its pages in physical block order."""
-        out = {}
         idx = torch.tensor(order, dtype=torch.int64, device=self.device)
-        for s in range(self.slots):
-            h = hashlib.sha256()
-            for t in (self.cache.conv.data[s], self.cache.temporal.data[s]):
-                h.update(fingerprint_rows(t[idx]).cpu().numpy().tobytes())
-            out[f"mamba.slot{s}.state"] = h.hexdigest()
-        return out
+        return {f"mamba.slot{s}.state": pages_digest([self.cache.conv.data[s], self.cache.temporal.data[s]], idx)
+                for s in range(self.slots)}
 
     @staticmethod
     def needs_executing(scenario: Scenario) -> None:

@@ -23,7 +23,7 @@ import torch
 from ..checks import Checks, Failure
 from ..config import Scenario
 from ..kernels.segments import rel_errors
-from ..layers.exact import fingerprint_rows
+from ..layers.exact import pages_digest
 from ..layers.mla import MLAProbe
 from ..oracle import MLAOracle
 from ..sched.plan import StepPlan
@@ -226,8 +226,5 @@ class MLAExecution:
     def cache_digests(self, order: list[int]) -> dict[str, str]:
         """Per layer: sha256 over the exact fingerprints of its latent pages in physical block order
         (latent entries are exact, so the same bits on every machine)."""
-        import hashlib
-
         idx = torch.tensor(order, dtype=torch.int64, device=self.device)
-        return {f"mla{layer}.latent_cache": hashlib.sha256(fingerprint_rows(c.data[idx]).cpu().numpy().tobytes())
-                .hexdigest() for layer, c in enumerate(self.caches)}
+        return {f"mla{layer}.latent_cache": pages_digest([c.data], idx) for layer, c in enumerate(self.caches)}

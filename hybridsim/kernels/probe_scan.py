@@ -124,10 +124,9 @@ class ScanBuilder:
     def write(self, row: int, t: int, tpages: list[int], cpages: list[int]) -> None:
         self.events.append((row, t, tpages, cpages))
 
-    def compare(self, row: int, t: int, tpages: list[int], cpages: list[int], off: int, tag: object) -> int:
-        """Returns the comparison's index into ``stats`` (after ``sorted_cmps`` order)."""
+    def compare(self, row: int, t: int, tpages: list[int], cpages: list[int], off: int, tag: object) -> None:
+        """``tag`` comes back from ``build`` at the comparison's index into ``stats``."""
         self.cmps.append((row, t, tpages, cpages, off, tag))
-        return len(self.cmps) - 1
 
     def build(self, init_window: torch.Tensor, state_conv, state_temporal, state_slot, device,
               y_out=None, y_start=None, cmp=None, y_ref=None) -> tuple[ScanLaunch, list]:
@@ -135,11 +134,7 @@ class ScanBuilder:
         B, L = len(self.row_len), self.layers
         as_t = lambda v, shape=None: upload(torch.tensor(v, dtype=torch.int64).reshape(shape or (-1,)), device)  # noqa
         ev = sorted(self.events, key=lambda e: (e[0], e[1]))
-        ev_ptr = [0] * (B + 1)
-        for r, *_ in ev:
-            ev_ptr[r + 1] += 1
-        for i in range(B):
-            ev_ptr[i + 1] += ev_ptr[i]
+        ev_ptr = _row_ptr([e[0] for e in ev], B)
         launch = ScanLaunch(
             tokens=upload(np.concatenate(self.tokens), device), row_start=as_t(self.row_start), row_len=as_t(self.row_len),
             init_window=init_window, init_tpage=as_t(self.init_tpage, (B, L)),
@@ -154,13 +149,8 @@ class ScanBuilder:
             order = sorted(range(len(self.cmps)), key=lambda i: (self.cmps[i][0], self.cmps[i][1]))
             cm = [self.cmps[i] for i in order]
             tags = [c[5] for c in cm]
-            cptr = [0] * (B + 1)
-            for c in cm:
-                cptr[c[0] + 1] += 1
-            for i in range(B):
-                cptr[i + 1] += cptr[i]
             launch.cmp_conv, launch.cmp_temporal, launch.cmp_slot = cmp
-            launch.cmp_ptr = as_t(cptr)
+            launch.cmp_ptr = as_t(_row_ptr([c[0] for c in cm], B))
             launch.cmp_t = as_t([c[1] for c in cm])
             launch.cmp_tpage = as_t([c[2] for c in cm], (len(cm), L))
             launch.cmp_cpage = as_t([c[3] for c in cm], (len(cm), L))
@@ -170,6 +160,16 @@ class ScanBuilder:
             launch.y_count = as_t(self.y_count)
             launch.stats = new_stats(len(cm), B, L, device)
         return launch, tags
+
+
+def _row_ptr(rows: list[int], n: int) -> list[int]:
+    """Row-sorted items' owning rows -> (n + 1,) offsets: row r's items are ptr[r]:ptr[r + 1]."""
+    ptr = [0] * (n + 1)
+    for r in rows:
+        ptr[r + 1] += 1
+    for i in range(n):
+        ptr[i + 1] += ptr[i]
+    return ptr
 
 
 # ----------------------------------------------------------------------------- torch reference
@@ -263,12 +263,16 @@ def _states_at(sel: torch.Tensor, ts: torch.Tensor, decay, xph, Bhh, A, U, h0, K
     return win, h
 
 
-def _page_values(conv, temporal, slot, pages, off, K):
-    """(k, L) pages -> their conv rows off..off+K-2 (k, L, K-1, dim) and temporal pages, float32."""
+def _conv_rows(conv, slot, pages, off, K):
+    """(k, L) pages -> their conv rows off..off+K-2, (k, L, K-1, dim) float32."""
     sl = slot[None, :].expand_as(pages)
     rows = off[:, None, None] + torch.arange(K - 1, device=pages.device)[None, None, :]  # (k, 1, K-1)
-    pg = pages.clamp(min=0)
-    return conv[sl[..., None], pg[..., None], rows], temporal[sl, pg]
+    return conv[sl[..., None], pages.clamp(min=0)[..., None], rows]
+
+
+def _temporal_pages(temporal, slot, pages):
+    """(k, L) pages -> their temporal states, (k, L, H, P, N) float32."""
+    return temporal[slot[None, :].expand_as(pages), pages.clamp(min=0)]
 
 
 def _mismatch(got: torch.Tensor, want: torch.Tensor, mask: torch.Tensor):
@@ -313,8 +317,7 @@ def scan_reference(tables: StackedTables, ln: ScanLaunch, chunk: int | None = No
     # every row's initial state, read before anything is written
     window = _residues(ln.init_window)  # (B, L, K-1, dim)
     tp = ln.init_tpage
-    h = torch.where((tp >= 0)[..., None, None, None],
-                    _residues(ln.state_temporal[slot[None, :].expand(B, L), tp.clamp(min=0)]), zero)
+    h = torch.where((tp >= 0)[..., None, None, None], _residues(_temporal_pages(ln.state_temporal, slot, tp)), zero)
     ev_ptr, ev_t = ln.ev_ptr.tolist(), ln.ev_t.tolist()
     cmp_ptr = ln.cmp_ptr.tolist() if ln.compares else [0] * (B + 1)
     cmp_t = ln.cmp_t.tolist() if ln.compares else []
@@ -383,8 +386,8 @@ def scan_reference(tables: StackedTables, ln: ScanLaunch, chunk: int | None = No
         if cmp_k:
             ki, ci = as_t(cmp_k), as_t(cmp_i)
             cpg, tpg = ln.cmp_cpage[ci], ln.cmp_tpage[ci]
-            cv, _ = _page_values(ln.cmp_conv, ln.cmp_temporal, ln.cmp_slot, cpg, ln.cmp_off[ci], K)
-            _, tv = _page_values(ln.cmp_conv, ln.cmp_temporal, ln.cmp_slot, tpg, ln.cmp_off[ci], K)
+            cv = _conv_rows(ln.cmp_conv, ln.cmp_slot, cpg, ln.cmp_off[ci], K)
+            tv = _temporal_pages(ln.cmp_temporal, ln.cmp_slot, tpg)
             c_cnt, c_max, c_first = _mismatch(cv, win[ki], cpg >= 0)
             t_cnt, t_max, t_first = _mismatch(tv, hs[ki], tpg >= 0)
             t_first = torch.where(t_first == NO_MISMATCH, t_first, t_first + wsz)

@@ -15,9 +15,14 @@ from ..engine.transfer import upload
 LARGE = 1 << 18  # elements: a pair at least this big is reduced on its own
 
 
+def specials_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Element-wise: a and b disagree on NaN, +inf or -inf."""
+    return ((torch.isnan(a) != torch.isnan(b)) | (torch.isposinf(a) != torch.isposinf(b))
+            | (torch.isneginf(a) != torch.isneginf(b)))
+
+
 def _errors(g: torch.Tensor, w: torch.Tensor, reduce) -> torch.Tensor:
-    specials = ((torch.isnan(g) != torch.isnan(w)) | (torch.isposinf(g) != torch.isposinf(w))
-                | (torch.isneginf(g) != torch.isneginf(w))).double()
+    specials = specials_differ(g, w).double()
     fg, fw = torch.nan_to_num(g, 0.0, 0.0, 0.0), torch.nan_to_num(w, 0.0, 0.0, 0.0)
     diff = reduce((fg - fw).abs())
     return torch.stack([diff, diff / reduce(fw.abs()).clamp_min(1e-30), reduce(specials)], dim=-1)

@@ -19,6 +19,7 @@ contraction are not; integers are. So:
 from __future__ import annotations
 
 import functools
+import hashlib
 from decimal import Decimal, localcontext
 
 import numpy as np
@@ -205,5 +206,13 @@ def fingerprint_rows(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def pages_digest(tensors: list[torch.Tensor], rows: torch.Tensor) -> str:
+    """sha256 over the exact fingerprints of the given rows (pages) of each tensor, in order."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(fingerprint_rows(t[rows]).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
 __all__ = ["Q", "MAX_STATE_DIM", "pow_table", "primitive_root", "rng", "residues", "rope_exact", "rope_cos_sin",
-           "trig_table", "rope_phases", "fingerprint_rows"]
+           "trig_table", "rope_phases", "fingerprint_rows", "pages_digest"]
