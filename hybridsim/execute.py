@@ -29,6 +29,18 @@ BUGS: dict[str, tuple[str, str]] = {
     "ctx_chunk_unaligned": ("MLA prefill context chunks start off page boundaries", "mla.output"),
     "lse_base2": ("partial attentions merged with exp2 against natural-log lse", "mla.output"),
     "lse_unmasked": ("an empty context partial (lse -inf) is merged without sanitising", "mla.output"),
+    "attn_hit_not_cut": ("the attention group keeps the blocks of its own, longer prefix hit instead of cutting "
+                         "them back to the Mamba-aligned hit: the request recomputes into blocks others hold",
+                         "attn.cached_blocks"),
+    "free_shared_block": ("freeing a request's attention blocks ignores the reference count: a block another "
+                          "request still holds goes back to the free queue and is handed out again",
+                          "attn.cached_blocks"),
+    "slot_off_by_one": ("the slot mapping sends the first token of each block through the previous block-table "
+                        "column", "attn.output"),
+    "rejected_kv_visible": ("the step after a partly rejected draft run still counts the rejected drafts in the "
+                            "row's sequence length: its queries see K/V past the row's end", "attn.output"),
+    "paged_attn_past_end": ("the paged-attention loop runs one block-table column past the row's last block "
+                            "without masking it", "attn.output"),
 }
 
 
@@ -66,8 +78,11 @@ def groups_from_specs(groups) -> list[GroupInfo]:
 
 def make_executor(s: Scenario, groups, checks: Checks, check: str, bugs: set[str], kernels: str,
                   device: str, notes: list[str], where: str = "scenario",
-                  announce: Optional[Callable[[list[str]], None]] = None, digests: bool = False) -> Executor:
-    """The executor for a scenario, after its memory plan was added up, announced and found to fit."""
+                  announce: Optional[Callable[[list[str]], None]] = None, digests: bool = False,
+                  capacity: Optional[int] = None) -> Executor:
+    """The executor for a scenario, after its memory plan was added up, announced and found to fit.
+    ``capacity``: cache pages to hold (a replay knows how many distinct blocks its trace uses);
+    by default ``cache.num_blocks``."""
     from .engine.memory import check_fits, plan_memory
 
     dev = resolve_device(device)
@@ -87,16 +102,14 @@ def make_executor(s: Scenario, groups, checks: Checks, check: str, bugs: set[str
     if checked:
         from .kernels.checked import CheckedKernels
         k = CheckedKernels(k, checks)
-    if s.geometry().attention is not None:
-        notes.append("GQA attention layers are planned (their blocks are tracked) but not executed; "
-                     "Mamba and MLA layers are executed and checked")
     specs = groups_from_specs(groups)
-    plan = plan_memory(s, specs, torch.device(dev), checked_kernels=checked)
+    capacity = min(capacity or s.cache.num_blocks, s.cache.num_blocks)
+    plan = plan_memory(s, specs, torch.device(dev), checked_kernels=checked, pages=capacity)
     if announce is not None:
         announce(plan.lines())
     check_fits(plan, s, where)
     ex = Executor(s, specs, k, checks, check, bugs, dev, oracle_scan=oracle_scan_for(torch.device(dev)),
-                  digests=digests)
+                  digests=digests, capacity=capacity)
     ex.kernel_timer = timer
     ex.memory_plan = plan
     return ex

@@ -78,6 +78,26 @@ class AttentionGeometry(_Strict):
     head_dim: int = Field(..., ge=1)
     dtype: DType = "bfloat16"
 
+    @model_validator(mode="after")
+    def _grouped_heads(self) -> "AttentionGeometry":
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError("head_dim must be even (RoPE rotates pairs)")
+        return self
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head."""
+        return self.heads // self.kv_heads
+
+    def scale(self) -> float:
+        return self.head_dim ** -0.5
+
+    def page_bytes(self, block_size: int) -> int:
+        """One layer's page of one block: K and V of ``block_size`` tokens."""
+        return block_size * self.bytes_per_token()
+
     def bytes_per_token(self) -> int:
         """Per layer, K and V."""
         return 2 * self.kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]

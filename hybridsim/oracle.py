@@ -12,9 +12,10 @@ where in the cache to *look* when it compares.
   is past its computed count (preempted, then resumed from a prefix hit) or whose hit
   lies behind its frontier starts again from the zero state: memory is bounded by the
   running requests, not by history.
-* MLA: dense causal attention in float64 over the committed prefix, recomputed each
-  step from the token ids (the latent entries are exact, ``layers/mla.py``); the
-  weight absorption is applied in float64, exact up to float64 rounding.
+* MLA and GQA attention: dense causal attention in float64 over the committed prefix,
+  recomputed each step from the token ids (K, V and latent entries are exact,
+  ``layers/mla.py``, ``layers/gqa.py``); MLA's weight absorption is applied in float64,
+  exact up to float64 rounding.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from .engine.transfer import upload
 from .kernels.probe_scan import ScanBuilder, ScanLaunch
 from .layers.mamba import StackedTables
+from .layers.gqa import GQAProbe, GQAStack
 from .layers.mla import MLAProbe, MLAStack
 
 
@@ -113,19 +115,21 @@ class MambaOracle:
         return launch.stats.cpu(), tags
 
 
-class MLAOracle:
-    """Expected MLA outputs (float64, on the run's device) of committed query positions, every
-    layer at once, rows batched with padding up to ``budget_elems`` score elements a batch."""
+class DenseOracle:
+    """Expected attention outputs (float64, on the run's device) of committed query positions,
+    every layer at once, rows batched with padding up to ``budget_elems`` score elements a
+    batch. ``stack`` is a layer kind's stacked probe (``MLAStack``, ``GQAStack``): its
+    ``attend`` recomputes everything from token ids."""
 
-    def __init__(self, probes: list[MLAProbe], device: torch.device, budget_elems: int = 1 << 27):
-        self.stack = MLAStack(probes, device)
+    def __init__(self, stack, device: torch.device, budget_elems: int = 1 << 27):
+        self.stack = stack
         self.device = device
         self.budget = budget_elems
 
     def expected(self, rows: list[tuple[np.ndarray, int, int]]) -> list[torch.Tensor]:
         """rows: (committed tokens, c, k). Returns per row (layers, k, H, v): attention of positions
         c..c+k-1 over the tokens [0, c+k)."""
-        per_q = self.stack.layers * self.stack.geo.heads
+        per_q = self.stack.layers * self.stack.heads
         pieces = []  # (row, q0, q1): a row's queries split so one piece fits the budget
         for i, (_, c, k) in enumerate(rows):
             step = max(1, self.budget // (per_q * (c + k)))
@@ -155,3 +159,13 @@ class MLAOracle:
                 out[i].append((q0, res[:, j, : q1 - q0]))
             start = end
         return [torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])], dim=1) for parts in out]
+
+
+def MLAOracle(probes: list[MLAProbe], device: torch.device, budget_elems: int = 1 << 27) -> DenseOracle:
+    """Dense float64 attention over the committed tokens of every MLA layer."""
+    return DenseOracle(MLAStack(probes, device), device, budget_elems)
+
+
+def GQAOracle(probes: list[GQAProbe], device: torch.device, budget_elems: int = 1 << 27) -> DenseOracle:
+    """Dense float64 causal attention over the committed tokens of every GQA layer."""
+    return DenseOracle(GQAStack(probes, device), device, budget_elems)

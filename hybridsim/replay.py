@@ -73,7 +73,7 @@ def replay_trace(path: str | Path, *, check: str = "full", bugs: Optional[set[st
         notes.append(f"this trace was recorded with --inject-bug {' '.join(recorded_bugs)}; replay with the same "
                      "flags to reproduce its failure")
     ex = make_executor(scenario, tr.header["groups"], checks, check, bugs or set(), kernels, device, notes,
-                       where=f"{path}:1", announce=announce, digests=True)
+                       where=f"{path}:1", announce=announce, digests=True, capacity=_distinct_blocks(tr.steps))
     t0 = perf_counter()
     for _, plan, outcome in tr.steps:
         ex.step(plan, outcome)
@@ -81,3 +81,16 @@ def replay_trace(path: str | Path, *, check: str = "full", bugs: Optional[set[st
     return ReplayResult(Path(path), len(tr.steps), len(tr.requests), checks, wall, notes, dict(ex.timings),
                         ex.state_digests(), ex.kernel_timer.summary() if ex.kernel_timer is not None else None,
                         ex.memory_report())
+
+
+def _distinct_blocks(steps) -> int:
+    """Pages a replay needs: the distinct block ids the trace hands out, and the null block (a
+    recorded engine's pool is often far larger than what its trace touches)."""
+    seen: set[int] = set()
+    for _, plan, _ in steps:
+        for s in plan.scheduled:
+            if s.new_block_ids is not None:
+                for row in s.new_block_ids:
+                    seen.update(row)
+    seen.add(0)
+    return len(seen)

@@ -103,6 +103,9 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
     check_workload_fits(loaded, wl)
     checks = Checks()
     sim = Simulation(s, wl)
+    if bugs:
+        from .sched.injected import inject
+        inject(sim.kv, bugs)
     notes: list[str] = []
     executor = None
     if execute:

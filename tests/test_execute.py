@@ -17,6 +17,7 @@ EXECUTED = [p for p in SCENARIOS if load_scenario(p).scenario.execution.check !=
 # the checks each model kind must exercise (count > 0)
 MAMBA_CHECKS = {"ssm.output", "ssm.running_state", "mamba.chunk_meta"}
 MLA_CHECKS = {"mla.output", "mla.paths"}
+ATTN_CHECKS = {"attn.output", "attn.cached_blocks"}
 
 
 @pytest.mark.parametrize("path", EXECUTED, ids=lambda p: p.stem)
@@ -27,7 +28,8 @@ def test_clean_scenario_passes_every_check(path):
     assert not bad, bad
     counts = {t.name: t.count for t in res.checks.tallies.values()}
     geo = loaded.scenario.geometry()
-    want = {"sched.invariants"} | (MAMBA_CHECKS if geo.mamba else set()) | (MLA_CHECKS if geo.mla else set())
+    want = ({"sched.invariants"} | (MAMBA_CHECKS if geo.mamba else set()) | (MLA_CHECKS if geo.mla else set())
+            | (ATTN_CHECKS if geo.attention else set()))
     assert all(counts.get(name, 0) > 0 for name in want), counts
     assert res.stats.finished == res.stats.requests
 
@@ -43,6 +45,11 @@ BUG_SCENARIOS = {
     "lse_base2": "mla_long_context",
     "lse_unmasked": "mla_long_context",
     "int32_block_offset": "large_pages",
+    "attn_hit_not_cut": "align_prefix_hits",
+    "free_shared_block": "memory_pressure",
+    "slot_off_by_one": "chunked_prefill",
+    "rejected_kv_visible": "spec_decode",
+    "paged_attn_past_end": "chunked_prefill",
 }
 
 
@@ -79,3 +86,24 @@ def test_triton_provider_executes_a_hybrid_mla_scenario_green():
     for name in ("kernel.state_copy", "kernel.mla_decode", "kernel.merge_states", "kernel.cache_ops",
                  "ssm.running_state", "mla.output"):
         assert counts.get(name, 0) > 0, counts
+
+
+def test_triton_provider_executes_a_hybrid_gqa_scenario_green():
+    """The GQA kernels inside the executor (interpreter on a CPU), with prefix hits, chunked
+    prefill and speculative rows: every call equals the reference, and the oracle checks pass."""
+    src = tiny_scenario(preset="tiny-hybrid", spec=2, acc="{kind: bernoulli, rate: 0.6}", n=4, per_step=2,
+                        pmin=20, pmax=90, omin=4, omax=10, prefix=32)
+    res = plan_scenario(parse_scenario(src, "tiny-triton-gqa"), kernels="triton")
+    bad = [(t.name, t.first_failure) for t in res.checks.tallies.values() if t.failures]
+    assert not bad, bad
+    counts = {t.name: t.count for t in res.checks.tallies.values()}
+    for name in ("kernel.reshape_and_cache", "kernel.paged_attention", "attn.output", "attn.cached_blocks"):
+        assert counts.get(name, 0) > 0, counts
+
+
+def test_attention_bug_leaves_mamba_checks_green():
+    """A slot-mapping bug breaks attention outputs and nothing the Mamba layers compute."""
+    res = plan_scenario(load_scenario(REPO / "scenarios" / "chunked_prefill.yaml"), bugs={"slot_off_by_one"})
+    assert res.checks.tallies["attn.output"].failures > 0
+    assert res.checks.tallies["ssm.output"].failures == 0
+    assert res.checks.tallies["ssm.output"].count > 0

@@ -1,4 +1,4 @@
-"""Cache tensors for the executor: Mamba state pages and MLA latent pages.
+"""Cache tensors for the executor: Mamba state pages, attention K/V pages, MLA latent pages.
 
 Block ids come from the scheduler (or a recorded engine) and are remapped to dense rows
 on first use; every tensor is allocated once, at its planned size (``cache.num_blocks``
@@ -45,12 +45,70 @@ class PagedTensor:
         self.data = torch.full((*lead, capacity, *page_shape), float("nan"), dtype=dtype, device=device)
 
 
+NAN_BITS = 0x7FC07FC0  # a NaN as float32, and each 16-bit half a NaN as bfloat16 and float16
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+class PageArena:
+    """The pages a hybrid model's layer kinds share, as the engine shares its KV-cache tensors:
+    slot j holds the j-th layer of every KV-cache group, and a block's page in a slot belongs to
+    whichever group holds the block (a block id is in one group's row at a time). A Mamba
+    page (conv window, then temporal state) and an attention page (K, then V) are typed views
+    of the same bytes, so a block handed to two groups at once corrupts both, as it would in
+    the engine. Filled with ``NAN_BITS``: unwritten elements read NaN in every dtype."""
+
+    ALIGN = 32  # views start on 128-byte boundaries inside a page
+
+    def __init__(self, slots: int, capacity: int, page_bytes: int, device: torch.device):
+        elems = -(-page_bytes // (4 * self.ALIGN)) * self.ALIGN
+        self.data = torch.empty(slots, capacity, elems, dtype=torch.float32, device=device)
+        self.data.view(torch.int32).fill_(NAN_BITS)
+        self.slots, self.capacity = slots, capacity
+
+    @classmethod
+    def aligned(cls, elems: int) -> int:
+        return -(-elems // cls.ALIGN) * cls.ALIGN
+
+    def float32_view(self, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """(slots, capacity, *shape) float32 at ``offset`` float32 elements into every page."""
+        return self.data[:, :, offset:offset + _numel(shape)].view(self.slots, self.capacity, *shape)
+
+    def slot_view(self, slot: int, offset_bytes: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """(capacity, *shape) of ``dtype`` at ``offset_bytes`` into every page of one slot."""
+        raw = self.data[slot].view(dtype)
+        start = offset_bytes // raw.element_size()
+        return raw[:, start:start + _numel(shape)].view(self.capacity, *shape)
+
+
 class MambaStateCache:
     """Every Mamba state page: conv windows (slots, pages, R, dim) and temporal states
     (slots, pages, H, P, N), float32 (the probe's residues are exact in it). A slot is shared
-    by the i-th layers of every Mamba group, as the engine shares its KV-cache tensors."""
+    by the i-th layers of every Mamba group, as the engine shares its KV-cache tensors; with an
+    ``arena`` the pages are views into it (shared with attention layers), else allocated here."""
 
     def __init__(self, slots: int, conv_rows: int, dim: int, temporal_shape: tuple[int, ...],
-                 device: torch.device, blocks: BlockMap):
-        self.conv = PagedTensor((conv_rows, dim), torch.float32, device, blocks.capacity, slots)
-        self.temporal = PagedTensor(temporal_shape, torch.float32, device, blocks.capacity, slots)
+                 device: torch.device, blocks: BlockMap, arena: "PageArena | None" = None):
+        if arena is None:
+            self.conv = PagedTensor((conv_rows, dim), torch.float32, device, blocks.capacity, slots)
+            self.temporal = PagedTensor(temporal_shape, torch.float32, device, blocks.capacity, slots)
+            return
+        self.conv = _View(arena.float32_view(0, (conv_rows, dim)))
+        self.temporal = _View(arena.float32_view(PageArena.aligned(conv_rows * dim), temporal_shape))
+
+    @staticmethod
+    def page_elems(conv_rows: int, dim: int, temporal_shape: tuple[int, ...]) -> int:
+        """float32 elements of one state page inside an arena (the temporal state aligned)."""
+        return PageArena.aligned(conv_rows * dim) + _numel(temporal_shape)
+
+
+class _View:
+    """A PagedTensor's interface over a view of an arena."""
+
+    def __init__(self, data: torch.Tensor):
+        self.data = data

@@ -4,9 +4,9 @@ It knows tensors, never policy: block rows come from the plan, states are read,
 copied and written where the cache-mode bookkeeping says, the probe layers run the
 scheduled tokens, and after the step's outcome every committed token, every
 resumable state, every boundary state and every prefix hit handed out is compared
-with values recomputed from the committed tokens alone. The Mamba and MLA layers live
-in ``mamba_exec`` and ``mla_exec``; this module keeps the requests' token sequences and
-block rows and drives a step through both.
+with values recomputed from the committed tokens alone. The Mamba, GQA attention and MLA
+layers live in ``mamba_exec``, ``attn_exec`` and ``mla_exec``; this module keeps the
+requests' token sequences and block rows and drives a step through each.
 """
 
 from __future__ import annotations
@@ -22,10 +22,12 @@ from ..checks import Checks, Failure
 from ..config import Scenario
 from ..errors import EnvironmentProblem, InputError
 from ..sched.plan import PLACEHOLDER_DRAFT, StepOutcome, StepPlan
-from .cache import BlockMap
+from .attn_exec import AttentionExecution
+from .cache import BlockMap, PageArena
 from .mamba_exec import BadAccess, MambaExecution
 from .mamba_state import Bugs
 from .metadata import build_batch
+from .memory import arena_layout
 from .mla_exec import MLAExecution
 
 
@@ -78,7 +80,7 @@ class ExecRequest:
 class Executor:
     def __init__(self, scenario: Scenario, groups: list[GroupInfo], kernels, checks: Checks,
                  check: str = "full", bugs: Optional[set[str]] = None, device: str = "cpu",
-                 oracle_scan=None, digests: bool = False):
+                 oracle_scan=None, digests: bool = False, capacity: Optional[int] = None):
         self.s = scenario
         self.geo = scenario.geometry()
         self.groups = groups
@@ -88,20 +90,26 @@ class Executor:
         self.bugs = Bugs(bugs or set())
         self.device = torch.device(device)
         self.reqs: dict[str, ExecRequest] = {}
-        self.blocks = BlockMap(scenario.cache.num_blocks)
+        self.blocks = BlockMap(capacity or scenario.cache.num_blocks)
         self.kernel_timer = None  # a TimedKernels on a GPU: per-kernel CUDA-event timings
         self.memory_plan = None  # engine/memory.py's plan, set by whoever sized the run
         self.mamba: Optional[MambaExecution] = None
         self.mla: Optional[MLAExecution] = None
+        self.attn: Optional[AttentionExecution] = None
+        layout = arena_layout(scenario, groups)
+        arena = PageArena(layout[0], self.blocks.capacity, layout[1], self.device) if layout is not None else None
         if self.geo.mamba is not None:
             MambaExecution.needs_executing(scenario)
             if oracle_scan is None:
                 from ..kernels.probe_scan import scan_reference
                 oracle_scan = scan_reference
             self.mamba = MambaExecution(scenario, groups, kernels, checks, check, self.bugs, self.device,
-                                        self.blocks, oracle_scan)
+                                        self.blocks, oracle_scan, arena)
             if digests:
                 self.mamba.output_digest = hashlib.sha256()
+        if self.geo.attention is not None:
+            self.attn = AttentionExecution(scenario, groups, kernels, checks, self.bugs, self.device, self.blocks,
+                                           arena)
         if self.geo.mla is not None:
             self.mla = MLAExecution(scenario, groups, kernels, checks, self.bugs, self.device, self.blocks,
                                     scenario.execution.mla_workspace_tokens)
@@ -114,7 +122,7 @@ class Executor:
     @property
     def timings(self) -> dict[str, float]:
         out: dict[str, float] = {}
-        for part in (self.mamba, self.mla):
+        for part in (self.mamba, self.attn, self.mla):
             if part is not None:
                 out.update(part.timings)
         return out
@@ -134,6 +142,11 @@ class Executor:
         if self.mamba is not None:
             self.mamba.last_copies = 0
         resumed = [s.req_id for s in plan.scheduled if s.is_new and s.resumed]
+        if self.attn is not None:
+            for rid in (*plan.finished, *plan.preempted, *plan.forced_preempted):
+                r = self.reqs.get(rid)
+                if r is not None:
+                    self.attn.release(rid, r.rows)
         for rid in plan.finished:
             self.reqs.pop(rid, None)
         if self.mamba is not None:
@@ -170,13 +183,15 @@ class Executor:
             inputs.append(np.concatenate([known, drafts]))
         meta = build_batch([(s.num_computed_tokens, s.num_scheduled_tokens, len(s.spec_token_ids))
                             for s in plan.scheduled], self.s.spec_decode.num_speculative_tokens)
-        mamba_fwd = mla_fwd = None
+        mamba_fwd = mla_fwd = attn_fwd = None
         if self.mamba is not None:
             self.mamba.check_chunk_meta(plan, meta)
             try:
                 mamba_fwd = self.mamba.forward(plan, reqs, inputs)
             except BadAccess as e:  # the bookkeeping pointed at a column holding no block
                 self.checks.get("ssm.running_state").failed(Failure(plan.step, None, str(e)))
+        if self.attn is not None:
+            attn_fwd = self.attn.forward(plan, reqs, inputs)
         if self.mla is not None:
             mla_fwd = self.mla.forward(plan, reqs, inputs, meta)
         # -- outcome: commit tokens, then check everything committed
@@ -196,6 +211,8 @@ class Executor:
                 self.mamba.after(plan, outcome, reqs, committed, mamba_fwd)
             except BadAccess as e:
                 self.checks.get("ssm.running_state").failed(Failure(plan.step, None, str(e)))
+        if attn_fwd is not None:
+            self.attn.check(plan, reqs, attn_fwd, committed)
         if mla_fwd is not None:
             self.mla.check(plan, reqs, mla_fwd, committed)
 
@@ -217,6 +234,8 @@ class Executor:
             out.update(self.mamba.state_digests(order))
             if self.mamba.output_digest is not None:
                 out["outputs"] = self.mamba.output_digest.hexdigest()
+        if self.attn is not None:
+            out.update(self.attn.cache_digests(order))
         if self.mla is not None:
             out.update(self.mla.cache_digests(order))
         return out

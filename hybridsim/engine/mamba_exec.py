@@ -30,7 +30,7 @@ from ..layers.exact import fingerprint_rows, pages_digest
 from ..layers.mamba import MambaProbe, stack_tables
 from ..oracle import MambaOracle, OracleRow, StateCompare
 from ..sched.plan import StepOutcome, StepPlan, prefill_end
-from .cache import BlockMap, MambaStateCache
+from .cache import BlockMap, MambaStateCache, PageArena
 from .mamba_state import TRACKERS, Bugs, Copy, RowPlan
 from .metadata import chunk_metadata, chunk_metadata_varlen
 from .transfer import to_device, upload
@@ -56,7 +56,7 @@ WHAT = {"hit": ("ssm.cached_blocks", "prefix hit"), "run": ("ssm.running_state",
 
 class MambaExecution:
     def __init__(self, scenario: Scenario, groups, kernels, checks: Checks, check: str, bugs: Bugs,
-                 device: torch.device, blocks: BlockMap, oracle_scan):
+                 device: torch.device, blocks: BlockMap, oracle_scan, arena: Optional[PageArena] = None):
         geo = scenario.geometry().mamba
         self.geo = geo
         self.k = kernels
@@ -77,7 +77,7 @@ class MambaExecution:
         self.K, self.L = geo.conv_kernel, geo.layers
         self.HP = self.tables.H * self.tables.P
         self.cache = MambaStateCache(self.slots, geo.conv_rows(self.S), self.tables.dim,
-                                     (self.tables.H, self.tables.P, self.tables.N), device, blocks)
+                                     (self.tables.H, self.tables.P, self.tables.N), device, blocks, arena)
         self.slot_of_layer = torch.tensor(self.layer_slot, dtype=torch.int64, device=device)
         self.bs = self.groups[0].block_size
         self.mode = scenario.cache.resolved_mode()

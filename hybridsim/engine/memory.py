@@ -1,8 +1,9 @@
 """What a checked run will allocate, added up before anything is allocated.
 
 Every tensor the executor and the oracle hold for the whole run is sized from the
-scenario alone: the Mamba state cache and the MLA latent caches (``cache.num_blocks``
-pages each), the oracle's per-request states (``max_num_seqs``), and the per-step
+scenario alone: the Mamba state pages, the attention K/V pages (one arena shared with the
+Mamba states in a hybrid model, as the engine shares them) and the MLA latent caches
+(``cache.num_blocks`` pages each), the oracle's per-request states (``max_num_seqs``), and the per-step
 buffers (``max_num_batched_tokens``). A run that cannot fit is refused before the first
 step: with exit 2 naming ``cache.num_blocks`` when a smaller pool would fit, with exit 3
 naming the device when nothing would.
@@ -36,6 +37,7 @@ class MemoryPlan:
     device: str
     items: list[MemoryItem] = field(default_factory=list)
     available: Optional[int] = None  # free bytes on the device, when known
+    pages: int = 0  # cache pages the plan holds (the per-block items scale with it)
 
     @property
     def total(self) -> int:
@@ -50,6 +52,27 @@ class MemoryPlan:
     def as_dict(self) -> dict:
         return {"device": self.device, "total_bytes": self.total, "available_bytes": self.available,
                 "items": [{"name": i.name, "bytes": i.bytes, "detail": i.detail} for i in self.items]}
+
+
+def mamba_page(s: Scenario) -> tuple[int, int, tuple[int, ...]]:
+    """(conv rows, conv dim, temporal shape) of one Mamba state page as the executor holds it."""
+    m = s.geometry().mamba
+    H, P = (1, m.heads * m.head_dim) if m.kind == "mamba1" else (m.heads, m.head_dim)
+    return m.conv_rows(s.spec_decode.num_speculative_tokens), m.conv_dim(), (H, P, m.d_state)
+
+
+def arena_layout(s: Scenario, groups) -> Optional[tuple[int, int]]:
+    """(slots, page bytes) of the pages Mamba and attention layers share, or None when the model
+    has not both. Slot j is the j-th layer of every group; a page fits the larger kind."""
+    geo = s.geometry()
+    if geo.mamba is None or geo.attention is None:
+        return None
+    from .cache import MambaStateCache
+
+    slots = max(len(g.layers) for g in groups if g.kind in ("mamba", "attention"))
+    bs = next(g.block_size for g in groups if g.kind == "attention")
+    page = max(4 * MambaStateCache.page_elems(*mamba_page(s)), geo.attention.page_bytes(bs))
+    return slots, page
 
 
 def free_bytes(device: torch.device) -> Optional[int]:
@@ -68,7 +91,8 @@ def free_bytes(device: torch.device) -> Optional[int]:
         return None
 
 
-def plan_memory(s: Scenario, groups, device: torch.device, checked_kernels: bool = False) -> MemoryPlan:
+def plan_memory(s: Scenario, groups, device: torch.device, checked_kernels: bool = False,
+                pages: Optional[int] = None) -> MemoryPlan:
     """What the run holds for its whole length, and an estimate of its largest step's transients
     (these scale with ``max_num_batched_tokens``); ``checked_kernels`` adds the reference's staging."""
     from ..kernels.checked import STAGED_PAGES
@@ -77,19 +101,45 @@ def plan_memory(s: Scenario, groups, device: torch.device, checked_kernels: bool
 
     geo = s.geometry()
     plan = MemoryPlan(str(device) if device.type != "cuda" else f"{device} ({torch.cuda.get_device_name(device)})")
-    blocks = s.cache.num_blocks
+    blocks = plan.pages = pages or s.cache.num_blocks  # cache pages held (a replay: those its trace uses)
     seqs = s.scheduler.max_num_seqs
     budget = s.scheduler.max_num_batched_tokens
     S = s.spec_decode.num_speculative_tokens
+    arena = arena_layout(s, groups)
+    if arena is not None:
+        slots, page = arena
+        a = geo.attention
+        plan.items.append(MemoryItem("state + K/V pages (shared)", slots * blocks * page,
+                                     f"{slots} slots x {blocks:,} blocks x {page / 2**20:,.2f} MiB pages, each a Mamba "
+                                     f"state or one attention layer's K/V ({a.dtype}) as the engine shares them",
+                                     per_block=slots * page))
+    elif geo.attention is not None:
+        a = geo.attention
+        bs = next(gr.block_size for gr in groups if gr.kind == "attention")
+        page = a.page_bytes(bs)
+        plan.items.append(MemoryItem("attention K/V caches", a.layers * blocks * page,
+                                     f"{a.layers} layers x {blocks:,} blocks x {page / 2**10:,.1f} KiB pages, {a.dtype}",
+                                     per_block=a.layers * page))
+    if geo.attention is not None:
+        a = geo.attention
+        hd = a.heads * a.head_dim
+        kvd = a.kv_heads * a.head_dim
+        step = (budget * a.layers * (hd + 2 * kvd) * 4  # every layer's Q, K, V of the step
+                + 2 * budget * a.layers * hd * 4  # every layer's outputs until the check, and a split's partials
+                + 6 * 4 * min(1 << 27, seqs * 16 * a.heads * s.scheduler.max_model_len))  # the reference's scores
+        oracle = a.layers * budget * hd * 8 + 5 * 8 * min(1 << 27, budget * a.heads * s.scheduler.max_model_len * a.layers)
+        plan.items.append(MemoryItem("attention step transients (estimate)", step,
+                                     f"largest step of {budget:,} tokens: projections, outputs, reference scores"))
+        plan.items.append(MemoryItem("attention oracle (estimate)", oracle, "float64 K/V, scores and outputs"))
     if geo.mamba is not None:
         m = geo.mamba
-        H, P = (1, m.heads * m.head_dim) if m.kind == "mamba1" else (m.heads, m.head_dim)
-        slots = max(len(g.layers) for g in groups if g.kind == "mamba")
-        dim = m.conv_dim()
-        page = 4 * (m.conv_rows(S) * dim + H * P * m.d_state)
-        plan.items.append(MemoryItem("Mamba state cache", slots * blocks * page,
-                                     f"{slots} slots x {blocks:,} blocks x {page / 2**20:,.2f} MiB pages, float32",
-                                     per_block=slots * page))
+        conv_rows, dim, (H, P, N) = mamba_page(s)
+        if arena is None:
+            slots = max(len(g.layers) for g in groups if g.kind == "mamba")
+            page = 4 * (conv_rows * dim + H * P * N)
+            plan.items.append(MemoryItem("Mamba state cache", slots * blocks * page,
+                                         f"{slots} slots x {blocks:,} blocks x {page / 2**20:,.2f} MiB pages, float32",
+                                         per_block=slots * page))
         state = 4 * ((m.conv_kernel - 1) * dim + H * P * m.d_state)
         plan.items.append(MemoryItem("Mamba oracle states", m.layers * seqs * state,
                                      f"{m.layers} layers x {seqs} requests (max_num_seqs)"))
@@ -130,7 +180,7 @@ def check_fits(plan: MemoryPlan, s: Scenario, where: str) -> None:
     if plan.available is None or plan.total <= plan.available:
         return
     per_block = sum(i.per_block for i in plan.items)
-    fixed = plan.total - per_block * s.cache.num_blocks
+    fixed = plan.total - per_block * (plan.pages or s.cache.num_blocks)
     need = f"the run needs {plan.total / GiB:,.1f} GiB on {plan.device} but {plan.available / GiB:,.1f} GiB are free"
     if per_block and plan.available > fixed:
         fit = int((plan.available - fixed) // per_block)

@@ -138,6 +138,37 @@ class CheckedKernels:
     def attention_partial(self, *a, **k):
         return self.inner.attention_partial(*a, **k)
 
+    def reshape_and_cache(self, key, value, slots, k_cache, v_cache):
+        """Compared on the slots written: each holds its token's K and V in the cache's dtype."""
+        self.inner.reshape_and_cache(key, value, slots, k_cache, v_cache)
+        s = slots.to(k_cache.device, torch.int64)
+        bs = k_cache.shape[1]
+        self._exact("reshape_and_cache", k_cache[s // bs, s % bs], key.to(k_cache.device, k_cache.dtype))
+        self._exact("reshape_and_cache", v_cache[s // bs, s % bs], value.to(v_cache.device, v_cache.dtype))
+
+    def paged_attention(self, q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale,
+                        max_seq_len=None, num_splits=0, past_end_bug=False):
+        """Rows of up to ``REFERENCE_MAX_QUERIES`` queries (decodes, speculative verification) are
+        re-run through the reference on the same cache; longer (prefill) rows are checked against
+        the oracle by ``attn.output`` only (the reference's cost there would be the oracle's)."""
+        got = self.inner.paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale,
+                                         max_seq_len=max_seq_len, num_splits=num_splits, past_end_bug=past_end_bug)
+        qsl = query_start_loc.to("cpu", torch.int64)
+        qlen = qsl[1:] - qsl[:-1]
+        rows = torch.nonzero(qlen <= REFERENCE_MAX_QUERIES).flatten()
+        if len(rows) == 0:
+            return got
+        tok = torch.cat([torch.arange(int(qsl[r]), int(qsl[r + 1])) for r in rows.tolist()])
+        sub_qsl = torch.zeros(len(rows) + 1, dtype=torch.int64)
+        sub_qsl[1:] = torch.cumsum(qlen[rows], 0)
+        tok_d = tok.to(q.device)
+        want = self.ref.paged_attention(q.index_select(0, tok_d), k_cache, v_cache,
+                                        block_table.index_select(0, rows.to(block_table.device)), sub_qsl,
+                                        seq_lens.to("cpu", torch.int64)[rows], scale, past_end_bug=past_end_bug)
+        tol = max(self.tol, LOW_PRECISION_TOL.get(k_cache.dtype, 0.0))
+        self._close("paged_attention", got.index_select(0, tok_d.to(got.device)), want, tol)
+        return got
+
     def mla_decode(self, q_lat, q_pe, cache, block_table, seq_lens, kv_lora_rank, scale, num_splits=0,
                    max_seq_len=None):
         """Decode and speculative-verification calls (up to ``REFERENCE_MAX_QUERIES`` query tokens a

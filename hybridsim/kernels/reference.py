@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from . import paged_attention as paged
 from .probe_scan import scan_reference
 
 NEG_INF = float("-inf")
@@ -80,6 +81,19 @@ class ReferenceKernels:
         pos = torch.arange(start, start + length, dtype=torch.int64, device=cache.device)
         blocks = block_row.to(cache.device, torch.int64)[pos // bs]
         return cache[blocks, pos % bs]
+
+    # ------------------------------------------------------------------ GQA paged attention
+    def reshape_and_cache(self, key, value, slots, k_cache, v_cache) -> None:
+        """key/value (n, kv_heads, D) into the paged caches at slots (n,) (``paged_attention.py``)."""
+        paged.reshape_and_cache(key, value, slots, k_cache, v_cache)
+
+    def paged_attention(self, q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale,
+                        max_seq_len=None, num_splits=0, past_end_bug=False):
+        """Every row of a step over its block row: q (T, heads, D) -> (T, heads, D) float32;
+        lengths are host tensors. ``max_seq_len`` and ``num_splits`` are hints a kernel may use;
+        the result does not depend on them."""
+        return paged.paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale,
+                                     past_end_bug=past_end_bug)
 
     # ------------------------------------------------------------------ attention pieces
     def merge_states(self, o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,

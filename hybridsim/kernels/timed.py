@@ -77,12 +77,24 @@ def _mla_bytes(q_lat, q_pe, cache, block_table, seq_lens, *_, **__) -> Callable[
     return lambda: int(seq_lens.sum()) * row + fixed
 
 
+def _reshape_bytes(key, value, slots, k_cache, v_cache) -> int:
+    return 2 * key.numel() * (key.element_size() + k_cache.element_size())
+
+
+def _paged_bytes(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, *_, **__) -> int:
+    """K and V rows each row reads (its whole sequence; lengths are host tensors), queries, outputs."""
+    row = k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
+    return int(seq_lens.sum()) * 2 * row + q.numel() * (q.element_size() + 4)
+
+
 BYTES: dict[str, Callable[..., "int | Callable[[], int]"]] = {
     "state_copy": _state_copy_bytes,
     "concat_and_cache": _concat_bytes,
     "gather_cache": _gather_bytes,
     "merge_states": _merge_bytes,
     "mla_decode": _mla_bytes,
+    "reshape_and_cache": _reshape_bytes,
+    "paged_attention": _paged_bytes,
 }
 
 

@@ -7,13 +7,14 @@ a stride: caches larger than 2^31 bytes are normal.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .attention_triton import (_pow2, _sm_count, combine_splits_kernel, launch_reshape_and_cache,
+                               plan_paged_attention, run_paged_attention)
 from .mla_gluon import gluon_applies, launch_gluon_split
 from .probe_scan_triton import scan_triton
 from .reference import ReferenceKernels
@@ -284,41 +285,6 @@ def _mla_split_kernel(q_lat, q_pe, cache, kv_desc, kr_desc, block_table, seq_len
     tl.store(lse_part + orow, lse, mask=rmask)
 
 
-@triton.jit
-def _mla_combine_kernel(o_part, lse_part, out, lse_out, n_rows, num_splits, L: tl.constexpr,
-                        BLOCK_L: tl.constexpr, ROWS: tl.constexpr):
-    """Merge the splits' partials of ROWS rows in one pass: weights exp(lse_s - max);
-    splits with lse -inf weigh 0; a row empty in every split gives 0 and -inf."""
-    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
-    rm = r < n_rows
-    c = tl.arange(0, BLOCK_L)
-    cm = rm[:, None] & (c < L)[None, :]
-    m = tl.full([ROWS], float("-inf"), tl.float32)
-    for s in range(num_splits):
-        m = tl.maximum(m, tl.load(lse_part + s * n_rows + r, mask=rm, other=float("-inf")))
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    acc = tl.zeros([ROWS, BLOCK_L], tl.float32)
-    wsum = tl.zeros([ROWS], tl.float32)
-    for s in range(num_splits):
-        w = tl.exp(tl.load(lse_part + s * n_rows + r, mask=rm, other=float("-inf")) - m_safe)
-        o = tl.load(o_part + (s * n_rows + r)[:, None] * L + c[None, :], mask=cm, other=0.0)
-        acc += w[:, None] * o
-        wsum += w
-    empty = wsum == 0.0
-    inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, wsum))
-    tl.store(out + r[:, None] * L + c[None, :], acc * inv[:, None], mask=cm)
-    tl.store(lse_out + r, tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, wsum))), mask=rm)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(dev: torch.device) -> int:
-    return torch.cuda.get_device_properties(dev).multi_processor_count
-
-
-def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, 1 << (max(n, 1) - 1).bit_length())
-
-
 class TritonKernels(ReferenceKernels):
     """Triton versions of the hot kernels; the rest falls back to the reference."""
 
@@ -329,6 +295,7 @@ class TritonKernels(ReferenceKernels):
         # kernel fails to write cannot pass a comparison (tests and checked runs); off for
         # benchmarks, where the fill would be timed as part of the kernel
         self.poison = poison
+        self._paged_plan = None  # (key, PagedPlan) of the last paged_attention call
 
     def _out(self, shape, dtype, device) -> torch.Tensor:
         if self.poison:
@@ -377,6 +344,27 @@ class TritonKernels(ReferenceKernels):
                                                      rows, D, BLOCK_D=_pow2(D), ROWS=per, BASE2_BUG=base2_bug,
                                                      UNGUARDED=unguarded, num_warps=8)
         return out, lse
+
+    def reshape_and_cache(self, key, value, slots, k_cache, v_cache):
+        launch_reshape_and_cache(key, value, slots, k_cache, v_cache)
+
+    def paged_attention(self, q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale,
+                        max_seq_len=None, num_splits=0, past_end_bug=False, block_m=None, block_n=None,
+                        num_warps=None, num_stages=None):
+        """The launch plan depends on the lengths only: the layers of a step (the same length
+        tensors) share one, made at the first layer's call."""
+        # (the length tensors by identity: the entry keeps them alive, so their ids stay theirs)
+        key = (id(query_start_loc), id(seq_lens), q.shape[1], tuple(k_cache.shape[1:3]), k_cache.dtype,
+               k_cache.device, num_splits, past_end_bug, block_m, block_n)
+        last = self._paged_plan
+        if last is None or last[0] != key:
+            plan = plan_paged_attention(query_start_loc, seq_lens, q.shape[1], k_cache.shape[2], k_cache.shape[1],
+                                        k_cache.dtype in (torch.bfloat16, torch.float16), k_cache.device,
+                                        num_splits, past_end_bug, block_m, block_n)
+            self._paged_plan = last = (key, plan, (query_start_loc, seq_lens))
+        return run_paged_attention(last[1], q, k_cache, v_cache, block_table, scale,
+                                   lambda shape, dtype: self._out(shape, dtype, k_cache.device),
+                                   num_warps=num_warps, num_stages=num_stages)
 
     def mla_decode(self, q_lat, q_pe, cache, block_table, seq_lens, kv_lora_rank, scale, num_splits=0,
                            max_seq_len=None, block_m=None, block_n=None, num_warps=None, num_stages=None,
@@ -453,7 +441,7 @@ class TritonKernels(ReferenceKernels):
         o = self._out((B, M, L), torch.float32, dev)
         lse = self._out((B, M), torch.float32, dev)
         rows = 4
-        _mla_combine_kernel[(triton.cdiv(B * M, rows),)](o_part, lse_part, o, lse, B * M, num_splits, L=L,
+        combine_splits_kernel[(triton.cdiv(B * M, rows),)](o_part, lse_part, o, lse, B * M, num_splits, L=L,
                                                          BLOCK_L=_pow2(L), ROWS=rows, num_warps=4)
         return o.view(B, nq, H, L), lse.view(B, nq, H)
 

@@ -164,6 +164,7 @@ class MLAStack:
         self.scale = probes[0].scale
         self.geo = probes[0].geo
         self.layers = len(probes)
+        self.heads = self.geo.heads
 
     def hidden(self, tok: torch.Tensor) -> torch.Tensor:
         """(layers, *tok.shape, hidden)."""

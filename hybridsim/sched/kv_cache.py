@@ -21,12 +21,13 @@ NO_BOUND = _INF  # a quiet bound never crossed; ``next_publish_at`` without atte
 
 
 class PrefixHit:
-    __slots__ = ("tokens", "blocks", "attention_tokens")
+    __slots__ = ("tokens", "blocks", "attention_tokens", "attach")
 
     def __init__(self, tokens: int, blocks: list[list[int]], attention_tokens: int):
         self.tokens = tokens  # hit every group agrees on
         self.blocks = blocks  # per group, the row the hit contributes
         self.attention_tokens = attention_tokens  # attention-only cached prefix (junction)
+        self.attach = tokens > 0  # the hit hands out blocks (a reference is taken on each)
 
 
 class KVCacheManager:
@@ -50,6 +51,7 @@ class KVCacheManager:
         # per group: (id, manager, is attention, block size, draft columns); attention groups
         # bound committed tokens (publishing) rather than computed ones
         self._statics = [(m.gid, m, not m.spec.is_mamba, m.bs, m.spec.num_spec) for m in self.managers]
+        self.uncut_attention_hits = False  # the attn_hit_not_cut bug (sched/injected.py)
 
     # ------------------------------------------------------------------ hits
     def attention_cached_blocks(self, req: Request) -> int:
@@ -81,7 +83,11 @@ class KVCacheManager:
                 if m.key(req.block_hashes[hit - 1]) in recent:
                     return PrefixHit(-1, self._empty, attn_blocks * self.block_size)
         blocks = [m.blocks_for_hit(req, hit) if hit else [] for m in self.managers]
-        return PrefixHit(hit * self.block_size, blocks, attn_blocks * self.block_size)
+        out = PrefixHit(hit * self.block_size, blocks, attn_blocks * self.block_size)
+        if self.uncut_attention_hits and hit < attn_blocks:  # an injected bug (sched/injected.py)
+            out.blocks = [b if m.spec.is_mamba else m.blocks_for_hit(req, attn_blocks) for m, b in zip(self.managers, blocks)]
+            out.attach = True
+        return out
 
     # ------------------------------------------------------------------ allocation
     def allocate(self, req: Request, num_computed: int, num_new: int, hit: Optional[PrefixHit],
@@ -114,11 +120,11 @@ class KVCacheManager:
             full = sum(m.plan(req, num_computed, admit_tokens, hit_rows[i], full_ckpt).fresh
                        for i, m in enumerate(managers))
             need = max(need, full)
-        if hit is not None and hit.tokens:
+        if hit is not None and hit.attach:
             need += self._hit_need(hit)
         if need > self.pool.num_free:
             return None
-        if hit is not None and hit.tokens:
+        if hit is not None and hit.attach:
             self._attach_hit(req, hit)
         out = []
         allocate = self.pool.allocate
@@ -193,11 +199,11 @@ class KVCacheManager:
                     need_full += _first_mamba_columns(admit_tokens, full_ckpt, h, S, bs)[1]
         if need_full > need:
             need = need_full
-        if hit.tokens:
+        if hit.attach:
             need += self._hit_need(hit)
         if need > pool.num_free:
             return None
-        if hit.tokens:
+        if hit.attach:
             self._attach_hit(req, hit)
         out = []
         for g, hrow, k, targets in todo:
