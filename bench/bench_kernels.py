@@ -152,6 +152,71 @@ def mla_rows(copy_bw, flops, configs, splits_options, impls=("auto",)):
     return rows
 
 
+def gqa_rows(copy_bw, configs, splits_options):
+    """Nemotron-H-8B attention decode: 32 query heads, 8 KV heads, head_dim 128, bf16, pages of
+    16, 64 and 1056 tokens (align mode's unified page). Bytes = K + V of every row's context +
+    q + out; the floor is bytes / measured copy bandwidth (decode is memory-bound). Each
+    (block_n, num_warps, num_stages) config is tried with the automatic split count, then the
+    best with forced split counts; time is the kernels' GPU time replayed as a CUDA graph (the
+    launch plan is made once, as for every layer of a step). The torch reference (gather +
+    einsum, ``paged_attention.py``) is timed beside it where it fits."""
+    from hybridsim.kernels.attention_triton import plan_paged_attention, run_paged_attention
+    from hybridsim.kernels.reference import ReferenceKernels
+
+    rows = []
+    H, KVH, D = 32, 8, 128
+    new_out = lambda shape, dtype: torch.empty(shape, dtype=dtype, device="cuda")  # noqa: E731
+    for page in (16, 64, 1056):
+        for B in (1, 32, 128):
+            for ctx in (1024, 4096, 16384):
+                blocks = -(-ctx // page)
+                k_cache = torch.randn(B * blocks + 1, page, KVH, D, dtype=torch.bfloat16, device="cuda")
+                v_cache = torch.randn_like(k_cache)
+                table = (torch.randperm(B * blocks, device="cuda") + 1).view(B, blocks).to(torch.int32)
+                q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
+                qsl = torch.arange(B + 1)
+                lens = torch.full((B,), ctx)
+                byts = 2 * B * ctx * KVH * D * 2 + B * H * D * (2 + 4)
+                floor = byts / copy_bw
+                results = []
+                for bn, nw, ns in configs:  # automatic split count
+                    try:
+                        plan = plan_paged_attention(qsl, lens, H, KVH, page, True, torch.device("cuda"), 0,
+                                                    block_n=bn)
+                        call = lambda: run_paged_attention(plan, q, k_cache, v_cache, table, 0.088, new_out,  # noqa: E731
+                                                           num_warps=nw, num_stages=ns)
+                        call()
+                        t = triton.testing.do_bench_cudagraph(call, rep=100, return_mode="median") * 1e-3
+                        results.append((t, (bn, nw, ns), plan.num_splits))
+                    except Exception as e:  # a config that does not compile (registers/shared memory)
+                        print(f"  config {(bn, nw, ns)} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                auto = results[0]
+                best_cfg = min(results)[1]
+                for sp in splits_options:
+                    plan = plan_paged_attention(qsl, lens, H, KVH, page, True, torch.device("cuda"), sp,
+                                                block_n=best_cfg[0])
+                    call = lambda: run_paged_attention(plan, q, k_cache, v_cache, table, 0.088, new_out,  # noqa: E731
+                                                       num_warps=best_cfg[1], num_stages=best_cfg[2])
+                    call()
+                    results.append((triton.testing.do_bench_cudagraph(call, rep=100, return_mode="median") * 1e-3,
+                                    best_cfg, plan.num_splits))
+                best = min(results)
+                tt = None
+                if B * ctx <= 32 * 16384:
+                    ref = ReferenceKernels()
+                    tt = bench(lambda: ref.paged_attention(q, k_cache, v_cache, table, qsl, lens, 0.088), rep=50)
+                rows.append({"kernel": "paged_attention", "case": f"page={page} B={B} ctx={ctx}",
+                             "time_us": best[0] * 1e6, "config": best[1], "splits": best[2],
+                             "auto_time_us": auto[0] * 1e6, "auto_splits": auto[2], "bytes": byts,
+                             "floor_us": floor * 1e6, "pct_floor": 100 * floor / best[0],
+                             "auto_pct_floor": 100 * floor / auto[0], "GBps": byts / best[0] / 1e9,
+                             "torch_time_us": tt * 1e6 if tt else None})
+                print(rows[-1], flush=True)
+                del k_cache, v_cache
+                torch.cuda.empty_cache()
+    return rows
+
+
 def memory_rows(copy_bw):
     rows = []
     n, D = 262144, 512
@@ -171,6 +236,18 @@ def memory_rows(copy_bw):
     byts = 2 * N * dim * 2
     rows.append({"kernel": "cache_ops.concat_and_cache", "case": f"{N} entries x {dim} bf16", "time_us": t * 1e6,
                  "bytes": byts, "GBps": byts / t / 1e9, "pct_ceiling": 100 * byts / t / copy_bw})
+    kc = torch.empty(N // 16 + 8, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
+    vc = torch.empty_like(kc)
+    n_tok = 65536
+    key = torch.randn(n_tok, 8, 128, device="cuda")
+    val = torch.randn(n_tok, 8, 128, device="cuda")
+    kv_slots = torch.randperm(n_tok, device="cuda")
+    t = bench(lambda: T.reshape_and_cache(key, val, kv_slots, kc, vc))
+    kv_bytes = 2 * n_tok * 8 * 128 * (4 + 2)
+    rows.append({"kernel": "reshape_and_cache", "case": f"{n_tok} tokens x 8 x 128, fp32 -> bf16",
+                 "time_us": t * 1e6, "bytes": kv_bytes, "GBps": kv_bytes / t / 1e9,
+                 "pct_ceiling": 100 * kv_bytes / t / copy_bw})
+    del kc, vc
     row = torch.randperm(N // page, device="cuda")
     t = bench(lambda: T.gather_cache(cache, row, 0, N))
     rows.append({"kernel": "cache_ops.gather_cache", "case": f"{N} entries x {dim} bf16", "time_us": t * 1e6,
@@ -185,7 +262,10 @@ def main():
                     help="block_m,block_n,num_warps,num_stages;...")
     ap.add_argument("--mla-splits", default="1,2,4,8")
     ap.add_argument("--mla-impls", default="auto", help="split kernels to sweep: auto,gluon,triton")
-    ap.add_argument("--only", default="state_copy,memory,mla")
+    ap.add_argument("--gqa-configs", default="64,4,2;64,4,3;32,4,3;128,8,2;64,8,3",
+                    help="block_n,num_warps,num_stages;...")
+    ap.add_argument("--gqa-splits", default="1,4,8,16")
+    ap.add_argument("--only", default="state_copy,memory,mla,gqa")
     args = ap.parse_args()
     configs = [tuple(int(x) for x in c.split(",")) for c in args.mla_configs.split(";")]
     splits = [int(x) for x in args.mla_splits.split(",") if x]
@@ -198,6 +278,9 @@ def main():
         print(r, flush=True)
     if "memory" in only:
         rows += memory_rows(copy_bw)
+    if "gqa" in only:
+        rows += gqa_rows(copy_bw, [tuple(int(x) for x in c.split(",")) for c in args.gqa_configs.split(";")],
+                         [int(x) for x in args.gqa_splits.split(",") if x])
     if "mla" in only:
         rows += mla_rows(copy_bw, flops, configs, splits, tuple(args.mla_impls.split(",")))
     args.out.write_text(json.dumps({"device": props.name, "sms": props.multi_processor_count,

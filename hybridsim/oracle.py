@@ -117,8 +117,8 @@ class MambaOracle:
 
 class DenseOracle:
     """Expected attention outputs (float64, on the run's device) of committed query positions,
-    every layer at once, rows batched with padding up to ``budget_elems`` score elements a
-    batch. ``stack`` is a layer kind's stacked probe (``MLAStack``, ``GQAStack``): its
+    every layer at once, rows batched with padding up to ``budget_elems`` elements a batch
+    (scores, and each row's projected keys: for a decode row the keys are the larger part). ``stack`` is a layer kind's stacked probe (``MLAStack``, ``GQAStack``): its
     ``attend`` recomputes everything from token ids."""
 
     def __init__(self, stack, device: torch.device, budget_elems: int = 1 << 27):
@@ -129,10 +129,11 @@ class DenseOracle:
     def expected(self, rows: list[tuple[np.ndarray, int, int]]) -> list[torch.Tensor]:
         """rows: (committed tokens, c, k). Returns per row (layers, k, H, v): attention of positions
         c..c+k-1 over the tokens [0, c+k)."""
-        per_q = self.stack.layers * self.stack.heads
+        per_q = self.stack.layers * self.stack.heads  # score elements per query and key
+        per_k = self.stack.layers * self.stack.key_elems  # K/V (or latent) elements per key and row
         pieces = []  # (row, q0, q1): a row's queries split so one piece fits the budget
         for i, (_, c, k) in enumerate(rows):
-            step = max(1, self.budget // (per_q * (c + k)))
+            step = max(1, (self.budget // (c + k) - per_k) // per_q)
             pieces += [(i, q0, min(k, q0 + step)) for q0 in range(0, k, step)]
         size = lambda p: (p[2] - p[1], rows[p[0]][1] + rows[p[0]][2])  # noqa: E731  (queries, keys)
         pieces.sort(key=lambda p: size(p), reverse=True)
@@ -144,7 +145,8 @@ class DenseOracle:
             while end < len(pieces):
                 q, n = size(pieces[end])
                 padded = (end - start + 1) * q_max * max(n_max, n)
-                if padded * per_q > self.budget or padded > 2 * (actual + q * n):
+                keys = (end - start + 1) * max(n_max, n) * per_k  # every row's keys are projected
+                if padded * per_q + keys > self.budget or padded > 2 * (actual + q * n):
                     break
                 n_max, actual, end = max(n_max, n), actual + q * n, end + 1
             batch = pieces[start:end]

@@ -37,6 +37,9 @@ from .mla_exec import TOLERANCE
 from .transfer import to_device, upload
 
 
+ORACLE_SCORES = 1 << 25  # float64 score elements the oracle materialises at once
+
+
 @dataclass
 class AttentionForward:
     outs: list[torch.Tensor]  # per layer: (T, heads, D) float32, rows packed in plan order
@@ -61,7 +64,7 @@ class AttentionExecution:
         self.bs = self.groups[0].block_size
         probes = [GQAProbe(geo, layer, scenario.seed) for layer in range(geo.layers)]
         self.stack = GQAStack(probes, device, torch.float32)  # exact in float32 (layers/gqa.py)
-        self.oracle = DenseOracle(GQAStack(probes, device), device)
+        self.oracle = DenseOracle(GQAStack(probes, device), device, ORACLE_SCORES)
         shape = (self.bs, geo.kv_heads, geo.head_dim)
         if arena is not None:  # K then V inside each shared page of the layer's slot
             kv = geo.page_bytes(self.bs) // 2

@@ -96,7 +96,9 @@ def plan_memory(s: Scenario, groups, device: torch.device, checked_kernels: bool
     """What the run holds for its whole length, and an estimate of its largest step's transients
     (these scale with ``max_num_batched_tokens``); ``checked_kernels`` adds the reference's staging."""
     from ..kernels.checked import STAGED_PAGES
+    from ..kernels.paged_attention import SCORE_ELEMS as PAGED_SCORES
     from ..kernels.reference import SCORE_ELEMS as DECODE_SCORES
+    from .attn_exec import ORACLE_SCORES
     from .mla_exec import SCORE_ELEMS
 
     geo = s.geometry()
@@ -126,8 +128,9 @@ def plan_memory(s: Scenario, groups, device: torch.device, checked_kernels: bool
         kvd = a.kv_heads * a.head_dim
         step = (budget * a.layers * (hd + 2 * kvd) * 4  # every layer's Q, K, V of the step
                 + 2 * budget * a.layers * hd * 4  # every layer's outputs until the check, and a split's partials
-                + 6 * 4 * min(1 << 27, seqs * 16 * a.heads * s.scheduler.max_model_len))  # the reference's scores
-        oracle = a.layers * budget * hd * 8 + 5 * 8 * min(1 << 27, budget * a.heads * s.scheduler.max_model_len * a.layers)
+                + 6 * 4 * min(PAGED_SCORES, seqs * 16 * a.heads * s.scheduler.max_model_len))  # reference scores
+        oracle = (a.layers * budget * hd * 8
+                  + 5 * 8 * min(ORACLE_SCORES, budget * a.heads * s.scheduler.max_model_len * a.layers))
         plan.items.append(MemoryItem("attention step transients (estimate)", step,
                                      f"largest step of {budget:,} tokens: projections, outputs, reference scores"))
         plan.items.append(MemoryItem("attention oracle (estimate)", oracle, "float64 K/V, scores and outputs"))

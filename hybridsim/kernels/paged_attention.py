@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 NEG_INF = float("-inf")
-SCORE_ELEMS = 1 << 27  # the reference materialises scores of at most this many elements at once
+SCORE_ELEMS = 1 << 25  # the reference materialises scores of at most this many elements at once
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,

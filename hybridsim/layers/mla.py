@@ -165,6 +165,7 @@ class MLAStack:
         self.geo = probes[0].geo
         self.layers = len(probes)
         self.heads = self.geo.heads
+        self.key_elems = self.geo.entry_dim() + self.emb1.shape[-1]  # latent entry and hidden per key
 
     def hidden(self, tok: torch.Tensor) -> torch.Tensor:
         """(layers, *tok.shape, hidden)."""
