@@ -283,6 +283,9 @@ def sweep(
             raise InputError("give auto or a cluster address", "--ray")
         if out_dir.exists() and not out_dir.is_dir():
             raise InputError(f"{out_dir} exists and is not a folder", "--out")
+        if ray is None:
+            from .sweep.pool import warm_up
+            warm_up()  # (the workers' imports overlap validation)
         sw = load_sweep(sweep_file)  # every cell built and validated before anything runs
         progress = None
         if not quiet and out.is_terminal:

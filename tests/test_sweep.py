@@ -58,7 +58,7 @@ def test_shipped_grid_expands_to_16_validated_cells():
                 s.scheduler.max_num_seqs, s.seed) == (*c.values.values(), c.seed)
         assert (s.cache.num_blocks, s.scheduler.max_num_seqs) in {(160, 8), (96, 4)}  # zip: together
         seen.add((s.cache.block_size, s.spec_decode.num_speculative_tokens, s.cache.num_blocks, s.seed))
-        assert s.workload.num_requests == 12  # the base's, untouched
+        assert s.workload.num_requests == 32  # the base's, untouched
     assert len(seen) == 16
     assert sw.cells[0].label == "block_size=16 num_speculative_tokens=0 num_blocks=160 max_num_seqs=8 seed=0"
 
@@ -206,6 +206,16 @@ def test_a_killed_worker_loses_no_other_cell(tmp_path):
     assert set(alive["outcome"]) == {"pass"} and (alive["checks_run"] > 300).all()
 
 
+def test_ray_task_lost_twice_is_a_died_row(ray_instance, tmp_path):
+    path = sweep_dir(tmp_path, "seeds: [0, 1]\nexclude:\n  - {cache.block_size: 32}\n")
+    res = run_sweep(load_sweep(path), tmp_path / "out", ray="auto", cell_fn=_kill_self_on_seed_1)
+    df = res.frame
+    assert len(df) == 4 and res.exit_code == 3
+    dead = df[df["seed"] == 1]
+    assert set(dead["outcome"]) == {"died"} and dead["error"].str.contains("Ray worker died twice").all()
+    assert set(df[df["seed"] == 0]["outcome"]) == {"pass"}
+
+
 def _die_once(arg: tuple[str, str]) -> str:
     marker, key = arg
     if not os.path.exists(marker):
@@ -239,6 +249,26 @@ def test_failing_cells_write_traces_that_replay_the_failure(tmp_path):
 
 
 # ----------------------------------------------------------------------------- CLI and replay -j
+
+
+def test_summary_tables_fit_80_columns():
+    from hybridsim.sweep.report import failing_table, outcome_table, slowest_table
+
+    from .test_report_width import render
+
+    label = "block_size=16 num_speculative_tokens=3 mamba_cache_mode=align num_blocks=96 seed=12"
+    df = pd.DataFrame([{"cell": f"{label}{i}", "outcome": o, "exit_code": c, "checks_run": 12345, "checks_failed": f,
+                        "wall_s": 1.5 + i, "steps": 300, "plan_s": 0.02, "error": "" if c < 3 else "the worker "
+                        "process died 2 times (killed by signal 9)", "trace": "failures/003_" + label + ".jsonl" if c == 1
+                        else "", "first_divergence": "step 12 r3 ssm.running_state" if c == 1 else ""}
+                       for i, (o, c, f) in enumerate([("pass", 0, 0), ("FAIL", 1, 4), ("died", 3, 0)])])
+    lines = render(outcome_table(df, "cells by outcome"))
+    assert any("│ FAIL " in line and "12,345" in line for line in lines)
+    render(slowest_table(df))
+    text = "\n".join(render(failing_table(df)))
+    assert "signal 9" in text and "ssm.running_state" in text
+    assert failing_table(df[df["exit_code"] == 0]) is None
+
 
 
 def test_cli_sweep_writes_rows_and_a_summary(tmp_path):

@@ -53,7 +53,9 @@ def guarded(fn: Callable[[Any], Any], arg: Any) -> tuple[str, Any]:
 
 
 def set_threads(threads: Optional[int]) -> None:
-    """Give each worker its share of the cores: N processes of all-core torch pools thrash."""
+    """One torch thread per cell: cells are the parallel unit, and a cell's tensors are small. Measured
+    on the 2-core machine with another process busy: two torch threads per cell made the tiny grid's
+    cells take 9-74 s instead of 1-3 s (the threads wait on each other for a core)."""
     if threads:
         import torch
 

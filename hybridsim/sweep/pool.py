@@ -43,10 +43,20 @@ def _context() -> mp.context.BaseContext:
     return mp.get_context("spawn")  # pragma: no cover - not POSIX
 
 
+def warm_up() -> None:
+    """Start the forkserver now, so that its imports overlap the caller's own work (validating
+    cells) instead of delaying the first job."""
+    ctx = _context()
+    if ctx.get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+
+
 def run_local(jobs: Iterable[Job], workers: int, retries: int = 1) -> Iterator[Outcome]:
     """Run jobs in separate processes, yielding each outcome as it finishes (not in order)."""
     ctx = _context()
-    threads = max(1, default_workers() // workers)
+    threads = 1  # (see set_threads)
     pending: deque[tuple[Job, int]] = deque((j, 1) for j in jobs)
     running: dict[Connection, tuple[Job, int, mp.process.BaseProcess, float]] = {}
     try:
