@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -22,9 +23,10 @@ REPO = Path(__file__).resolve().parents[1]
 GRID = REPO / "scenarios/sweeps/tiny_grid.yaml"
 
 
-def timed(args: list[str]) -> float:
+def timed(args: list[str], env: dict | None = None) -> float:
     t0 = perf_counter()
-    r = subprocess.run([sys.executable, "-m", "hybridsim", *args], cwd=REPO, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "hybridsim", *args], cwd=REPO, capture_output=True, text=True,
+                       env=None if env is None else {**os.environ, **env})
     wall = perf_counter() - t0
     if r.returncode != 0:
         sys.exit(f"{' '.join(args)} exited {r.returncode}:\n{r.stderr[-2000:]}")
@@ -65,22 +67,36 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--skip-replay", action="store_true")
+    ap.add_argument("--skip-ray", action="store_true", help="local pool only (a machine without Ray)")
     a = ap.parse_args()
     w1 = sweep_wall(["--workers", "1"], a.repeat)
     w2 = sweep_wall(["--workers", "2"], a.repeat)
-    ray = sweep_wall(["--ray", "auto"], a.repeat)
     print(f"sweep {GRID.relative_to(REPO)} (16 cells): --workers 1 {w1:.1f} s, --workers 2 {w2:.1f} s "
-          f"({w2 / w1:.2f}x, bar 0.6x), --ray auto {ray:.1f} s ({ray / w1:.2f}x, bar 0.7x)")
+          f"({w2 / w1:.2f}x, bar 0.6x)", flush=True)
+    if not a.skip_ray:
+        ray = sweep_wall(["--ray", "auto"], a.repeat)
+        print(f"--ray auto {ray:.1f} s ({ray / w1:.2f}x of --workers 1, bar 0.7x)", flush=True)
+        ray_report()
+    if not a.skip_replay:
+        replay_report(a.repeat)
+
+
+def ray_report() -> None:
     o = ray_overhead()
     slots = 2
     per_cell = (o["wall"] - o["start"] - o["cell_s"] / slots) / o["cells"]
     print(f"Ray in-process: start-up {o['start']:.1f} s; sweep {o['wall']:.1f} s for {o['cells']} cells of "
           f"{o['cell_s']:.1f} s work in all; overhead per cell {per_cell * 1e3:.0f} ms "
           f"((wall - start-up - work / {slots} slots) / cells)")
-    if not a.skip_replay:
-        serial = min(timed(["replay", "traces/", "--check"]) for _ in range(a.repeat))
-        j2 = min(timed(["replay", "traces/", "--check", "-j", "2"]) for _ in range(a.repeat))
-        print(f"replay traces/ --check: serial {serial:.1f} s, -j 2 {j2:.1f} s ({j2 / serial:.2f}x, bar 0.6x)")
+
+
+def replay_report(repeat: int) -> None:
+    serial = min(timed(["replay", "traces/", "--check"]) for _ in range(repeat))
+    one = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # (what each -j process runs with)
+    serial1 = min(timed(["replay", "traces/", "--check"], one) for _ in range(repeat))
+    j2 = min(timed(["replay", "traces/", "--check", "-j", "2"]) for _ in range(repeat))
+    print(f"replay traces/ --check: serial {serial:.1f} s, -j 2 {j2:.1f} s ({j2 / serial:.2f}x, bar 0.6x); "
+          f"serial with one torch thread {serial1:.1f} s (-j 2 {j2 / serial1:.2f}x of that)")
 
 
 if __name__ == "__main__":

@@ -174,7 +174,7 @@ def load_sweep(path: str | Path) -> Sweep:
         if any(all(k in values and values[k] == v for k, v in ex.items()) for ex in spec.exclude):
             continue
         for seed in seeds:
-            cell = _build_cell(len(cells), values, seed, base_raw, base, base_lines, lines, short, len(combos) * len(seeds))
+            cell = _build_cell(len(cells), values, seed, base_raw, base, base_lines, lines, short)
             if cell.label in labels:
                 raise InputError(f"cell {cell.label} appears twice (a value repeats in the grid)",
                                  lines.where(("grid",)))
@@ -190,7 +190,7 @@ def load_sweep(path: str | Path) -> Sweep:
 
 
 def _build_cell(index: int, values: dict[str, Any], seed: Optional[int], base_raw: dict, base: Path,
-                base_lines: _LineMap, lines: _LineMap, short: dict[str, str], total: int) -> Cell:
+                base_lines: _LineMap, lines: _LineMap, short: dict[str, str]) -> Cell:
     raw = copy.deepcopy(base_raw)
     for key, v in values.items():
         _set(raw, key, v, lines.where(("grid", key)))
