@@ -213,6 +213,9 @@ def replay(
     """Execute recorded step traces exactly as recorded, with every check; with --check, gate on golden files."""
 
     def body() -> int:
+        if jobs > 1 and ray is None and (golden or update_expected):
+            from .sweep.pool import warm_up
+            warm_up()  # (the workers' imports overlap this process's own)
         from .execute import check_bugs
         from .replay import replay_trace
         from .report import golden_table, kernel_timings_table, replay_table
