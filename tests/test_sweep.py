@@ -131,6 +131,21 @@ def test_missing_ray_says_how_to_install(monkeypatch):
         import_ray()
 
 
+def test_cli_ray_without_ray_is_an_environment_problem(tmp_path):
+    import subprocess
+    import sys
+
+    shadow = tmp_path / "noray" / "ray"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('no ray in this environment')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(shadow.parent)])}
+    r = subprocess.run([sys.executable, "-m", "hybridsim", "sweep", sweep_dir(tmp_path), "--out", tmp_path / "out",
+                        "--ray", "auto"], capture_output=True, text=True, cwd=REPO, env=env)
+    assert r.returncode == 3 and "Traceback" not in r.stderr, r.stderr
+    assert "pip install 'hybridsim[ray]'" in r.stderr.replace("\n", "")
+    assert not (tmp_path / "out" / "results.csv").exists()
+
+
 # ----------------------------------------------------------------------------- local pool and Ray
 
 
