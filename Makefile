@@ -25,7 +25,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
-	$(BIN)/hybridsim replay traces/ --check
+	$(BIN)/hybridsim replay traces/ --check -j 2
 
 fidelity: $(STAMP)
 	$(BIN)/hybridsim fidelity data/vllm-recorded/*.jsonl

@@ -204,11 +204,18 @@ def replay(
                                                    "digests are the reference provider's)"),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
     inject_bug: List[str] = typer.Option([], "--inject-bug", help="switch on a known-wrong variant (repeatable)"),
+    jobs: int = typer.Option(1, "--jobs", "-j", min=1, help="with --check: replay this many traces at once, "
+                                                             "each in its own process"),
+    ray: Optional[str] = typer.Option(None, "--ray", help="with --check: replay the traces as Ray tasks "
+                                                           "(auto, or a cluster ADDRESS)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no tables, only errors"),
 ) -> None:
     """Execute recorded step traces exactly as recorded, with every check; with --check, gate on golden files."""
 
     def body() -> int:
+        if jobs > 1 and ray is None and (golden or update_expected):
+            from .sweep.pool import warm_up
+            warm_up()  # (the workers' imports overlap this process's own)
         from .execute import check_bugs
         from .replay import replay_trace
         from .report import golden_table, kernel_timings_table, replay_table
@@ -226,11 +233,18 @@ def replay(
                                  f"{' or '.join(clash)} (nothing was rewritten)", "--update-expected")
         kw = dict(check=check_mode.value, bugs=bugs, kernels=kernels, device=device)
         from .golden import check_traces, trace_files
+        fanned = [flag for flag, on in (("-j", jobs > 1), ("--ray", ray is not None)) if on]
+        if fanned and not (golden or update_expected):
+            raise InputError("fans out golden checks: use it with --check or --update-expected", fanned[0])
+        if ray is not None and jobs > 1:
+            raise InputError("give -j (local processes) or --ray (Ray decides), not both", "-j")
         if golden or update_expected:
-            rows = check_traces(traces, update=update_expected, **kw)
+            rows = check_traces(traces, update=update_expected, jobs=jobs, ray=ray, **kw)
             out.print(golden_table(rows, update_expected))
             if json_out is not None:
                 _write_json(json_out, {"traces": [r.__dict__ for r in rows]})
+            if any(r.result in ("died", "error") for r in rows):
+                return 3
             return 0 if update_expected else (1 if any(r.result != "pass" for r in rows) else 0)
         results = [replay_trace(t, announce=None if quiet else _announce, **kw) for t in trace_files(traces)]
         if json_out is not None:
@@ -244,6 +258,82 @@ def replay(
                 for note in sorted(set(r.notes)):
                     out.print(f"[yellow]note:[/] {note}")
         return 1 if any(r.failed for r in results) else 0
+
+    _guard(body)
+
+
+@app.command()
+def sweep(
+    sweep_file: Path = typer.Argument(..., help="sweep YAML: base scenario, grid, zip, seeds, exclude"),
+    out_dir: Path = typer.Option(..., "--out", help="folder for results.csv / results.parquet (and failures/)"),
+    workers: Optional[int] = typer.Option(None, "--workers", "-j", min=1, help="local processes (default: the cores)"),
+    ray: Optional[str] = typer.Option(None, "--ray", help="run cells as Ray tasks: auto (start or join a local "
+                                                           "instance) or a cluster ADDRESS"),
+    resume: bool = typer.Option(False, "--resume", help="skip the cells already in results.csv"),
+    record_failures: bool = typer.Option(False, "--record-failures",
+                                         help="write each failing cell's trace to DIR/failures/ (for shrink)"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar or tables, only errors"),
+) -> None:
+    """Run a grid of scenario variants x seeds in parallel; one row per cell in DIR/results.csv."""
+
+    def body() -> int:
+        from .sweep import load_sweep, run_sweep
+        from .sweep.report import failing_table, outcome_table, slowest_table
+
+        if ray is not None and workers is not None:
+            raise InputError("give --workers (local pool) or --ray (Ray decides), not both", "--workers")
+        if ray is not None and not ray.strip():
+            raise InputError("give auto or a cluster address", "--ray")
+        if out_dir.exists() and not out_dir.is_dir():
+            raise InputError(f"{out_dir} exists and is not a folder", "--out")
+        if ray is None:
+            from .sweep.pool import warm_up
+            warm_up()  # (the workers' imports overlap validation)
+        sw = load_sweep(sweep_file)  # every cell built and validated before anything runs
+        progress = None
+        if not quiet and out.is_terminal:
+            progress = Progress(TextColumn("cells"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("{task.fields[failed]} failing"), TimeElapsedColumn(), console=out,
+                                transient=True)
+        task = None
+
+        def started(todo: int, skipped: int) -> None:
+            nonlocal task
+            if not quiet:
+                err.print(f"{len(sw.cells)} cells" + (f", {skipped} already in results.csv (--resume)" if skipped
+                                                      else ""), style="dim", highlight=False)
+            if progress is not None:
+                progress.start()
+                task = progress.add_task("sweep", total=todo, failed=0)
+
+        failed = 0
+
+        def row_done(row: dict) -> None:
+            nonlocal failed
+            failed += row["exit_code"] != 0
+            if progress is not None and task is not None:
+                progress.update(task, advance=1, failed=failed)
+
+        try:
+            res = run_sweep(sw, out_dir, workers=workers, ray=ray, resume=resume, record_failures=record_failures,
+                            on_start=started, on_row=row_done)
+        finally:
+            if progress is not None:
+                progress.stop()
+        if not quiet:
+            out.print(f"sweep: {len(res.frame)} cells, {res.ran} run now on {res.backend} in {res.wall_s:.1f} s"
+                      + (f" (Ray start-up {res.backend_start_s:.1f} s)" if res.backend_start_s else "")
+                      + (f", {res.skipped} resumed" if res.skipped else ""), highlight=False)
+            print_tables = [outcome_table(res.frame, "cells by outcome"), slowest_table(res.frame)]
+            bad = failing_table(res.frame)
+            if bad is not None:
+                print_tables.append(bad)
+            for t in print_tables:
+                out.print(t)
+            out.print(f"rows: {out_dir / 'results.csv'}", highlight=False)
+            for note in res.notes:
+                out.print(f"[yellow]note:[/] {escape(note)}")
+        return res.exit_code
 
     _guard(body)
 

@@ -76,29 +76,64 @@ def _read_expected(path: Path) -> dict:
         raise not_json(e, f"{path}:{e.lineno}") from None
 
 
-def check_traces(paths: list[Path], update: bool = False, **replay_kw) -> list[GoldenRow]:
-    """Replay each trace (files, or folders of them) and compare it with its NAME.expected.json."""
-    rows = []
-    for trace in trace_files(paths):
-        res = replay_trace(trace, **replay_kw)
-        got = expected_of(res)
-        exp_path = trace.with_name(trace.name[: -len(".jsonl")] + ".expected.json")
-        comparisons = sum(t.count for t in res.checks.tallies.values())
-        if update:
-            old = _read_expected(exp_path) if exp_path.exists() else None
-            diffs = ["created"] if old is None else _diff(old, got)
-            tmp = exp_path.with_name(exp_path.name + ".partial")
-            tmp.write_text(json.dumps(got, indent=2, sort_keys=True) + "\n")
-            tmp.replace(exp_path)
-            rows.append(GoldenRow(trace.name, res.steps, comparisons, "updated" if diffs else "unchanged", diffs))
-            continue
-        if not exp_path.exists():
-            rows.append(GoldenRow(trace.name, res.steps, comparisons, "no expected file",
-                                  [f"run with --update-expected to create {exp_path.name}"]))
-            continue
-        want = _read_expected(exp_path)
-        diffs = _diff(want, got)
-        failed = [f"{t.name}: {t.failures} failures" for t in res.checks.tallies.values() if t.failures]
-        rows.append(GoldenRow(trace.name, res.steps, comparisons, "FAIL" if diffs or failed else "pass",
-                              diffs + failed))
-    return rows
+def check_traces(paths: list[Path], update: bool = False, jobs: int = 1, ray: str | None = None,
+                 **replay_kw) -> list[GoldenRow]:
+    """Replay each trace (files, or folders of them) and compare it with its NAME.expected.json;
+    with ``jobs`` > 1 or ``ray``, the traces fan out over processes or Ray tasks (rows in trace order)."""
+    traces = trace_files(paths)
+    if jobs <= 1 and ray is None:
+        return [check_one(GoldenTask(t, update, replay_kw)) for t in traces]
+    return _fan_out(traces, update, jobs, ray, replay_kw)
+
+
+@dataclass(frozen=True)
+class GoldenTask:
+    trace: Path
+    update: bool
+    replay_kw: dict
+
+
+def check_one(task: GoldenTask) -> GoldenRow:
+    """One trace against its expected file (a job of its own when traces fan out)."""
+    trace, update = task.trace, task.update
+    res = replay_trace(trace, **task.replay_kw)
+    got = expected_of(res)
+    exp_path = trace.with_name(trace.name[: -len(".jsonl")] + ".expected.json")
+    comparisons = sum(t.count for t in res.checks.tallies.values())
+    if update:
+        old = _read_expected(exp_path) if exp_path.exists() else None
+        diffs = ["created"] if old is None else _diff(old, got)
+        tmp = exp_path.with_name(exp_path.name + ".partial")
+        tmp.write_text(json.dumps(got, indent=2, sort_keys=True) + "\n")
+        tmp.replace(exp_path)
+        return GoldenRow(trace.name, res.steps, comparisons, "updated" if diffs else "unchanged", diffs)
+    if not exp_path.exists():
+        return GoldenRow(trace.name, res.steps, comparisons, "no expected file",
+                         [f"run with --update-expected to create {exp_path.name}"])
+    want = _read_expected(exp_path)
+    diffs = _diff(want, got)
+    failed = [f"{t.name}: {t.failures} failures" for t in res.checks.tallies.values() if t.failures]
+    return GoldenRow(trace.name, res.steps, comparisons, "FAIL" if diffs or failed else "pass", diffs + failed)
+
+
+def _fan_out(traces: list[Path], update: bool, jobs: int, ray: str | None, replay_kw: dict) -> list[GoldenRow]:
+    """The traces as jobs of the sweep backends: a bad trace is the same one message (exit 2) as
+    serially; a trace whose worker died twice is a row of its own (``died``, exit 3)."""
+    from .errors import EnvironmentProblem
+    from .sweep.jobs import DIED, ENVIRONMENT, INPUT, OK, Job
+    from .sweep.run import backend_for
+
+    todo = [Job(str(i), check_one, GoldenTask(t, update, replay_kw)) for i, t in enumerate(traces)]
+    rows: dict[int, GoldenRow] = {}
+    with backend_for(jobs, ray) as (run, _, _):
+        for o in run(todo):
+            i = int(o.key)
+            if o.kind == OK:
+                rows[i] = o.value
+            elif o.kind == INPUT:
+                raise InputError(o.message)
+            elif o.kind == ENVIRONMENT:
+                raise EnvironmentProblem(o.message)
+            else:
+                rows[i] = GoldenRow(traces[i].name, 0, 0, "died" if o.kind == DIED else "error", [o.message])
+    return [rows[i] for i in range(len(traces))]

@@ -1,0 +1,313 @@
+"""Sweeps: the cell builder and its validation, the local pool and Ray giving the same rows,
+--resume, killed workers, failing cells' traces, and golden traces fanned out (replay -j)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from hybridsim.errors import EnvironmentProblem, InputError
+from hybridsim.golden import check_traces
+from hybridsim.replay import replay_trace
+from hybridsim.sweep import load_sweep, run_sweep
+from hybridsim.sweep.cell import TIMINGS, CellTask, run_cell
+from hybridsim.sweep.jobs import Job
+from hybridsim.sweep.pool import run_local
+
+from .conftest import REPO, tiny_scenario
+from .test_cli import hs
+
+BASE = tiny_scenario(n=4, pmax=80, omax=10, acc="{kind: bernoulli, rate: 0.7}")
+GRID = """base: base.yaml
+grid:
+  cache.block_size: [16, 32]
+  spec_decode.num_speculative_tokens: [0, 2]
+{extra}"""
+
+
+def sweep_dir(tmp_path: Path, extra: str = "", base: str = BASE) -> Path:
+    d = tmp_path / "sw"
+    d.mkdir(exist_ok=True)
+    (d / "base.yaml").write_text(base)
+    (d / "sweep.yaml").write_text(GRID.format(extra=extra))
+    return d / "sweep.yaml"
+
+
+def measured(df: pd.DataFrame) -> pd.DataFrame:
+    """A results frame without its timing columns, in cell order."""
+    return df.drop(columns=list(TIMINGS)).sort_values("cell").reset_index(drop=True)
+
+
+# ----------------------------------------------------------------------------- builder
+
+
+def test_shipped_grid_expands_to_16_validated_cells():
+    sw = load_sweep(REPO / "scenarios/sweeps/tiny_grid.yaml")
+    assert sw.keys == ["cache.block_size", "spec_decode.num_speculative_tokens", "cache.num_blocks",
+                       "scheduler.max_num_seqs"]
+    assert len(sw.cells) == 16 and len({c.label for c in sw.cells}) == 16
+    seen = set()
+    for c in sw.cells:
+        s = c.loaded().scenario
+        assert (s.cache.block_size, s.spec_decode.num_speculative_tokens, s.cache.num_blocks,
+                s.scheduler.max_num_seqs, s.seed) == (*c.values.values(), c.seed)
+        assert (s.cache.num_blocks, s.scheduler.max_num_seqs) in {(160, 8), (96, 4)}  # zip: together
+        seen.add((s.cache.block_size, s.spec_decode.num_speculative_tokens, s.cache.num_blocks, s.seed))
+        assert s.workload.num_requests == 32  # the base's, untouched
+    assert len(seen) == 16
+    assert sw.cells[0].label == "block_size=16 num_speculative_tokens=0 num_blocks=160 max_num_seqs=8 seed=0"
+
+
+def test_exclude_and_seeds(tmp_path):
+    sw = load_sweep(sweep_dir(tmp_path, "seeds: [3, 4, 5]\nexclude:\n  - {cache.block_size: 32, "
+                                        "spec_decode.num_speculative_tokens: 2}\n"))
+    assert len(sw.cells) == 9
+    assert {c.seed for c in sw.cells} == {3, 4, 5}
+    assert not any(c.values == {"cache.block_size": 32, "spec_decode.num_speculative_tokens": 2} for c in sw.cells)
+
+
+@pytest.mark.parametrize("extra, base, where, words", [
+    # a cell the scenario rules refuse: named by cell and key, at the sweep file's line of the key
+    ("  cache.mamba_cache_mode: [align, all]\n", BASE, "sweep.yaml:3",
+     ["cell 4 (block_size=16 num_speculative_tokens=2 mamba_cache_mode=all)", "not supported", "exclude:"]),
+    ("  cache.blok_size: [16]\n", BASE, "sweep.yaml:5", ["cell 1 (", "cache.blok_size: unknown key"]),
+    ("  cache.num_blocks: [256, 3]\n", BASE, "sweep.yaml:5", ["cell 2 (", "num_blocks=3", "cache.num_blocks:"]),
+    ("zip:\n  - {cache.num_blocks: [256, 300], scheduler.max_num_seqs: [4]}\n", BASE, "sweep.yaml:6",
+     ["zip[0]", "the same non-zero length"]),
+    ("colour: red\n", BASE, "sweep.yaml:5", ["colour: unknown key"]),
+    ("  seed: [1, 2]\n", BASE, "sweep.yaml:5", ["seeds: list"]),
+    ("  model.preset: [tiny-hybrid, no-such-model]\n", BASE, "sweep.yaml:5", ["cell 2 (", "model: unknown preset"]),
+    ("inject_bug: [no_such_bug]\n", BASE, "sweep.yaml:5", ["inject_bug:"]),
+])
+def test_bad_cell_is_refused_with_one_message(tmp_path, extra, base, where, words):
+    path = sweep_dir(tmp_path, extra, base)
+    with pytest.raises(InputError) as e:
+        load_sweep(path)
+    msg = str(e.value)
+    assert e.value.where is not None and e.value.where.endswith(where) or where in msg, msg
+    for w in words:
+        assert w in msg, msg
+
+
+def test_cross_field_rule_names_the_cell_and_the_swept_key(tmp_path):
+    d = tmp_path / "sw"
+    d.mkdir()
+    (d / "base.yaml").write_text(tiny_scenario(n=4, mode="all"))
+    (d / "s.yaml").write_text("base: base.yaml\nseeds: [0]\ngrid:\n  cache.block_size: [16, 24]\n")
+    with pytest.raises(InputError) as e:
+        load_sweep(d / "s.yaml")
+    assert e.value.where.endswith("s.yaml:4"), e.value.where
+    assert e.value.message.startswith("cell 2 (block_size=24 seed=0): cache.block_size: mamba_cache_mode all "
+                                      "writes a state every block"), e.value.message
+
+
+def test_cli_refuses_a_bad_cell_and_keeps_existing_results(tmp_path):
+    path = sweep_dir(tmp_path, "  cache.num_blocks: [256, 3]\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.csv").write_text("earlier,rows\n")
+    r = hs("sweep", path, "--out", out, "--resume")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.count("error:") == 1 and "cell 2 (" in r.stderr and "cache.num_blocks" in r.stderr
+    assert (out / "results.csv").read_text() == "earlier,rows\n"  # nothing ran, nothing was touched
+    r = hs("sweep", sweep_dir(tmp_path), "--out", out)  # an existing results.csv needs --resume
+    assert r.returncode == 2 and "--resume" in r.stderr and (out / "results.csv").read_text() == "earlier,rows\n"
+    r = hs("sweep", sweep_dir(tmp_path), "--out", out, "--resume")  # another sweep's file is not appended to
+    assert r.returncode == 2 and "another sweep" in r.stderr and (out / "results.csv").read_text() == "earlier,rows\n"
+
+
+def test_missing_ray_says_how_to_install(monkeypatch):
+    import sys
+
+    from hybridsim.sweep.ray_pool import import_ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)
+    with pytest.raises(EnvironmentProblem, match=r"pip install 'hybridsim\[ray\]'"):
+        import_ray()
+
+
+def test_cli_ray_without_ray_is_an_environment_problem(tmp_path):
+    import subprocess
+    import sys
+
+    shadow = tmp_path / "noray" / "ray"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('no ray in this environment')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(shadow.parent)])}
+    r = subprocess.run([sys.executable, "-m", "hybridsim", "sweep", sweep_dir(tmp_path), "--out", tmp_path / "out",
+                        "--ray", "auto"], capture_output=True, text=True, cwd=REPO, env=env)
+    assert r.returncode == 3 and "Traceback" not in r.stderr, r.stderr
+    assert "pip install 'hybridsim[ray]'" in r.stderr.replace("\n", "")
+    assert not (tmp_path / "out" / "results.csv").exists()
+
+
+# ----------------------------------------------------------------------------- local pool and Ray
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    import ray  # the test extra installs Ray: an import error here is a failure, not a skip
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local_rows(tmp_path_factory):
+    path = sweep_dir(tmp_path_factory.mktemp("local"))
+    return path, run_sweep(load_sweep(path), path.parent / "out", workers=2)
+
+
+def test_local_pool_rows_are_real_and_deterministic(local_rows):
+    path, res = local_rows
+    df = res.frame
+    assert res.exit_code == 0 and len(df) == 4 and set(df["outcome"]) == {"pass"}
+    assert (df["checks_run"] > 300).all() and (df["checks_failed"] == 0).all()
+    assert (df["steps"] > 0).all() and (df["requests"] == 4).all() and (df["finished"] == 4).all()
+    assert (df["peak_blocks"] > 0).all() and (df["attempts"] == 1).all()
+    # the same cell run in this process gives the same row
+    cell = load_sweep(path).cells[3]
+    row = run_cell(CellTask(cell))
+    want = df[df["cell"] == cell.label].iloc[0]
+    for k, v in row.items():
+        if k not in TIMINGS:
+            assert str(want[k]) == str(v), k
+
+
+def test_ray_gives_the_local_rows(ray_instance, local_rows, tmp_path):
+    path = sweep_dir(tmp_path)
+    res = run_sweep(load_sweep(path), tmp_path / "out", ray="auto")
+    assert res.backend.startswith("Ray") and ray_instance.is_initialized()  # joined, not shut down
+    pd.testing.assert_frame_equal(measured(res.frame), measured(local_rows[1].frame))
+
+
+def test_resume_runs_only_the_missing_cells(local_rows, tmp_path):
+    path = sweep_dir(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    full = (local_rows[0].parent / "out" / "results.csv").read_text().splitlines(keepends=True)
+    torn = full[-1][: len(full[-1]) // 2]  # an interrupted write
+    (out / "results.csv").write_text("".join(full[:3]) + torn)
+    started = []
+    res = run_sweep(load_sweep(path), out, workers=2, resume=True, on_start=lambda todo, done: started.append((todo, done)))
+    assert started == [(2, 2)] and res.ran == 2 and res.skipped == 2
+    assert (out / "results.csv").read_text().startswith("".join(full[:3]))  # earlier rows kept byte for byte
+    pd.testing.assert_frame_equal(measured(res.frame), measured(local_rows[1].frame))
+    res = run_sweep(load_sweep(path), out, workers=2, resume=True)
+    assert res.ran == 0 and len(res.frame) == 4
+
+
+def _kill_self_on_seed_1(task: CellTask) -> dict:
+    if task.cell.seed == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return run_cell(task)
+
+
+def test_a_killed_worker_loses_no_other_cell(tmp_path):
+    path = sweep_dir(tmp_path, "seeds: [0, 1]\n")
+    res = run_sweep(load_sweep(path), tmp_path / "out", workers=2, cell_fn=_kill_self_on_seed_1)
+    df = res.frame
+    assert len(df) == 8 and res.exit_code == 3
+    dead = df[df["seed"] == 1]
+    assert set(dead["outcome"]) == {"died"} and (dead["attempts"] == 2).all()
+    assert dead["error"].str.contains("died 2 times").all() and dead["error"].str.contains("signal 9").all()
+    alive = df[df["seed"] == 0]
+    assert set(alive["outcome"]) == {"pass"} and (alive["checks_run"] > 300).all()
+
+
+def test_ray_task_lost_twice_is_a_died_row(ray_instance, tmp_path):
+    path = sweep_dir(tmp_path, "seeds: [0, 1]\nexclude:\n  - {cache.block_size: 32}\n")
+    res = run_sweep(load_sweep(path), tmp_path / "out", ray="auto", cell_fn=_kill_self_on_seed_1)
+    df = res.frame
+    assert len(df) == 4 and res.exit_code == 3
+    dead = df[df["seed"] == 1]
+    assert set(dead["outcome"]) == {"died"} and dead["error"].str.contains("Ray worker died twice").all()
+    assert set(df[df["seed"] == 0]["outcome"]) == {"pass"}
+
+
+def _die_once(arg: tuple[str, str]) -> str:
+    marker, key = arg
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        os._exit(7)
+    return key
+
+
+def test_pool_retries_a_dead_worker_once(tmp_path):
+    jobs = [Job("a", _die_once, (str(tmp_path / "a"), "a")), Job("b", _die_once, (str(tmp_path / "b"), "b"))]
+    got = {o.key: o for o in run_local(jobs, 2)}
+    assert {k: (o.kind, o.value, o.attempts) for k, o in got.items()} == {"a": ("ok", "a", 2), "b": ("ok", "b", 2)}
+
+
+def test_failing_cells_write_traces_that_replay_the_failure(tmp_path):
+    path = sweep_dir(tmp_path, "inject_bug: [rejected_state_kept]\n")
+    out = tmp_path / "out"
+    res = run_sweep(load_sweep(path), out, workers=2, record_failures=True)
+    df = res.frame.set_index("cell")
+    assert res.exit_code == 1
+    failing = df[df["exit_code"] == 1]
+    assert len(failing) == 2 and (failing["spec_decode.num_speculative_tokens"] == 2).all()  # drafts break it
+    assert set(df[df["exit_code"] == 0]["spec_decode.num_speculative_tokens"]) == {0}
+    for cell, r in failing.iterrows():
+        assert r["first_divergence"].startswith("step ") and r["checks_failed"] > 0
+        trace = out / r["trace"]
+        rep = replay_trace(trace, bugs={"rejected_state_kept"})
+        assert rep.failed and rep.steps == r["steps"]
+        assert r["failed_checks"].split()[0] in {t.name for t in rep.checks.tallies.values() if t.failures}
+    assert not df[df["exit_code"] == 0]["trace"].any()
+
+
+# ----------------------------------------------------------------------------- CLI and replay -j
+
+
+def test_summary_tables_fit_80_columns():
+    from hybridsim.sweep.report import failing_table, outcome_table, slowest_table
+
+    from .test_report_width import render
+
+    label = "block_size=16 num_speculative_tokens=3 mamba_cache_mode=align num_blocks=96 seed=12"
+    df = pd.DataFrame([{"cell": f"{label}{i}", "outcome": o, "exit_code": c, "checks_run": 12345, "checks_failed": f,
+                        "wall_s": 1.5 + i, "steps": 300, "plan_s": 0.02, "error": "" if c < 3 else "the worker "
+                        "process died 2 times (killed by signal 9)", "trace": "failures/003_" + label + ".jsonl" if c == 1
+                        else "", "first_divergence": "step 12 r3 ssm.running_state" if c == 1 else ""}
+                       for i, (o, c, f) in enumerate([("pass", 0, 0), ("FAIL", 1, 4), ("died", 3, 0)])])
+    lines = render(outcome_table(df, "cells by outcome"))
+    assert any("│ FAIL " in line and "12,345" in line for line in lines)
+    render(slowest_table(df))
+    text = "\n".join(render(failing_table(df)))
+    assert "signal 9" in text and "ssm.running_state" in text
+    assert failing_table(df[df["exit_code"] == 0]) is None
+
+
+
+def test_cli_sweep_writes_rows_and_a_summary(tmp_path):
+    path = sweep_dir(tmp_path, "exclude:\n  - {spec_decode.num_speculative_tokens: 2}\n")
+    r = hs("sweep", path, "--out", tmp_path / "out", "--workers", "2")
+    assert r.returncode == 0, r.stderr
+    assert "cells by outcome" in r.stdout and "slowest cells" in r.stdout
+    df = pd.read_csv(tmp_path / "out" / "results.csv")
+    assert list(df["cache.block_size"]) in ([16, 32], [32, 16]) and set(df["exit_code"]) == {0}
+    r = hs("sweep", path, "--out", tmp_path / "out2", "--ray", "auto", "--workers", "2")
+    assert r.returncode == 2 and "not both" in r.stderr
+
+
+def test_replay_check_fans_out_with_the_same_rows(tmp_path):
+    d = tmp_path / "golden"
+    d.mkdir()
+    for name in ("spec_padding", "spec_decode"):
+        for suffix in (".jsonl", ".expected.json"):
+            shutil.copy(REPO / "traces" / f"{name}{suffix}", d / f"{name}{suffix}")
+    (d / "spec_decode.expected.json").write_text(
+        (d / "spec_decode.expected.json").read_text().replace('"steps": 35', '"steps": 36'))
+    serial = check_traces([d], jobs=1)
+    fanned = check_traces([d], jobs=2)
+    assert [r.__dict__ for r in fanned] == [r.__dict__ for r in serial]
+    assert [r.result for r in fanned] == ["FAIL", "pass"] and fanned[0].differences == ["steps: 36 -> 35"]
+    r = hs("replay", d / "spec_padding.jsonl", "-j", "2")
+    assert r.returncode == 2 and "--check" in r.stderr
