@@ -83,9 +83,12 @@ def pool_minimum(w: dict) -> int:
 
 
 def write(out: Path, count: int, seed: int, modes: tuple[str, ...] = ("align",), drafts: bool = False,
-          at_minimum: bool = False) -> None:
+          at_minimum: bool = False, drafters: tuple[str, ...] = ("ngram",),
+          mamba_groups: tuple[int, ...] = (1,)) -> None:
     """``drafts``: half of the workloads draft 1-3 tokens a step, accepted by a Bernoulli model
     (ours decides, round by round; the export's ``accepted`` makes the peer's drafts as right).
+    ``drafters``: the drafter kinds a workload with drafts draws from (ngram, mtp, eagle; MTP
+    with one or as many draft layers as drafts).
     ``at_minimum``: each pool is scenario validation's minimum for the workload (outputs
     included) or one or two blocks more, so both sides plan right at the edge validation draws."""
     out.mkdir(parents=True, exist_ok=True)
@@ -96,10 +99,19 @@ def write(out: Path, count: int, seed: int, modes: tuple[str, ...] = ("align",),
         # (mode and drafts draw from streams of their own: earlier seeds' workloads are unchanged)
         mode = random.Random(f"{seed}/{k}/mode").choice(modes)
         w = make_workload(name, random.Random(f"{seed}/{k}"), mode)
+        layout = random.Random(f"{seed}/{k}/layout").choice(mamba_groups)
+        if layout > 1:  # (the Nemotron-H-8B layout: several Mamba groups beside one attention group)
+            w["mamba_groups"] = layout
         spec = random.Random(f"{seed}/{k}/drafts")
         if drafts and spec.random() < 0.5:
             w.update(num_speculative_tokens=spec.choice([1, 2, 3]), acceptance_rate=spec.choice([0.3, 0.7, 1.0]),
                      seed=spec.randrange(1 << 16))
+            # (a stream of its own: the workloads of earlier seeds and flags are unchanged)
+            kind = random.Random(f"{seed}/{k}/drafter")
+            method = kind.choice(drafters)
+            if method != "ngram":
+                w.update(spec_method=method,
+                         num_draft_layers=kind.choice([1, w["num_speculative_tokens"]]) if method == "mtp" else 1)
         k += 1
         try:  # a config our validation refuses is drawn again
             if at_minimum:
@@ -150,6 +162,10 @@ def main() -> None:
                    help="pools at scenario validation's minimum for each workload (outputs included), or 1-2 more")
     w.add_argument("--modes", default="align", help="Mamba cache modes to draw from, comma-separated: "
                    "align, none (none: prefix caching off; vLLM 0.33 has no mode all)")
+    w.add_argument("--drafters", default="ngram", help="drafter kinds to draw from with --drafts, "
+                   "comma-separated: ngram, mtp, eagle")
+    w.add_argument("--mamba-groups", default="1", help="Mamba group counts to draw from, comma-separated "
+                   "(6: the Nemotron-H-8B layout, 24 Mamba and 4 attention layers)")
     c = sub.add_parser("compare", help="compare our plans with the peer's steps")
     c.add_argument("dir", type=Path)
     c.add_argument("--show", type=int, default=3, help="differing steps to print per workload")
@@ -160,7 +176,16 @@ def main() -> None:
         modes = tuple(args.modes.split(","))
         if not set(modes) <= {"align", "none"}:
             ap.error("--modes: align and/or none, comma-separated (vLLM 0.33 has no mode all)")
-        write(args.dir, args.count, args.seed, modes, args.drafts, args.at_minimum)
+        drafters = tuple(args.drafters.split(","))
+        if not drafters or not set(drafters) <= {"ngram", "mtp", "eagle"}:
+            ap.error("--drafters: ngram, mtp and/or eagle, comma-separated")
+        try:
+            layouts = tuple(int(x) for x in args.mamba_groups.split(","))
+        except ValueError:
+            ap.error("--mamba-groups: whole numbers, comma-separated")
+        if min(layouts) < 1:
+            ap.error("--mamba-groups: 1 or more")
+        write(args.dir, args.count, args.seed, modes, args.drafts, args.at_minimum, drafters, layouts)
     else:
         sys.exit(0 if compare_dir(args.dir, args.show) else 1)
 

@@ -70,12 +70,19 @@ def make_scheduler(w: dict):
     object.__setattr__(cfg, "model_config", _Stand(
         uses_mrope=False, max_model_len=w["max_model_len"], runner_type="generate", is_diffusion=False,
         is_encoder_decoder=False, supports_multimodal_inputs=False, multimodal_config=None))
-    if S:  # an n-gram-style drafter: no draft model, no lookahead slots
-        no = lambda: False  # noqa: E731
+    method = w.get("spec_method", "ngram")
+    draft_layers = w.get("num_draft_layers", 1)
+    if S:  # the drafter: n-gram (no draft model, no lookahead slots), or MTP / EAGLE (a draft
+        # model with KV-cache layers of its own: lookahead slots, lookahead block hashes)
+        yes, no = (lambda: True), (lambda: False)  # noqa: E731
+        eagle = method in ("mtp", "eagle")
+        multi = method == "mtp" and min(draft_layers, S) > 1
         object.__setattr__(cfg, "speculative_config", _Stand(
-            num_speculative_tokens=S, method="ngram", num_speculative_tokens_per_batch_size=None,
-            use_eagle=no, use_eagle_block_drop=no, needs_eagle_block_drop=no, use_dspark=no, use_dflash=no,
-            uses_draft_model=no, disable_eagle_block_drop=True, disable_lookahead_block_hashes=True,
+            num_speculative_tokens=S, method=method, num_speculative_tokens_per_batch_size=None,
+            use_eagle=yes if eagle else no, use_eagle_block_drop=yes if eagle else no,
+            needs_eagle_block_drop=yes if eagle else no, use_dspark=no, use_dflash=no,
+            uses_draft_model=no, use_multi_module_mtp=yes if multi else no,
+            disable_eagle_block_drop=False, disable_lookahead_block_hashes=False,
             max_num_new_slots_for_drafting=0))
     # the recordings' NemotronH-style geometry (data/vllm-recorded/*.jsonl: the config line)
     # (align mode: one prefill-checkpoint block, as the recordings; mode none: one block holds a
@@ -85,9 +92,20 @@ def make_scheduler(w: dict):
                       dtypes=(torch.bfloat16, torch.float32), mamba_cache_mode=mode, num_speculative_blocks=S,
                       **ckpt)
     attn = FullAttentionSpec(block_size=bs, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    # several Mamba groups (the Nemotron-H-8B layout: 24 Mamba layers, 4 attention layers, so
+    # six Mamba groups of four beside one attention group), then the target's attention group
+    groups = [KVCacheGroupSpec([f"model.layers.{i}.mixer"], mamba) for i in range(w.get("mamba_groups", 1))]
+    groups.append(KVCacheGroupSpec([f"model.layers.{len(groups)}.mixer.attn"], attn))
+    if S and method in ("mtp", "eagle"):
+        # the drafter's attention layers: a group of their own, flagged as the engine flags it.
+        # An MTP layer is built like the target's attention (same spec: looked up jointly with
+        # it); an EAGLE head is a model of its own (another spec: looked up on its own)
+        draft = attn if method == "mtp" else FullAttentionSpec(block_size=bs, num_kv_heads=4, head_size=256,
+                                                               dtype=torch.bfloat16)
+        groups.append(KVCacheGroupSpec([f"draft.layers.{i}.attn" for i in range(draft_layers)], draft,
+                                       is_eagle_group=True))
     kv = KVCacheConfig(num_blocks=w["num_blocks"], kv_cache_tensors=[],
-                       kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.mixer"], mamba),
-                                        KVCacheGroupSpec(["model.layers.1.mixer.attn"], attn)],
+                       kv_cache_groups=groups,
                        hash_block_size=bs, cache_hit_alignment_tokens=bs,
                        # as the engine resolves it (0: Mamba keeps only the latest replay boundary)
                        prefix_cache_retention_interval=cache.prefix_cache_retention_interval)
@@ -119,7 +137,6 @@ def run_once(w: dict, steps_log: list | None = None, max_steps: int = 0) -> dict
 
     hash_fn = get_hash_fn_by_name("sha256")  # the engine's default prefix_caching_hash_algo
     init_none_hash(hash_fn)
-    hasher = get_request_block_hasher(w["block_size"], hash_fn)
     truth = {r["id"]: r["outputs"] for r in w["requests"]}
     S = w["num_speculative_tokens"]
     ours = w["accepted"]  # our acceptance, round by round: the peer's drafts follow it
@@ -128,6 +145,8 @@ def run_once(w: dict, steps_log: list | None = None, max_steps: int = 0) -> dict
 
     t0 = time.perf_counter()
     sched = make_scheduler(w)
+    # (MTP / EAGLE: each block's hash also covers the tokens the drafter reads after it)
+    hasher = get_request_block_hasher(w["block_size"], hash_fn, sched.num_hash_lookahead_tokens)
     arrivals = [(r["arrival_step"], Request(r["id"], r["prompt"], SamplingParams(max_tokens=r["max_tokens"],
                                                                                    ignore_eos=True),
                                             None, arrival_time=0.0, block_hasher=hasher))

@@ -40,6 +40,8 @@ class KVManager:
         self.rows: dict[int, list[int]] = {}
         self.last_need = 0  # fresh blocks the last ``need`` asked for
         self.lift = key_lift(self.gid, plain_keys)  # prefix keys: see block_pool.key_lift
+        self.max_len = _INF  # (set by KVCacheManager) caps lookahead slots
+        self.reprefill = 0  # (set by KVCacheManager) trailing tokens never published
 
     def key(self, block_hash: int) -> int:
         """The prefix-cache key of a block of this group with that hash."""
@@ -134,9 +136,18 @@ class AttentionManager(KVManager):
             return list(map(self.pool.cached.__getitem__, req.block_hashes[:nblocks]))
         return [self.pool.cached[self.key(h)] for h in req.block_hashes[:nblocks]]
 
-    def plan(self, req, num_computed, total, hit, checkpoint):
+    def slots(self, total: int) -> int:
+        """Token slots the row must hold for ``total`` tokens: the draft model (MTP / EAGLE)
+        writes ``lookahead`` more, never past max_model_len (vLLM 0.33's allocate_slots)."""
+        la = self.spec.lookahead
+        if not la:
+            return total
+        t = total + la
+        return t if t < self.max_len else max(self.max_len, total)
+
+    def plan(self, req, num_computed, total, hit, checkpoint, lookahead: bool = True):
         row_len = len(self.rows.get(req.index, ())) or len(hit)
-        need = cdiv(total, self.bs) - row_len
+        need = cdiv(self.slots(total) if lookahead else total, self.bs) - row_len
         if need <= 0:
             return Allocation(0, _no_change)
         idx = req.index
@@ -150,7 +161,7 @@ class AttentionManager(KVManager):
         return Allocation(need, apply)
 
     def need(self, req, total, checkpoint):
-        k = -(-total // self.bs) - len(self.rows[req.index])
+        k = -(-self.slots(total) // self.bs) - len(self.rows[req.index])
         self.last_need = k if k > 0 else 0
         return self.last_need
 
@@ -169,7 +180,8 @@ class AttentionManager(KVManager):
         idx = req.index
         num_cached = self.num_cached
         done = num_cached.get(idx, 0)
-        full = (total if total < ntok else ntok) // self.bs
+        full = (total if total < ntok else ntok) - self.reprefill
+        full = min(full, len(req.block_hashes) * req.hash_block_size) // self.bs
         if full > done and self.caching:
             self.pool.cache_row(row, req.block_hashes, done, full, self.lift)
             num_cached[idx] = done = full
@@ -183,7 +195,7 @@ class AttentionManager(KVManager):
         self.num_cached[req.index] = nblocks
 
     def decode_need(self, req, num_computed, total):
-        k = -(-total // self.bs) - len(self.rows[req.index])
+        k = -(-self.slots(total) // self.bs) - len(self.rows[req.index])
         self.last_need = k if k > 0 else 0
         return self.last_need
 
@@ -202,9 +214,10 @@ class AttentionManager(KVManager):
         publish nothing until the tokens that fill it are committed."""
         idx = req.index
         bs = self.bs
+        top = len(self.rows[idx]) * bs - self.spec.lookahead  # (a row at max_model_len: never crossed)
         if not self.caching:
-            return len(self.rows[idx]) * bs, _INF
-        return len(self.rows[idx]) * bs, (self.num_cached.get(idx, 0) + 1) * bs - 2
+            return top, _INF
+        return top, (self.num_cached.get(idx, 0) + 1) * bs - 2
 
 
 def _no_change(fresh: list[int]) -> list[int]:
@@ -278,7 +291,7 @@ class MambaNoneManager(MambaManager):
     def hit_blocks(self, req, bound_blocks):
         return 0
 
-    def plan(self, req, num_computed, total, hit, checkpoint):
+    def plan(self, req, num_computed, total, hit, checkpoint, lookahead=True):
         if req.index in self.rows:
             return Allocation(0, _no_change)
         idx = req.index
@@ -333,7 +346,7 @@ class MambaAlignManager(MambaManager):
                 k += 1
         return r[prev_len:]
 
-    def plan(self, req, num_computed, total, hit, checkpoint):
+    def plan(self, req, num_computed, total, hit, checkpoint, lookahead=True):
         idx = req.index
         row = self.rows.get(idx)
         first = row is None
@@ -398,13 +411,16 @@ class MambaAlignManager(MambaManager):
             return
         hashes = req.block_hashes
         bs = self.bs
-        if checkpoint is not None and row[checkpoint] != NULL_BLOCK:
+        # (a state whose block hash does not exist yet, MTP / EAGLE lookahead hashes, or that
+        # lies in a multi-module MTP drafter's re-prefillable tail is not published)
+        upto = min(len(hashes), (total - self.reprefill) // bs)
+        if checkpoint is not None and row[checkpoint] != NULL_BLOCK and checkpoint < upto:
             at = (checkpoint + 1) * bs  # (sched.plan.checkpoint_at)
             if keeps_state_at(at, req.junction, req.num_prompt_tokens, bs):
                 self.pool.cache(row[checkpoint], self.key(hashes[checkpoint]), True)
         if publish_end and total % bs == 0:
             col = total // bs - 1
-            if row[col] != NULL_BLOCK:
+            if row[col] != NULL_BLOCK and col < upto:
                 self.pool.cache(row[col], self.key(hashes[col]), True)
 
 
@@ -437,7 +453,7 @@ class MambaAllManager(MambaManager):
         super().__init__(spec, pool, plain_keys)
         self.num_cached: dict[int, int] = {}
 
-    def plan(self, req, num_computed, total, hit, checkpoint):
+    def plan(self, req, num_computed, total, hit, checkpoint, lookahead=True):
         idx = req.index
         row = self.rows.get(idx)
         prev_len = len(row) if row is not None else len(hit)

@@ -39,6 +39,9 @@ class SchedulerConfig:
     policy: str = "fcfs"
     num_speculative_tokens: int = 0
     align_split: bool = False  # hybrid model in align mode: chunk ends on block boundaries
+    # prompt tokens past a chunk the drafter reads (MTP / EAGLE); above 1 (multi-module MTP) a
+    # prefill chunk never ends fewer than this many tokens before the prefill's end
+    prefill_lookahead: int = 0
 
 
 class _PriorityQueue:
@@ -334,6 +337,8 @@ class Scheduler:
             else:
                 if align:
                     n, checkpoint, publish = self._align_split(req, c, n, None)
+                if cfg.prefill_lookahead > 1:
+                    n, checkpoint, publish = self._reserve_lookahead(req, c, n, None, checkpoint, publish)
                 if n <= 0:
                     continue
             self._at_seat = req.seat
@@ -420,6 +425,21 @@ class Scheduler:
         if (waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and self._pub_steps
                 and self._pub_steps[0] <= self._now):
             self._flush_publishing()  # prefix lookups and admissions see the step's publishing
+        skipped: list[Request] = []
+        try:
+            self._admit(scheduled, budget, long_thr, pad, ran, skipped)
+        finally:
+            for r in reversed(skipped):  # back at the front, in their order
+                waiting.appendleft(r)
+
+    def _admit(self, scheduled: list[ScheduledRequest], budget: int, long_thr: int, pad: bool, ran: bool,
+               skipped: list[Request]) -> None:
+        """The admission loop of ``_schedule_waiting``; ``skipped`` collects the requests it
+        passes over (multi-module MTP: no chunk that stays clear of the prefill's end)."""
+        cfg = self.cfg
+        S = cfg.num_speculative_tokens
+        kv = self.kv
+        waiting = self.waiting
         while waiting and budget > 0:
             if len(self.running) >= cfg.max_num_seqs:
                 break
@@ -446,6 +466,11 @@ class Scheduler:
                 n, checkpoint, publish = self._align_split(req, c, n, hit)
             if n <= 0:
                 break
+            if cfg.prefill_lookahead > 1:
+                n, checkpoint, publish = self._reserve_lookahead(req, c, n, hit, checkpoint, publish)
+                if n <= 0:  # (the engine passes over it to the requests behind it)
+                    skipped.append(waiting.popleft())
+                    continue
             if padded and n != 1 + S:
                 # a cut padded row loses its padding, not its token (vLLM drops it after the
                 # align-mode split; without that split it would fail an assertion instead)
@@ -476,6 +501,20 @@ class Scheduler:
             req.num_computed_tokens = c + n
             req.prefill_chunk = c + n < ntok
             budget -= n
+
+    def _reserve_lookahead(self, req: Request, c: int, n: int, hit: Optional[PrefixHit],
+                           checkpoint: Optional[int], publish: bool) -> tuple[int, Optional[int], bool]:
+        """Multi-module MTP (vLLM 0.33's ``_reserve_prefill_lookahead``): a chunk that would end
+        fewer than ``prefill_lookahead`` tokens before the request's last token is shortened to
+        leave that many; the align-mode checkpoint and publishing follow the shorter chunk."""
+        P = self.cfg.prefill_lookahead
+        remaining = len(req.token_ids) - c - n
+        if not 0 < remaining < P:
+            return n, checkpoint, publish
+        n = max(n - (P - remaining), 0)
+        if n and self.cfg.align_split:
+            return self._align_split(req, c, n, hit)
+        return n, checkpoint, publish
 
     def _align_split(self, req: Request, start: int, n: int,
                      hit: Optional[PrefixHit]) -> tuple[int, Optional[int], bool]:
