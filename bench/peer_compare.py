@@ -61,6 +61,9 @@ def model_text(w: dict) -> str:
     if k > 1:  # (Nemotron-H-8B: 24 Mamba layers beside 4 attention layers make 6 Mamba groups of 4)
         text = text.replace("mamba: {layers: 1,", f"mamba: {{layers: {4 * k},").replace(
             "attention: {layers: 1,", "attention: {layers: 4,")
+    bs = w.get("block_size", 16)
+    if bs != 16:
+        text = text.replace("block_size: 16", f"block_size: {bs}")
     return (text.replace("num_blocks: 262144", f"num_blocks: {w['num_blocks']}")
             .replace("enable_prefix_caching: true", f"enable_prefix_caching: {caching}")
             .replace("mamba_cache_mode: align", f"mamba_cache_mode: {w['mamba_cache_mode']}"))

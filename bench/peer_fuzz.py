@@ -33,7 +33,7 @@ from hybridsim.errors import InputError
 BS = 16
 
 
-def make_workload(name: str, rnd: random.Random, mode: str = "align") -> dict:
+def make_workload(name: str, rnd: random.Random, mode: str = "align", BS: int = BS) -> dict:
     max_len = rnd.choice([128, 256, 512, 1024])
     # one longest request: its attention blocks, and the Mamba group's (previous state,
     # prefill checkpoint, running state); then from no room to spare to a roomy pool
@@ -73,6 +73,40 @@ def make_workload(name: str, rnd: random.Random, mode: str = "align") -> dict:
             "mamba_cache_mode": mode, "enable_prefix_caching": mode != "none", "max_num_batched_tokens": budget, "max_num_seqs": seats,
             "max_model_len": max_len, "long_prefill_token_threshold": thr, "num_speculative_tokens": 0,
             "accepted": {}, "requests": reqs}
+
+
+# The drafter recordings kept in data/vllm-recorded/ (``named``): name -> (seed, drafter, drafts,
+# draft layers, block size, Mamba groups, pool: "roomy" or blocks above validation's minimum)
+NAMED = {
+    "mtp1": (101, "mtp", 1, 1, 16, 1, "roomy"),
+    "mtp3_pressure": (102, "mtp", 3, 1, 16, 1, 1),
+    "eagle3": (103, "eagle", 3, 1, 16, 1, "roomy"),
+    "eagle3_pressure": (104, "eagle", 3, 1, 16, 1, 0),
+    "mtp3_block64": (105, "mtp", 3, 1, 64, 1, 2),
+    "nemotron8b_mtp2": (106, "mtp", 2, 1, 16, 6, 1),
+}
+
+
+def named_workload(name: str) -> dict:
+    """One of the ``NAMED`` drafter workloads: a random workload of its seed, cut to a dozen
+    requests of at most 40 output tokens (recordings stay small), with shared prefixes,
+    drafts accepted at rate 0.7, and its drafter, block size, layout and pool."""
+    seed, method, S, layers, bs, mamba_groups, pool = NAMED[name]
+    w = make_workload(name, random.Random(seed), "align", bs)
+    w["requests"] = w["requests"][:12]
+    for r in w["requests"]:
+        r["max_tokens"] = min(r["max_tokens"], 40)
+        r["outputs"] = r["outputs"][:r["max_tokens"] + 8]
+    w.update(block_size=bs, num_speculative_tokens=S, acceptance_rate=0.7, seed=seed, spec_method=method,
+             num_draft_layers=layers, long_prefill_token_threshold=0,
+             max_num_batched_tokens=max(w["max_num_batched_tokens"], 2 * bs))
+    if mamba_groups > 1:
+        w["mamba_groups"] = mamba_groups
+    w["num_blocks"] = 1 << 20  # (validation sees the minimum only once the pool holds it)
+    least = pool_minimum(w)
+    w["num_blocks"] = 4 * least if pool == "roomy" else least + 1 + pool
+    w["accepted"] = accepted_rounds(simulation_from_export(w))
+    return w
 
 
 def pool_minimum(w: dict) -> int:
@@ -166,6 +200,8 @@ def main() -> None:
                    "comma-separated: ngram, mtp, eagle")
     w.add_argument("--mamba-groups", default="1", help="Mamba group counts to draw from, comma-separated "
                    "(6: the Nemotron-H-8B layout, 24 Mamba and 4 attention layers)")
+    nm = sub.add_parser("named", help="write the drafter workloads recorded in data/vllm-recorded/")
+    nm.add_argument("dir", type=Path)
     c = sub.add_parser("compare", help="compare our plans with the peer's steps")
     c.add_argument("dir", type=Path)
     c.add_argument("--show", type=int, default=3, help="differing steps to print per workload")
@@ -186,6 +222,11 @@ def main() -> None:
         if min(layouts) < 1:
             ap.error("--mamba-groups: 1 or more")
         write(args.dir, args.count, args.seed, modes, args.drafts, args.at_minimum, drafters, layouts)
+    elif args.cmd == "named":
+        args.dir.mkdir(parents=True, exist_ok=True)
+        for name in NAMED:
+            (args.dir / f"{name}.json").write_text(json.dumps(named_workload(name)))
+        print(f"{len(NAMED)} workloads written to {args.dir}")
     else:
         sys.exit(0 if compare_dir(args.dir, args.show) else 1)
 

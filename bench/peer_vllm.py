@@ -126,9 +126,10 @@ def block_ids(out) -> dict:
     return blocks
 
 
-def run_once(w: dict, steps_log: list | None = None, max_steps: int = 0) -> dict:
+def run_once(w: dict, steps_log: list | None = None, max_steps: int = 0, record: list | None = None) -> dict:
     """One run; returns seconds (whole run, or the steady window), steps and plan totals.
-    ``steps_log``: filled with every step's plan, for bench/peer_compare.py (slows the run)."""
+    ``steps_log``: filled with every step's plan, for bench/peer_compare.py (slows the run).
+    ``record``: filled with the lines of a recording (data/vllm-recorded/README.md's format)."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -164,6 +165,10 @@ def run_once(w: dict, steps_log: list | None = None, max_steps: int = 0) -> dict
         out = sched.schedule()
         for new in out.scheduled_new_reqs:
             hit_tokens += new.num_computed_tokens
+        if record is not None:
+            if not record:
+                record.extend(recording_head(w, sched))
+            record.append(recording_step(step, out))
         if steps_log is not None:
             steps_log.append({
                 "step": step,
@@ -192,6 +197,10 @@ def run_once(w: dict, steps_log: list | None = None, max_steps: int = 0) -> dict
                                                         sampled_token_ids=sampled))
         if steps_log is not None:
             steps_log[-1]["free"] = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+        if record is not None:
+            record[-1].update(sampled_token_ids={r: list(t) for r, t in zip(ids, sampled) if t},
+                              num_free_blocks=sched.kv_cache_manager.block_pool.get_num_free_blocks(),
+                              finished_req_ids=sorted(out.finished_req_ids))
         if S:
             d_ids, d_toks = [], []
             for rid, toks in zip(ids, sampled):
@@ -208,6 +217,9 @@ def run_once(w: dict, steps_log: list | None = None, max_steps: int = 0) -> dict
                 d_ids.append(rid)
                 d_toks.append(drafts)
             sched.update_draft_token_ids(DraftTokenIds(d_ids, d_toks))
+            if record is not None:
+                record[-1]["drafts_proposed"] = dict(zip(d_ids, d_toks))
+                record[-1]["after"] = {r: {"num_tokens": sched.requests[r].num_tokens} for r in d_ids}
         step += 1
         # a pool too small for a request's next step can leave it waiting forever (the engine
         # spins): stop as hybridsim does, after 1,000 steps in a row that schedule nothing
@@ -222,11 +234,67 @@ def run_once(w: dict, steps_log: list | None = None, max_steps: int = 0) -> dict
             elif window is not None and step - window[1] == steady:
                 dt = time.perf_counter() - window[0]
                 return {"seconds": dt, "steps": steady, "steps_per_s": steady / dt}
+    if record is not None and not stalled and not (max_steps and step >= max_steps):
+        # the engine's last step schedules nothing and reports the last finished requests
+        out = sched.schedule()
+        record.append(recording_step(step, out))
+        record[-1].update(sampled_token_ids={}, finished_req_ids=sorted(out.finished_req_ids),
+                          num_free_blocks=sched.kv_cache_manager.block_pool.get_num_free_blocks())
     dt = time.perf_counter() - t0
     if steady:
         raise SystemExit(f"{w['workload']}: the run ended before {steady} steady steps")
     return {"seconds": dt, "steps": step, "steps_per_s": step / dt, "prefix_hit_tokens": hit_tokens,
             "stalled": stalled}
+
+
+def recording_head(w: dict, sched) -> list[dict]:
+    """The config and requests lines of a recording of this driver's scheduler."""
+    import vllm
+    groups = []
+    for gid, g in enumerate(sched.kv_cache_config.kv_cache_groups):
+        spec = g.kv_cache_spec
+        d = {"group_id": gid, "spec": type(spec).__name__, "block_size": spec.block_size,
+             "num_layers": len(g.layer_names), "layer_names": list(g.layer_names),
+             "page_size_bytes": spec.page_size_bytes, "is_eagle_group": bool(g.is_eagle_group)}
+        if type(spec).__name__ == "MambaSpec":
+            # (the engine's conv state holds kernel - 1 + num_spec rows; the stand-in spec leaves the
+            # drafts out, so the recording adds them as the engine's config line has them)
+            shapes = [list(x) for x in spec.shapes]
+            shapes[0][0] += spec.num_speculative_blocks
+            d.update(mamba_cache_mode=spec.mamba_cache_mode, num_speculative_blocks=spec.num_speculative_blocks,
+                     shapes=shapes, dtypes=[str(x) for x in spec.dtypes])
+        groups.append(d)
+    cfg = {"type": "config", "workload": w["workload"], "vllm_version": vllm.__version__,
+           "recorded_by": "bench/peer_vllm.py --record (CPU, vLLM's own Scheduler and KV cache manager)",
+           "kv_cache_groups": groups, "num_blocks": w["num_blocks"], "scheduler_block_size": w["block_size"],
+           "hash_block_size": w["block_size"], "num_hash_lookahead_tokens": sched.num_hash_lookahead_tokens,
+           "num_lookahead_tokens": sched.num_lookahead_tokens,
+           "mamba_cache_mode": w["mamba_cache_mode"], "enable_prefix_caching": w.get("enable_prefix_caching", True),
+           "max_model_len": w["max_model_len"], "max_num_seqs": w["max_num_seqs"],
+           "max_num_batched_tokens": w["max_num_batched_tokens"],
+           "long_prefill_token_threshold": w.get("long_prefill_token_threshold", 0),
+           "enable_chunked_prefill": True, "policy": "fcfs", "num_spec_tokens": w["num_speculative_tokens"],
+           "spec_method": w.get("spec_method", "ngram") if w["num_speculative_tokens"] else None}
+    reqs = {"type": "requests", "requests": [
+        {"id": r["id"], "arrival_step": r["arrival_step"], "prompt_len": len(r["prompt"]),
+         "max_tokens": r["max_tokens"], "prompt_token_ids": list(r["prompt"])} for r in w["requests"]]}
+    return [cfg, reqs]
+
+
+def recording_step(step: int, out) -> dict:
+    """One step line of a recording: what ``schedule`` decided (the update adds the rest)."""
+    cached = out.scheduled_cached_reqs
+    return {"type": "step", "step": step,
+            "scheduled_new_reqs": [{"id": r.req_id, "prompt_len": len(r.prompt_token_ids or ()),
+                                    "num_computed_tokens": r.num_computed_tokens,
+                                    "block_ids": [list(g) for g in r.block_ids]} for r in out.scheduled_new_reqs],
+            "scheduled_cached_reqs": [
+                {"id": rid, "num_computed_tokens": c,
+                 "new_block_ids": None if b is None else [list(g) for g in b]}
+                for rid, c, b in zip(cached.req_ids, cached.num_computed_tokens, cached.new_block_ids)],
+            "num_scheduled_tokens": dict(out.num_scheduled_tokens),
+            "scheduled_spec_decode_tokens": {r: list(t) for r, t in out.scheduled_spec_decode_tokens.items()},
+            "preempted_req_ids": sorted(out.preempted_req_ids or ())}
 
 
 def main() -> None:
@@ -239,11 +307,13 @@ def main() -> None:
                     help="also write every step's plan of one more (untimed) run, for bench/peer_compare.py")
     ap.add_argument("--steps-dir", type=Path, metavar="DIR",
                     help="as --steps, for each workload: DIR/<workload file's stem>.steps.json")
+    ap.add_argument("--record", type=Path, metavar="PATH",
+                    help="also write a recording (data/vllm-recorded/README.md's format) of one workload")
     ap.add_argument("--max-steps", type=int, default=0, metavar="N",
                     help="with --steps/--steps-dir: stop after N steps (for a workload the engine never finishes)")
     args = ap.parse_args()
-    if len(args.workload) > 1 and (args.steps or args.json):
-        ap.error("--steps and --json take one workload (use --steps-dir for several)")
+    if len(args.workload) > 1 and (args.steps or args.json or args.record):
+        ap.error("--steps, --record and --json take one workload (use --steps-dir for several)")
     if args.repeat < 0:
         ap.error("--repeat: 0 or more")
     if args.max_steps < 0:
@@ -256,6 +326,12 @@ def main() -> None:
         w = json.loads(path.read_text())
         if args.repeat:
             time_workload(w, args.repeat, args.json)
+        if args.record:
+            lines: list = []
+            run_once(dict(w, steady_steps=0), None, args.max_steps, lines)
+            lines.append({"type": "summary", "steps": len(lines) - 2})
+            args.record.write_text("".join(json.dumps(x) + "\n" for x in lines))
+            print(f"  {w['workload']}: {len(lines) - 3} steps recorded to {args.record}")
         steps = args.steps or (args.steps_dir / f"{path.stem}.steps.json" if args.steps_dir else None)
         if steps:
             log: list = []

@@ -201,7 +201,10 @@ class Simulation:
         self.kv = KVCacheManager(self.groups, num_blocks or scenario.cache.num_blocks,
                                  scenario.cache.enable_prefix_caching, fused_events and not drafter_model,
                                  max_model_len=scenario.scheduler.max_model_len,
-                                 reprefill=max(scenario.spec_decode.prefill_lookahead - 1, 0))
+                                 # (only vLLM's one-group coordinator holds the re-prefillable
+                                 # tail back; a drafter's group makes every layout hybrid)
+                                 reprefill=max(scenario.spec_decode.prefill_lookahead - 1, 0)
+                                 if len(self.groups) == 1 else 0, hash_lookahead=lookahead)
         if drafter_model:
             bulk_decode = False
         self.scheduler = Scheduler(cfg, self.kv)

@@ -42,6 +42,7 @@ class KVManager:
         self.lift = key_lift(self.gid, plain_keys)  # prefix keys: see block_pool.key_lift
         self.max_len = _INF  # (set by KVCacheManager) caps lookahead slots
         self.reprefill = 0  # (set by KVCacheManager) trailing tokens never published
+        self.hash_lookahead = 0  # (set by KVCacheManager) tokens past a block its hash covers
 
     def key(self, block_hash: int) -> int:
         """The prefix-cache key of a block of this group with that hash."""
@@ -312,6 +313,10 @@ class MambaAlignManager(MambaManager):
     moves on, as upstream does.
     """
 
+    def __init__(self, spec: GroupSpec, pool: BlockPool, plain_keys: bool = False):
+        super().__init__(spec, pool, plain_keys)
+        self.pending: dict[int, int] = {}  # per request: a kept state column not yet publishable
+
     def _layout(self, base: list[int], first: bool, total: int, checkpoint: Optional[int]):
         """Target columns for ``total`` tokens and how to fill them: (fresh needed, state) or None."""
         S = self.spec.num_spec
@@ -404,24 +409,50 @@ class MambaAlignManager(MambaManager):
         prompt's replay point and the junction, ``Request.junction``): the checkpoint column
         when it sits on one of them, and the chunk's end state when the scheduler says it
         does (``publish_end``, decided by the same rule). No other state is published."""
+        idx = req.index
+        if self.pending and idx in self.pending:
+            self._publish_pending(req, total)
         if checkpoint is None and not publish_end:
             return
-        row = self.rows.get(req.index)
+        row = self.rows.get(idx)
         if row is None:
             return
         hashes = req.block_hashes
         bs = self.bs
         # (a state whose block hash does not exist yet, MTP / EAGLE lookahead hashes, or that
-        # lies in a multi-module MTP drafter's re-prefillable tail is not published)
+        # lies in a multi-module MTP drafter's re-prefillable tail is published later, by the
+        # first allocation whose computed tokens reach past it, if its block is still held)
         upto = min(len(hashes), (total - self.reprefill) // bs)
-        if checkpoint is not None and row[checkpoint] != NULL_BLOCK and checkpoint < upto:
+        if checkpoint is not None and row[checkpoint] != NULL_BLOCK:
             at = (checkpoint + 1) * bs  # (sched.plan.checkpoint_at)
-            if keeps_state_at(at, req.junction, req.num_prompt_tokens, bs):
-                self.pool.cache(row[checkpoint], self.key(hashes[checkpoint]), True)
+            if keeps_state_at(at, req.junction, req.num_prompt_tokens, bs, self.hash_lookahead):
+                if checkpoint < upto:
+                    self.pool.cache(row[checkpoint], self.key(hashes[checkpoint]), True)
+                else:
+                    self.pending[idx] = checkpoint
         if publish_end and total % bs == 0:
             col = total // bs - 1
-            if row[col] != NULL_BLOCK and col < upto:
-                self.pool.cache(row[col], self.key(hashes[col]), True)
+            if row[col] != NULL_BLOCK:
+                if col < upto:
+                    self.pool.cache(row[col], self.key(hashes[col]), True)
+                else:
+                    self.pending[idx] = col
+
+    def _publish_pending(self, req: Request, total: int) -> None:
+        """Publish a kept state that could not be published when it was written (see ``cache``)."""
+        idx = req.index
+        col = self.pending[idx]
+        row = self.rows.get(idx)
+        if row is None or col >= len(row) or row[col] == NULL_BLOCK:
+            del self.pending[idx]  # (released meanwhile: freed without a hash)
+            return
+        if col < min(len(req.block_hashes), (total - self.reprefill) // self.bs):
+            self.pool.cache(row[col], self.key(req.block_hashes[col]), True)
+            del self.pending[idx]
+
+    def free(self, req: Request) -> None:
+        self.pending.pop(req.index, None)
+        super().free(req)
 
 
 def align_targets(total: int, checkpoint: Optional[int], bs: int, S: int) -> list[int]:

@@ -23,17 +23,19 @@ def prefill_end(num_prompt_tokens: int, num_tokens: int) -> int:
     return max(num_prompt_tokens, num_tokens - 1)
 
 
-def prefill_checkpoint(num_tokens: int, bs: int) -> int:
+def prefill_checkpoint(num_tokens: int, bs: int, lookahead: int = 1) -> int:
     """Where align mode keeps the checkpoint state of a prefill of ``num_tokens`` tokens (see
     ``prefill_end``): the last block boundary that
     leaves at least one token to compute, ``(num_tokens - 1) // bs * bs`` (vLLM 0.33; for a
     length that is a multiple of ``bs``, one block before the end). A final prefill chunk
     that passes it keeps a state there (``checkpoint_at`` says where exactly), and the
-    engine's scheduler stops a final chunk that does not pass it before its last token."""
-    return (num_tokens - 1) // bs * bs
+    engine's scheduler stops a final chunk that does not pass it before its last token.
+    ``lookahead``: with MTP of several modules the boundary's block hash covers that many
+    tokens after it, which must exist: ``(num_tokens - lookahead) // bs * bs``."""
+    return (num_tokens - (lookahead if lookahead > 1 else 1)) // bs * bs
 
 
-def checkpoint_at(start: int, end: int, prefill_end: int, bs: int) -> Optional[int]:
+def checkpoint_at(start: int, end: int, prefill_end: int, bs: int, lookahead: int = 1) -> Optional[int]:
     """Where a prefill chunk from ``start`` to ``end`` keeps a checkpoint state, or None (vLLM
     0.33's Mamba manager): only a final chunk (``end >= prefill_end``) does, at the last block
     boundary before its end that leaves a token to compute, ``prefill_checkpoint(end)``, when
@@ -43,17 +45,17 @@ def checkpoint_at(start: int, end: int, prefill_end: int, bs: int) -> Optional[i
     on a block boundary its checkpoint is that boundary. Scheduler and executor both read it."""
     if end < prefill_end:
         return None
-    at = prefill_checkpoint(end, bs)
+    at = prefill_checkpoint(end, bs, lookahead)
     return at if start < at < end else None
 
 
-def keeps_state_at(pos: int, junction: int, num_prompt_tokens: int, bs: int) -> bool:
+def keeps_state_at(pos: int, junction: int, num_prompt_tokens: int, bs: int, lookahead: int = 1) -> bool:
     """Whether align mode publishes a request's Mamba state at boundary ``pos`` (vLLM 0.33 keeps
     two "reachable" boundaries of a request): the prompt's replay point (``prefill_checkpoint``
     of the prompt) or the junction (the longest attention hit at admission; for a resumed
     request it may lie in its own outputs). Both a chunk's end state and a checkpoint column
     are published only there."""
-    return pos == junction or pos == prefill_checkpoint(num_prompt_tokens, bs)
+    return pos == junction or pos == prefill_checkpoint(num_prompt_tokens, bs, lookahead)
 
 
 class ScheduledRequest(NamedTuple):

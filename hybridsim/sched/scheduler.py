@@ -534,6 +534,7 @@ class Scheduler:
         Returns (tokens, checkpoint column or None, publish the chunk-end state).
         """
         bs = self.bs
+        la = self.cfg.prefill_lookahead  # (align split: prefix caching is on)
         end_of_prefill = prefill_end(req.num_prompt_tokens, len(req.token_ids))
         if start >= end_of_prefill:
             return n, None, False
@@ -544,21 +545,21 @@ class Scheduler:
             end = junction
         elif end < end_of_prefill:
             end = end // bs * bs
-        point = prefill_checkpoint(end_of_prefill, bs)
+        point = prefill_checkpoint(end_of_prefill, bs, la)
         if whole >= end_of_prefill and point <= start:
             # a final chunk with no checkpoint column to write: never past the sequence's last
             # block boundary before its last token (a resumed prefill ending on a boundary
             # stops there, one token short of the end)
-            last = prefill_checkpoint(len(req.token_ids), bs)
+            last = prefill_checkpoint(len(req.token_ids), bs, la)
             if start < last < end:
                 end = last
         if end <= start:
             return 0, None, False
-        at = checkpoint_at(start, end, end_of_prefill, bs)
+        at = checkpoint_at(start, end, end_of_prefill, bs, la)
         checkpoint = None if at is None else at // bs - 1
         # the state at the chunk's end is kept if it is at the prompt's replay point or at the
         # junction, whether the chunk was cut there or ends there anyway (end > start here)
-        return end - start, checkpoint, keeps_state_at(end, junction, req.num_prompt_tokens, bs)
+        return end - start, checkpoint, keeps_state_at(end, junction, req.num_prompt_tokens, bs, la)
 
     def _pick_victim(self) -> Request:
         if self.cfg.policy == "priority":
@@ -613,6 +614,8 @@ class Scheduler:
             toks.extend(tokens)
             if len(toks) // req.hash_block_size > len(req.block_hashes):
                 req.update_hashes()
+                if req.hash_lookahead:
+                    self.kv.publish_pending(req)
             if len(toks) - req.num_prompt_tokens >= req.max_tokens or len(toks) >= max_len:
                 finished.append(req)
             elif steady is not None and (spec or len(tokens) == 1):
