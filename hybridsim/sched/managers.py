@@ -425,7 +425,7 @@ class MambaAlignManager(MambaManager):
         upto = min(len(hashes), (total - self.reprefill) // bs)
         if checkpoint is not None and row[checkpoint] != NULL_BLOCK:
             at = (checkpoint + 1) * bs  # (sched.plan.checkpoint_at)
-            if keeps_state_at(at, req.junction, req.num_prompt_tokens, bs, self.hash_lookahead):
+            if keeps_state_at(at, req.junction, req.num_prompt_tokens, bs):
                 if checkpoint < upto:
                     self.pool.cache(row[checkpoint], self.key(hashes[checkpoint]), True)
                 else:

@@ -45,17 +45,21 @@ def checkpoint_at(start: int, end: int, prefill_end: int, bs: int, lookahead: in
     on a block boundary its checkpoint is that boundary. Scheduler and executor both read it."""
     if end < prefill_end:
         return None
-    at = prefill_checkpoint(end, bs, lookahead)
+    if lookahead > 1 and not start < prefill_checkpoint(prefill_end, bs, lookahead) < end:
+        # (multi-module MTP: the checkpoint must be a boundary whose block hash the prompt
+        # completes; the column itself is the usual one)
+        return None
+    at = prefill_checkpoint(end, bs)
     return at if start < at < end else None
 
 
-def keeps_state_at(pos: int, junction: int, num_prompt_tokens: int, bs: int, lookahead: int = 1) -> bool:
+def keeps_state_at(pos: int, junction: int, num_prompt_tokens: int, bs: int) -> bool:
     """Whether align mode publishes a request's Mamba state at boundary ``pos`` (vLLM 0.33 keeps
     two "reachable" boundaries of a request): the prompt's replay point (``prefill_checkpoint``
     of the prompt) or the junction (the longest attention hit at admission; for a resumed
     request it may lie in its own outputs). Both a chunk's end state and a checkpoint column
     are published only there."""
-    return pos == junction or pos == prefill_checkpoint(num_prompt_tokens, bs, lookahead)
+    return pos == junction or pos == prefill_checkpoint(num_prompt_tokens, bs)
 
 
 class ScheduledRequest(NamedTuple):

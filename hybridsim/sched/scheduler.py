@@ -559,7 +559,7 @@ class Scheduler:
         checkpoint = None if at is None else at // bs - 1
         # the state at the chunk's end is kept if it is at the prompt's replay point or at the
         # junction, whether the chunk was cut there or ends there anyway (end > start here)
-        return end - start, checkpoint, keeps_state_at(end, junction, req.num_prompt_tokens, bs, la)
+        return end - start, checkpoint, keeps_state_at(end, junction, req.num_prompt_tokens, bs)
 
     def _pick_victim(self) -> Request:
         if self.cfg.policy == "priority":
