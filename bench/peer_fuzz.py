@@ -118,7 +118,7 @@ def pool_minimum(w: dict) -> int:
 
 def write(out: Path, count: int, seed: int, modes: tuple[str, ...] = ("align",), drafts: bool = False,
           at_minimum: bool = False, drafters: tuple[str, ...] = ("ngram",),
-          mamba_groups: tuple[int, ...] = (1,)) -> None:
+          mamba_groups: tuple[int, ...] = (1,), block_size: int = BS, units: tuple[int, ...] = ()) -> None:
     """``drafts``: half of the workloads draft 1-3 tokens a step, accepted by a Bernoulli model
     (ours decides, round by round; the export's ``accepted`` makes the peer's drafts as right).
     ``drafters``: the drafter kinds a workload with drafts draws from (ngram, mtp, eagle; MTP
@@ -132,7 +132,12 @@ def write(out: Path, count: int, seed: int, modes: tuple[str, ...] = ("align",),
         name = f"fuzz_{seed}_{k}"
         # (mode and drafts draw from streams of their own: earlier seeds' workloads are unchanged)
         mode = random.Random(f"{seed}/{k}/mode").choice(modes)
-        w = make_workload(name, random.Random(f"{seed}/{k}"), mode)
+        w = make_workload(name, random.Random(f"{seed}/{k}"), mode, block_size)
+        if block_size != BS:
+            w["max_num_batched_tokens"] = max(w["max_num_batched_tokens"], 2 * block_size)
+        unit = random.Random(f"{seed}/{k}/unit").choice(units) if units else block_size
+        if unit != block_size:  # (vLLM 0.33's prefix_match_unit: partial-block prefix hits)
+            w["prefix_match_unit"] = unit
         layout = random.Random(f"{seed}/{k}/layout").choice(mamba_groups)
         if layout > 1:  # (the Nemotron-H-8B layout: several Mamba groups beside one attention group)
             w["mamba_groups"] = layout
@@ -202,6 +207,9 @@ def main() -> None:
                    "(6: the Nemotron-H-8B layout, 24 Mamba and 4 attention layers)")
     nm = sub.add_parser("named", help="write the drafter workloads recorded in data/vllm-recorded/")
     nm.add_argument("dir", type=Path)
+    w.add_argument("--block-size", type=int, default=BS, help="the block size (16 or 64)")
+    w.add_argument("--match-units", default="", help="prefix_match_unit values to draw from, comma-separated "
+                   "(below the block size: partial-block hits, which hybridsim does not model yet)")
     c = sub.add_parser("compare", help="compare our plans with the peer's steps")
     c.add_argument("dir", type=Path)
     c.add_argument("--show", type=int, default=3, help="differing steps to print per workload")
@@ -221,7 +229,16 @@ def main() -> None:
             ap.error("--mamba-groups: whole numbers, comma-separated")
         if min(layouts) < 1:
             ap.error("--mamba-groups: 1 or more")
-        write(args.dir, args.count, args.seed, modes, args.drafts, args.at_minimum, drafters, layouts)
+        if args.block_size not in (16, 64):
+            ap.error("--block-size: 16 or 64")
+        try:
+            units = tuple(int(x) for x in args.match_units.split(",")) if args.match_units else ()
+        except ValueError:
+            ap.error("--match-units: whole numbers, comma-separated")
+        if any(u < 1 or args.block_size % u for u in units):
+            ap.error(f"--match-units: each must divide the block size ({args.block_size})")
+        write(args.dir, args.count, args.seed, modes, args.drafts, args.at_minimum, drafters, layouts,
+              args.block_size, units)
     elif args.cmd == "named":
         args.dir.mkdir(parents=True, exist_ok=True)
         for name in NAMED:

@@ -58,6 +58,8 @@ def make_scheduler(w: dict):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
     bs = w["block_size"]
+    # prefix_match_unit: block hashes every ``unit`` tokens (below the block size: partial-block hits)
+    unit = w.get("prefix_match_unit") or bs
     S = w["num_speculative_tokens"]
     sched = SchedulerConfig(max_num_batched_tokens=w["max_num_batched_tokens"], max_num_seqs=w["max_num_seqs"],
                             max_model_len=w["max_model_len"], enable_chunked_prefill=True, is_encoder_decoder=False,
@@ -106,13 +108,13 @@ def make_scheduler(w: dict):
                                        is_eagle_group=True))
     kv = KVCacheConfig(num_blocks=w["num_blocks"], kv_cache_tensors=[],
                        kv_cache_groups=groups,
-                       hash_block_size=bs, cache_hit_alignment_tokens=bs,
+                       hash_block_size=unit, cache_hit_alignment_tokens=unit,
                        # as the engine resolves it (0: Mamba keeps only the latest replay boundary)
                        prefix_cache_retention_interval=cache.prefix_cache_retention_interval)
     structured = SimpleNamespace(accept_tokens=lambda req, toks: True, validate_tokens=lambda req, toks: toks,
                                  grammar_bitmask=lambda *a, **k: None)
     # the scheduling granularity is the least common multiple of the groups' block sizes
-    return Scheduler(cfg, kv, structured, block_size=math.lcm(bs, mamba.block_size))
+    return Scheduler(cfg, kv, structured, block_size=math.lcm(bs, mamba.block_size), hash_block_size=unit)
 
 
 def block_ids(out) -> dict:
@@ -147,7 +149,8 @@ def run_once(w: dict, steps_log: list | None = None, max_steps: int = 0, record:
     t0 = time.perf_counter()
     sched = make_scheduler(w)
     # (MTP / EAGLE: each block's hash also covers the tokens the drafter reads after it)
-    hasher = get_request_block_hasher(w["block_size"], hash_fn, sched.num_hash_lookahead_tokens)
+    hasher = get_request_block_hasher(w.get("prefix_match_unit") or w["block_size"], hash_fn,
+                                      sched.num_hash_lookahead_tokens)
     arrivals = [(r["arrival_step"], Request(r["id"], r["prompt"], SamplingParams(max_tokens=r["max_tokens"],
                                                                                    ignore_eos=True),
                                             None, arrival_time=0.0, block_hasher=hasher))
@@ -267,7 +270,7 @@ def recording_head(w: dict, sched) -> list[dict]:
     cfg = {"type": "config", "workload": w["workload"], "vllm_version": vllm.__version__,
            "recorded_by": "bench/peer_vllm.py --record (CPU, vLLM's own Scheduler and KV cache manager)",
            "kv_cache_groups": groups, "num_blocks": w["num_blocks"], "scheduler_block_size": w["block_size"],
-           "hash_block_size": w["block_size"], "num_hash_lookahead_tokens": sched.num_hash_lookahead_tokens,
+           "hash_block_size": w.get("prefix_match_unit") or w["block_size"], "num_hash_lookahead_tokens": sched.num_hash_lookahead_tokens,
            "num_lookahead_tokens": sched.num_lookahead_tokens,
            "mamba_cache_mode": w["mamba_cache_mode"], "enable_prefix_caching": w.get("enable_prefix_caching", True),
            "max_model_len": w["max_model_len"], "max_num_seqs": w["max_num_seqs"],

@@ -138,6 +138,11 @@ def _check_config(cfg: dict, where: str) -> None:
             _need(g, "page_size_bytes", int, where, w)
     if _need(cfg, "scheduler_block_size", int, where, "config") < 1:
         raise InputError("config: 'scheduler_block_size' should be at least 1", where)
+    unit = cfg.get("hash_block_size")
+    if unit is not None and unit != cfg["scheduler_block_size"]:
+        raise InputError(f"config: hash_block_size {unit} differs from scheduler_block_size "
+                         f"{cfg['scheduler_block_size']} (prefix_match_unit below the block size: partial-block "
+                         "prefix hits, which this tool does not model yet; docs/fidelity.md)", where)
     for key, typ in (("num_blocks", int), ("enable_prefix_caching", bool),
                      ("mamba_cache_mode", str), ("max_num_batched_tokens", int), ("max_num_seqs", int),
                      ("max_model_len", int), ("enable_chunked_prefill", bool), ("long_prefill_token_threshold", int),

@@ -43,7 +43,9 @@ def checkpoint_at(start: int, end: int, prefill_end: int, bs: int, lookahead: in
     chunk ending where the prefill ends this is the prefill's checkpoint; a resumed request's
     final chunk also computes its last token, one past its prefill, and when the prefill ends
     on a block boundary its checkpoint is that boundary. Scheduler and executor both read it."""
-    if end < prefill_end:
+    if end < prefill_end or start % bs:
+        # (a chunk that starts inside a block, possible when a block is longer than a chunk
+        # may be, writes no checkpoint: vLLM 0.33 takes one only from a block boundary)
         return None
     if lookahead > 1 and not start < prefill_checkpoint(prefill_end, bs, lookahead) < end:
         # (multi-module MTP: the checkpoint must be a boundary whose block hash the prompt

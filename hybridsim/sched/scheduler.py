@@ -502,6 +502,13 @@ class Scheduler:
             req.prefill_chunk = c + n < ntok
             budget -= n
 
+    @property
+    def _max_prefill(self) -> int:
+        """The most tokens a prefill chunk may have: the budget, or the long-prefill threshold."""
+        cfg = self.cfg
+        thr = cfg.long_prefill_token_threshold
+        return min(cfg.max_num_batched_tokens, thr) if thr > 0 else cfg.max_num_batched_tokens
+
     def _reserve_lookahead(self, req: Request, c: int, n: int, hit: Optional[PrefixHit],
                            checkpoint: Optional[int], publish: bool) -> tuple[int, Optional[int], bool]:
         """Multi-module MTP (vLLM 0.33's ``_reserve_prefill_lookahead``): a chunk that would end
@@ -544,7 +551,15 @@ class Scheduler:
         if start < junction < end:
             end = junction
         elif end < end_of_prefill:
-            end = end // bs * bs
+            aligned = end // bs * bs
+            # a block longer than any chunk may be (budget, long-prefill threshold) is filled
+            # over several chunks that keep a private running state (vLLM 0.33)
+            if aligned > start or bs <= self._max_prefill:
+                end = aligned
+        if start % bs and checkpoint_at(start, end, end_of_prefill, bs, la) is None:
+            nxt = (start // bs + 1) * bs  # (a chunk that started mid-block stops at its end)
+            if nxt < end:
+                end = nxt
         point = prefill_checkpoint(end_of_prefill, bs, la)
         if whole >= end_of_prefill and point <= start:
             # a final chunk with no checkpoint column to write: never past the sequence's last
