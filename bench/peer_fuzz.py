@@ -118,7 +118,8 @@ def pool_minimum(w: dict) -> int:
 
 def write(out: Path, count: int, seed: int, modes: tuple[str, ...] = ("align",), drafts: bool = False,
           at_minimum: bool = False, drafters: tuple[str, ...] = ("ngram",),
-          mamba_groups: tuple[int, ...] = (1,), block_size: int = BS, units: tuple[int, ...] = ()) -> None:
+          mamba_groups: tuple[int, ...] = (1,), block_size: int = BS, units: tuple[int, ...] = (),
+          multi_module: bool = True) -> None:
     """``drafts``: half of the workloads draft 1-3 tokens a step, accepted by a Bernoulli model
     (ours decides, round by round; the export's ``accepted`` makes the peer's drafts as right).
     ``drafters``: the drafter kinds a workload with drafts draws from (ngram, mtp, eagle; MTP
@@ -149,8 +150,8 @@ def write(out: Path, count: int, seed: int, modes: tuple[str, ...] = ("align",),
             kind = random.Random(f"{seed}/{k}/drafter")
             method = kind.choice(drafters)
             if method != "ngram":
-                w.update(spec_method=method,
-                         num_draft_layers=kind.choice([1, w["num_speculative_tokens"]]) if method == "mtp" else 1)
+                layers = kind.choice([1, w["num_speculative_tokens"]]) if method == "mtp" else 1
+                w.update(spec_method=method, num_draft_layers=layers if multi_module else 1)
         k += 1
         try:  # a config our validation refuses is drawn again
             if at_minimum:
@@ -207,6 +208,8 @@ def main() -> None:
                    "(6: the Nemotron-H-8B layout, 24 Mamba and 4 attention layers)")
     nm = sub.add_parser("named", help="write the drafter workloads recorded in data/vllm-recorded/")
     nm.add_argument("dir", type=Path)
+    w.add_argument("--one-module", action="store_true",
+                   help="MTP drafters with one module only (several: not yet identical, docs/fidelity.md)")
     w.add_argument("--block-size", type=int, default=BS, help="the block size (16 or 64)")
     w.add_argument("--match-units", default="", help="prefix_match_unit values to draw from, comma-separated "
                    "(below the block size: partial-block hits, which hybridsim does not model yet)")
@@ -238,7 +241,7 @@ def main() -> None:
         if any(u < 1 or args.block_size % u for u in units):
             ap.error(f"--match-units: each must divide the block size ({args.block_size})")
         write(args.dir, args.count, args.seed, modes, args.drafts, args.at_minimum, drafters, layouts,
-              args.block_size, units)
+              args.block_size, units, not args.one_module)
     elif args.cmd == "named":
         args.dir.mkdir(parents=True, exist_ok=True)
         for name in NAMED:
