@@ -56,7 +56,15 @@ class GivenOutputs:
 def model_text(w: dict) -> str:
     """The scenario's model and cache keys for an export (the recordings' geometry)."""
     caching = "true" if w.get("enable_prefix_caching", True) else "false"
-    return (MODEL.replace("num_blocks: 262144", f"num_blocks: {w['num_blocks']}")
+    text = MODEL
+    k = w.get("mamba_groups", 1)
+    if k > 1:  # (Nemotron-H-8B: 24 Mamba layers beside 4 attention layers make 6 Mamba groups of 4)
+        text = text.replace("mamba: {layers: 1,", f"mamba: {{layers: {4 * k},").replace(
+            "attention: {layers: 1,", "attention: {layers: 4,")
+    bs = w.get("block_size", 16)
+    if bs != 16:
+        text = text.replace("block_size: 16", f"block_size: {bs}")
+    return (text.replace("num_blocks: 262144", f"num_blocks: {w['num_blocks']}")
             .replace("enable_prefix_caching: true", f"enable_prefix_caching: {caching}")
             .replace("mamba_cache_mode: align", f"mamba_cache_mode: {w['mamba_cache_mode']}"))
 
@@ -73,12 +81,14 @@ def scenario_from_export(w: dict):
     acc = f"{{kind: bernoulli, rate: {w['acceptance_rate']}}}" if S else "{kind: none}"
     longest = max(len(r["prompt"]) for r in w["requests"])
     thr = w.get("long_prefill_token_threshold", 0)
+    method = w.get("spec_method", "ngram")
+    drafter = "" if method == "ngram" else f", method: {method}, num_draft_layers: {w.get('num_draft_layers', 1)}"
     text = f"""name: {w['workload']}
 seed: {w.get('seed', 0)}
 {model_text(w)}
 scheduler: {{max_num_batched_tokens: {w['max_num_batched_tokens']}, max_num_seqs: {w['max_num_seqs']},
              max_model_len: {w['max_model_len']}, long_prefill_token_threshold: {thr}}}
-spec_decode: {{num_speculative_tokens: {S}, acceptance: {acc}}}
+spec_decode: {{num_speculative_tokens: {S}, acceptance: {acc}{drafter}}}
 workload:
   kind: synthetic
   num_requests: {len(w["requests"])}

@@ -33,7 +33,7 @@ from hybridsim.errors import InputError
 BS = 16
 
 
-def make_workload(name: str, rnd: random.Random, mode: str = "align") -> dict:
+def make_workload(name: str, rnd: random.Random, mode: str = "align", BS: int = BS) -> dict:
     max_len = rnd.choice([128, 256, 512, 1024])
     # one longest request: its attention blocks, and the Mamba group's (previous state,
     # prefill checkpoint, running state); then from no room to spare to a roomy pool
@@ -75,6 +75,40 @@ def make_workload(name: str, rnd: random.Random, mode: str = "align") -> dict:
             "accepted": {}, "requests": reqs}
 
 
+# The drafter recordings kept in data/vllm-recorded/ (``named``): name -> (seed, drafter, drafts,
+# draft layers, block size, Mamba groups, pool: "roomy" or blocks above validation's minimum)
+NAMED = {
+    "mtp1": (101, "mtp", 1, 1, 16, 1, "roomy"),
+    "mtp3_pressure": (102, "mtp", 3, 1, 16, 1, 1),
+    "eagle3": (103, "eagle", 3, 1, 16, 1, "roomy"),
+    "eagle3_pressure": (104, "eagle", 3, 1, 16, 1, 0),
+    "mtp3_block64": (105, "mtp", 3, 1, 64, 1, 2),
+    "nemotron8b_mtp2": (106, "mtp", 2, 1, 16, 6, 1),
+}
+
+
+def named_workload(name: str) -> dict:
+    """One of the ``NAMED`` drafter workloads: a random workload of its seed, cut to a dozen
+    requests of at most 40 output tokens (recordings stay small), with shared prefixes,
+    drafts accepted at rate 0.7, and its drafter, block size, layout and pool."""
+    seed, method, S, layers, bs, mamba_groups, pool = NAMED[name]
+    w = make_workload(name, random.Random(seed), "align", bs)
+    w["requests"] = w["requests"][:12]
+    for r in w["requests"]:
+        r["max_tokens"] = min(r["max_tokens"], 40)
+        r["outputs"] = r["outputs"][:r["max_tokens"] + 8]
+    w.update(block_size=bs, num_speculative_tokens=S, acceptance_rate=0.7, seed=seed, spec_method=method,
+             num_draft_layers=layers, long_prefill_token_threshold=0,
+             max_num_batched_tokens=max(w["max_num_batched_tokens"], 2 * bs))
+    if mamba_groups > 1:
+        w["mamba_groups"] = mamba_groups
+    w["num_blocks"] = 1 << 20  # (validation sees the minimum only once the pool holds it)
+    least = pool_minimum(w)
+    w["num_blocks"] = 4 * least if pool == "roomy" else least + 1 + pool
+    w["accepted"] = accepted_rounds(simulation_from_export(w))
+    return w
+
+
 def pool_minimum(w: dict) -> int:
     """Scenario validation's minimum pool (usable blocks) for an export's requests, outputs
     included (``scenario_from_export`` validates prompts alone)."""
@@ -83,9 +117,13 @@ def pool_minimum(w: dict) -> int:
 
 
 def write(out: Path, count: int, seed: int, modes: tuple[str, ...] = ("align",), drafts: bool = False,
-          at_minimum: bool = False) -> None:
+          at_minimum: bool = False, drafters: tuple[str, ...] = ("ngram",),
+          mamba_groups: tuple[int, ...] = (1,), block_size: int = BS, units: tuple[int, ...] = (),
+          multi_module: bool = True) -> None:
     """``drafts``: half of the workloads draft 1-3 tokens a step, accepted by a Bernoulli model
     (ours decides, round by round; the export's ``accepted`` makes the peer's drafts as right).
+    ``drafters``: the drafter kinds a workload with drafts draws from (ngram, mtp, eagle; MTP
+    with one or as many draft layers as drafts).
     ``at_minimum``: each pool is scenario validation's minimum for the workload (outputs
     included) or one or two blocks more, so both sides plan right at the edge validation draws."""
     out.mkdir(parents=True, exist_ok=True)
@@ -95,11 +133,25 @@ def write(out: Path, count: int, seed: int, modes: tuple[str, ...] = ("align",),
         name = f"fuzz_{seed}_{k}"
         # (mode and drafts draw from streams of their own: earlier seeds' workloads are unchanged)
         mode = random.Random(f"{seed}/{k}/mode").choice(modes)
-        w = make_workload(name, random.Random(f"{seed}/{k}"), mode)
+        w = make_workload(name, random.Random(f"{seed}/{k}"), mode, block_size)
+        if block_size != BS:
+            w["max_num_batched_tokens"] = max(w["max_num_batched_tokens"], 2 * block_size)
+        unit = random.Random(f"{seed}/{k}/unit").choice(units) if units else block_size
+        if unit != block_size:  # (vLLM 0.33's prefix_match_unit: partial-block prefix hits)
+            w["prefix_match_unit"] = unit
+        layout = random.Random(f"{seed}/{k}/layout").choice(mamba_groups)
+        if layout > 1:  # (the Nemotron-H-8B layout: several Mamba groups beside one attention group)
+            w["mamba_groups"] = layout
         spec = random.Random(f"{seed}/{k}/drafts")
         if drafts and spec.random() < 0.5:
             w.update(num_speculative_tokens=spec.choice([1, 2, 3]), acceptance_rate=spec.choice([0.3, 0.7, 1.0]),
                      seed=spec.randrange(1 << 16))
+            # (a stream of its own: the workloads of earlier seeds and flags are unchanged)
+            kind = random.Random(f"{seed}/{k}/drafter")
+            method = kind.choice(drafters)
+            if method != "ngram":
+                layers = kind.choice([1, w["num_speculative_tokens"]]) if method == "mtp" else 1
+                w.update(spec_method=method, num_draft_layers=layers if multi_module else 1)
         k += 1
         try:  # a config our validation refuses is drawn again
             if at_minimum:
@@ -150,6 +202,17 @@ def main() -> None:
                    help="pools at scenario validation's minimum for each workload (outputs included), or 1-2 more")
     w.add_argument("--modes", default="align", help="Mamba cache modes to draw from, comma-separated: "
                    "align, none (none: prefix caching off; vLLM 0.33 has no mode all)")
+    w.add_argument("--drafters", default="ngram", help="drafter kinds to draw from with --drafts, "
+                   "comma-separated: ngram, mtp, eagle")
+    w.add_argument("--mamba-groups", default="1", help="Mamba group counts to draw from, comma-separated "
+                   "(6: the Nemotron-H-8B layout, 24 Mamba and 4 attention layers)")
+    nm = sub.add_parser("named", help="write the drafter workloads recorded in data/vllm-recorded/")
+    nm.add_argument("dir", type=Path)
+    w.add_argument("--one-module", action="store_true",
+                   help="MTP drafters with one module only (several: not yet identical, docs/fidelity.md)")
+    w.add_argument("--block-size", type=int, default=BS, help="the block size (16 or 64)")
+    w.add_argument("--match-units", default="", help="prefix_match_unit values to draw from, comma-separated "
+                   "(below the block size: partial-block hits, which hybridsim does not model yet)")
     c = sub.add_parser("compare", help="compare our plans with the peer's steps")
     c.add_argument("dir", type=Path)
     c.add_argument("--show", type=int, default=3, help="differing steps to print per workload")
@@ -160,7 +223,30 @@ def main() -> None:
         modes = tuple(args.modes.split(","))
         if not set(modes) <= {"align", "none"}:
             ap.error("--modes: align and/or none, comma-separated (vLLM 0.33 has no mode all)")
-        write(args.dir, args.count, args.seed, modes, args.drafts, args.at_minimum)
+        drafters = tuple(args.drafters.split(","))
+        if not drafters or not set(drafters) <= {"ngram", "mtp", "eagle"}:
+            ap.error("--drafters: ngram, mtp and/or eagle, comma-separated")
+        try:
+            layouts = tuple(int(x) for x in args.mamba_groups.split(","))
+        except ValueError:
+            ap.error("--mamba-groups: whole numbers, comma-separated")
+        if min(layouts) < 1:
+            ap.error("--mamba-groups: 1 or more")
+        if args.block_size not in (16, 64):
+            ap.error("--block-size: 16 or 64")
+        try:
+            units = tuple(int(x) for x in args.match_units.split(",")) if args.match_units else ()
+        except ValueError:
+            ap.error("--match-units: whole numbers, comma-separated")
+        if any(u < 1 or args.block_size % u for u in units):
+            ap.error(f"--match-units: each must divide the block size ({args.block_size})")
+        write(args.dir, args.count, args.seed, modes, args.drafts, args.at_minimum, drafters, layouts,
+              args.block_size, units, not args.one_module)
+    elif args.cmd == "named":
+        args.dir.mkdir(parents=True, exist_ok=True)
+        for name in NAMED:
+            (args.dir / f"{name}.json").write_text(json.dumps(named_workload(name)))
+        print(f"{len(NAMED)} workloads written to {args.dir}")
     else:
         sys.exit(0 if compare_dir(args.dir, args.show) else 1)
 

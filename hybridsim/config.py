@@ -119,6 +119,11 @@ Acceptance = Annotated[Union[BernoulliAcceptance, PatternAcceptance, NoAcceptanc
 class SpecDecodeSection(_Strict):
     num_speculative_tokens: int = Field(0, ge=0)
     acceptance: Acceptance = Field(default_factory=lambda: NoAcceptance(kind="none"))
+    # the drafter: ngram (no model, no KV cache of its own) or a draft model whose attention
+    # layers take blocks from the same pool as a KV-cache group of their own (MTP: layers built
+    # like the target's attention; EAGLE: a separate head)
+    method: Literal["ngram", "mtp", "eagle"] = "ngram"
+    num_draft_layers: Optional[int] = Field(None, ge=1, description="the drafter's attention layers (mtp, eagle)")
 
     @model_validator(mode="after")
     def _pattern_fits(self) -> "SpecDecodeSection":
@@ -127,7 +132,33 @@ class SpecDecodeSection(_Strict):
             if too_big:
                 raise ValueError(f"acceptance.accepted has {too_big[0]}, more than "
                                  f"num_speculative_tokens ({self.num_speculative_tokens})")
+        if self.method == "ngram" and self.num_draft_layers is not None:
+            raise ValueError("num_draft_layers is for a draft model (method mtp or eagle); "
+                             "the ngram drafter has no layers")
+        if self.method != "ngram" and self.num_speculative_tokens == 0:
+            raise ValueError(f"method {self.method} drafts tokens: num_speculative_tokens must be at least 1")
         return self
+
+    @property
+    def draft_layers(self) -> int:
+        """The draft model's attention layers (0: ngram, no KV-cache group of its own)."""
+        return 0 if self.method == "ngram" else (self.num_draft_layers or 1)
+
+    @property
+    def lookahead_slots(self) -> int:
+        """KV slots past the scheduled tokens the draft model writes (vLLM 0.33's
+        ``num_lookahead_tokens``: one per draft for MTP and EAGLE, none for ngram)."""
+        return self.num_speculative_tokens if self.method != "ngram" else 0
+
+    @property
+    def prefill_lookahead(self) -> int:
+        """Prompt tokens past a chunk the drafter reads (``num_prefill_lookahead_tokens``): one
+        for EAGLE and one-module MTP, one per draft for MTP with several modules."""
+        if self.method == "ngram":
+            return 0
+        if self.method == "mtp" and min(self.draft_layers, self.num_speculative_tokens) > 1:
+            return self.num_speculative_tokens
+        return 1
 
 
 # ----------------------------------------------------------------------------- workload
@@ -323,8 +354,9 @@ def min_blocks_per_request(s: "Scenario", tokens: int) -> int:
     from .sched.groups import plan_groups  # local: sched depends on config, not the reverse at import
 
     groups = plan_groups(s.geometry(), s.cache.block_size, s.scheduler.max_model_len,
-                         s.cache.resolved_mode(), s.spec_decode.num_speculative_tokens)
-    return sum(g.peak_blocks(tokens) for g in groups)
+                         s.cache.resolved_mode(), s.spec_decode.num_speculative_tokens,
+                         s.spec_decode.draft_layers, s.spec_decode.lookahead_slots)
+    return sum(g.peak_blocks(tokens, s.scheduler.max_model_len) for g in groups)
 
 
 def blocks_problem(s: "Scenario", tokens: int) -> str | None:
@@ -376,6 +408,10 @@ def cross_field_problems(s: Scenario) -> list[tuple[tuple, str]]:
                     f"({sched.max_num_batched_tokens})"))
     if S > 0 and S >= sched.max_model_len:
         out.append((("spec_decode", "num_speculative_tokens"), "more drafts than max_model_len allows"))
+    if s.cache.enable_prefix_caching and s.spec_decode.prefill_lookahead > bs:
+        out.append((("spec_decode", "num_speculative_tokens"),
+                    f"MTP with {s.spec_decode.draft_layers} modules reads {S} prompt tokens past a chunk; with "
+                    f"prefix caching the engine needs block_size ({bs}) at least that"))
     wl = s.workload
     if isinstance(wl, SyntheticWorkload):
         if wl.shared_prefix is not None and wl.shared_prefix.len >= sched.max_model_len:

@@ -69,6 +69,8 @@ def check_bugs(names: list[str]) -> set[str]:
 def groups_from_specs(groups) -> list[GroupInfo]:
     out = []
     for g in groups:
+        if (g.get("draft", False) if isinstance(g, dict) else g.draft):
+            continue  # the drafter's own layers (MTP / EAGLE): blocks planned, nothing to execute
         if isinstance(g, dict):
             out.append(GroupInfo(g["group_id"], g["kind"], g["block_size"], tuple(g["layers"])))
         else:

@@ -4,8 +4,9 @@ Same requests, prompt token ids, config and model outputs (the recorded sampled
 tokens and drafts), so any difference is a difference in scheduling or cache
 bookkeeping. A step is identical when the same requests are scheduled with the
 same token counts, the same requests are preempted, and every newly admitted
-request gets the same prefix hit. Free-block counts are compared as well and
-reported separately (they expose bookkeeping drift before it changes a decision).
+request gets the same prefix hit. Free-block counts and the block ids handed out are
+compared as well, group by group, and reported separately with their first differing
+steps (they expose bookkeeping drift before it changes a decision).
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class FidelityReport:
     free_blocks_equal: int
     diffs: list[StepDiff] = field(default_factory=list)
     block_ids_equal: int = 0
+    # the first steps whose free-block count or block ids differ (block ids: per group)
+    block_diffs: list[StepDiff] = field(default_factory=list)
+    block_ids_equal_by_group: list[int] = field(default_factory=list)
 
     @property
     def identical_steps_pct(self) -> float:
@@ -48,7 +52,9 @@ class FidelityReport:
             "identical_steps_pct": round(self.identical_steps_pct, 3),
             "free_blocks_equal_steps": self.free_blocks_equal,
             "block_ids_equal_steps": self.block_ids_equal,
+            "block_ids_equal_steps_by_group": self.block_ids_equal_by_group,
             "first_diffs": [d.__dict__ for d in self.diffs[:20]],
+            "first_block_diffs": [d.__dict__ for d in self.block_diffs[:20]],
         }
 
 
@@ -67,7 +73,8 @@ def _fmt(d: dict) -> str:
     return ", ".join(f"{k}:{v}" for k, v in sorted(d.items())) or "-"
 
 
-def run_fidelity(path: str, keep_diffs: int = 50) -> FidelityReport:
+def run_fidelity(path: str, keep_diffs: int = 50, keep_block_diffs: int = 5) -> FidelityReport:
+    """``keep_block_diffs``: first differing steps listed per kind (free blocks, each group's ids)."""
     rec: Recording = load_recording(path)
     sim = Simulation(rec.scenario, rec.workload, continuation=rec.continuation(), drafter=rec.drafter())
     pool = sim.kv.pool
@@ -84,6 +91,9 @@ def run_fidelity(path: str, keep_diffs: int = 50) -> FidelityReport:
         }
     recorded = {s["step"]: _recorded_view(s) for s in rec.steps}
     report = FidelityReport(str(path), len(recorded), len(ours), 0, 0)
+    ngroups = len(sim.groups)
+    names = [" (drafter)" if gr.draft else "" for gr in sim.groups]
+    report.block_ids_equal_by_group = [0] * ngroups
     for step in sorted(set(recorded) | set(ours)):
         r, o = recorded.get(step), ours.get(step)
         if r is None or o is None:
@@ -100,4 +110,27 @@ def run_fidelity(path: str, keep_diffs: int = 50) -> FidelityReport:
         report.identical_steps += same
         report.free_blocks_equal += r["free"] == o["free"]
         report.block_ids_equal += r["blocks"] == o["blocks"]
+        if r["free"] != o["free"] and _room(report, step, "free blocks", keep_block_diffs):
+            report.block_diffs.append(StepDiff(step, "free blocks", str(r["free"]), str(o["free"])))
+        for g in range(ngroups):
+            rg, og = _group_view(r["blocks"], g), _group_view(o["blocks"], g)
+            if rg == og:
+                report.block_ids_equal_by_group[g] += 1
+            elif _room(report, step, f"block ids, group {g}", keep_block_diffs):
+                report.block_diffs.append(StepDiff(step, f"block ids, group {g}{names[g]}", _fmt_rows(rg),
+                                                   _fmt_rows(og)))
     return report
+
+
+def _group_view(blocks: dict, g: int) -> dict:
+    """Per request, the block ids a step hands out in group ``g`` (requests with none left out)."""
+    return {rid: rows[g] for rid, rows in blocks.items() if g < len(rows) and rows[g]}
+
+
+def _fmt_rows(d: dict) -> str:
+    return ", ".join(f"{k}:[{' '.join(map(str, v))}]" for k, v in sorted(d.items())) or "-"
+
+
+def _room(report: FidelityReport, step: int, what: str, keep: int) -> bool:
+    """Whether another first difference of this kind is listed (``keep`` per kind)."""
+    return sum(1 for d in report.block_diffs if d.what.startswith(what)) < keep

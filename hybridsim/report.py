@@ -184,11 +184,14 @@ def fidelity_table(rep: FidelityReport) -> Table:
         t.add_column(col, overflow="fold")
     for d in rep.diffs[:20]:
         t.add_row(str(d.step), d.what, d.recorded, d.ours)
-    if not rep.diffs:
+    for d in sorted(rep.block_diffs, key=lambda d: (d.what, d.step))[:20]:
+        t.add_row(str(d.step), d.what, d.recorded, d.ours)
+    if not rep.diffs and not rep.block_diffs:
         t.add_row("-", "no differences", "", "")
+    by_group = ", ".join(f"group {g} {n}" for g, n in enumerate(rep.block_ids_equal_by_group))
     t.caption = (f"identical steps: {rep.identical_steps}/{max(rep.steps_recorded, rep.steps_ours)} "
                  f"({rep.identical_steps_pct:.2f}%); free-block counts equal on {rep.free_blocks_equal} steps; "
-                 f"block ids equal on {rep.block_ids_equal} steps")
+                 f"block ids equal on {rep.block_ids_equal} steps ({by_group})")
     return t
 
 

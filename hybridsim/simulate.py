@@ -79,12 +79,14 @@ def scheduler_config(s: Scenario) -> SchedulerConfig:
         policy=s.scheduler.policy,
         num_speculative_tokens=s.spec_decode.num_speculative_tokens,
         align_split=geo.mamba is not None and mode == "align" and s.cache.enable_prefix_caching,
+        prefill_lookahead=s.spec_decode.prefill_lookahead,
     )
 
 
 def kv_groups(s: Scenario) -> list[GroupSpec]:
     return plan_groups(s.geometry(), s.cache.block_size, s.scheduler.max_model_len,
-                       s.cache.resolved_mode(), s.spec_decode.num_speculative_tokens)
+                       s.cache.resolved_mode(), s.spec_decode.num_speculative_tokens,
+                       s.spec_decode.draft_layers, s.spec_decode.lookahead_slots)
 
 
 _STREAM_BATCH_TOKENS = 1 << 16
@@ -114,7 +116,7 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _make_requests(workload: Workload, hash_bs: int) -> list[Request]:
+def _make_requests(workload: Workload, hash_bs: int, hash_lookahead: int = 0) -> list[Request]:
     """The scheduler's requests, with the prompts' block hashes computed in one vectorised
     pass when the workload has its prompts as one array. The garbage collector is paused
     meanwhile: it would otherwise walk the growing token lists again and again."""
@@ -122,12 +124,12 @@ def _make_requests(workload: Workload, hash_bs: int) -> list[Request]:
     with _collector_paused():
         hashes = None
         flat = workload.prompt_tokens
-        if flat is not None:
+        if flat is not None and not hash_lookahead:
             lengths = [len(w.prompt) for w in wreqs]
             if flat.size == sum(lengths):
                 hashes = block_hashes_many(flat, np.cumsum([0] + lengths[:-1]).tolist(), lengths, hash_bs)
         return [Request(w.req_id, i, w.arrival_step, w.prompt, w.max_tokens, w.priority,
-                        w.output_seed, hash_bs, hashes[i] if hashes is not None else None)
+                        w.output_seed, hash_bs, hashes[i] if hashes is not None else None, hash_lookahead)
                 for i, w in enumerate(wreqs)]
 
 
@@ -192,8 +194,19 @@ class Simulation:
         self.workload = workload
         self.groups = groups or kv_groups(scenario)
         cfg = sched_cfg or scheduler_config(scenario)
+        drafter_model = scenario.spec_decode.method != "ngram"
+        # a draft model (MTP / EAGLE): lookahead slots, lookahead hashes; planned step by step
+        # (the fused and bulk paths know neither)
+        lookahead = scenario.spec_decode.prefill_lookahead if scenario.cache.enable_prefix_caching else 0
         self.kv = KVCacheManager(self.groups, num_blocks or scenario.cache.num_blocks,
-                                 scenario.cache.enable_prefix_caching, fused_events)
+                                 scenario.cache.enable_prefix_caching, fused_events and not drafter_model,
+                                 max_model_len=scenario.scheduler.max_model_len,
+                                 # (only vLLM's one-group coordinator holds the re-prefillable
+                                 # tail back; a drafter's group makes every layout hybrid)
+                                 reprefill=max(scenario.spec_decode.prefill_lookahead - 1, 0)
+                                 if len(self.groups) == 1 else 0, hash_lookahead=lookahead)
+        if drafter_model:
+            bulk_decode = False
         self.scheduler = Scheduler(cfg, self.kv)
         if continuation is None:
             continuation = (RecordedContinuation(workload.outputs, workload.vocab_size) if workload.outputs is not None
@@ -204,7 +217,7 @@ class Simulation:
                                    acceptance_model(scenario.spec_decode.acceptance, scenario.seed),
                                    workload.vocab_size, cfg.max_model_len)
         self.drafter = drafter
-        self.requests = _make_requests(workload, min(g.block_size for g in self.groups))
+        self.requests = _make_requests(workload, min(g.block_size for g in self.groups), lookahead)
         self.outputs = _TrueOutputs(self.cont, self.requests, cfg.num_speculative_tokens)
         if bulk_decode:  # steady decodes advanced in bulk (same plans; see Scheduler.enable_cruise)
             self.scheduler.enable_cruise(self.outputs.tokens, drafter if isinstance(drafter, ModelDrafts) else None)

@@ -46,9 +46,33 @@ class Recording:
         return RecordedDrafts(self.drafts) if self.config.get("num_spec_tokens") else None
 
 
+def _drafter(cfg: dict, where: str) -> dict[str, Any]:
+    """The ``spec_decode`` keys of a config whose KV-cache groups include the drafter's
+    (``is_eagle_group``): MTP when that group is built like the target's attention (same spec
+    and page size, as the engine builds an MTP layer), EAGLE otherwise; unless the recording
+    names the method (``spec_method``)."""
+    groups = cfg["kv_cache_groups"]
+    eagle = [g for g in groups if g.get("is_eagle_group") is True]
+    if not eagle:
+        return {}
+    if len(eagle) > 1:
+        raise InputError(f"config: {len(eagle)} KV cache groups have is_eagle_group; this tool models one "
+                         "drafter group", where)
+    if not cfg.get("num_spec_tokens"):
+        raise InputError("config: a KV cache group has is_eagle_group but num_spec_tokens is 0", where)
+    d = eagle[0]
+    method = cfg.get("spec_method")
+    if method not in ("mtp", "eagle"):
+        target = [g for g in groups if g is not d and g["spec"] == d["spec"]]
+        method = "mtp" if any(g.get("page_size_bytes") == d.get("page_size_bytes") for g in target) else "eagle"
+    return {"method": method, "num_draft_layers": d["num_layers"]}
+
+
 def _geometry_from_groups(groups: list[dict], num_spec: int, where: str) -> dict[str, Any]:
     model: dict[str, Any] = {}
     for g in groups:
+        if g.get("is_eagle_group") is True:
+            continue  # the drafter's layers: spec_decode says what they are (``_drafter``)
         if g["spec"] == "MambaSpec":
             (conv_rows, conv_dim), temporal = g["shapes"][0], g["shapes"][1]
             heads, head_dim, d_state = temporal
@@ -97,6 +121,8 @@ def _check_config(cfg: dict, where: str) -> None:
     for i, g in enumerate(groups):
         w = f"config: kv_cache_groups[{i}]"
         spec = _need(g, "spec", str, where, w)
+        if "is_eagle_group" in g:
+            _need(g, "is_eagle_group", bool, where, w)
         for key in ("block_size", "num_layers"):
             if _need(g, key, int, where, w) < 1:
                 raise InputError(f"{w}: {key!r} should be at least 1", where)
@@ -112,6 +138,11 @@ def _check_config(cfg: dict, where: str) -> None:
             _need(g, "page_size_bytes", int, where, w)
     if _need(cfg, "scheduler_block_size", int, where, "config") < 1:
         raise InputError("config: 'scheduler_block_size' should be at least 1", where)
+    unit = cfg.get("hash_block_size")
+    if unit is not None and unit != cfg["scheduler_block_size"]:
+        raise InputError(f"config: hash_block_size {unit} differs from scheduler_block_size "
+                         f"{cfg['scheduler_block_size']} (prefix_match_unit below the block size: partial-block "
+                         "prefix hits, which this tool does not model yet; docs/fidelity.md)", where)
     for key, typ in (("num_blocks", int), ("enable_prefix_caching", bool),
                      ("mamba_cache_mode", str), ("max_num_batched_tokens", int), ("max_num_seqs", int),
                      ("max_model_len", int), ("enable_chunked_prefill", bool), ("long_prefill_token_threshold", int),
@@ -234,7 +265,8 @@ def load_recording(path: str | Path) -> Recording:
                           "enable_chunked_prefill": cfg["enable_chunked_prefill"],
                           "long_prefill_token_threshold": cfg["long_prefill_token_threshold"],
                           "policy": cfg["policy"]},
-            "spec_decode": {"num_speculative_tokens": S, "acceptance": {"kind": "none"}},
+            "spec_decode": {"num_speculative_tokens": S, "acceptance": {"kind": "none"},
+                            **_drafter(cfg, f"{p}:{cfg_line}")},
             "workload": {"kind": "trace", "format": "vllm-recorded", "path": str(p)},
             "execution": {"max_steps": max(len(steps) * 4, 1000), "check": "full"},
         })

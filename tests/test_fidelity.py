@@ -128,3 +128,78 @@ def test_pool_minimum_is_what_vllm_needs(case, need, last, monkeypatch, capsys):
     short = data[need - 1]
     assert len(short["vllm"]["steps"]) > 1000 and not any(st["sched"] for st in short["vllm"]["steps"][-1000:])
     assert compare(case, steps_from_export(short["workload"]), short["vllm"], 3), capsys.readouterr().out
+
+
+# Recordings of vLLM 0.33's scheduler with an MTP or EAGLE drafter (bench/peer_vllm.py --record on
+# the workloads bench/peer_fuzz.py named writes; data/vllm-recorded/drafters/README.md): the
+# drafter's attention layers are a KV-cache group of their own, flagged is_eagle_group
+DRAFTERS = sorted((Path(__file__).resolve().parent.parent / "data/vllm-recorded/drafters").glob("*.jsonl"))
+
+
+def test_drafter_recordings_present():
+    assert [p.stem for p in DRAFTERS] == ["eagle3", "eagle3_pressure", "mtp1", "mtp3_block64", "mtp3_pressure",
+                                          "nemotron8b_mtp2"]
+
+
+@pytest.mark.parametrize("rec", DRAFTERS, ids=lambda p: p.stem)
+def test_drafter_recordings_identical_block_for_block(rec):
+    rep = run_fidelity(str(rec))
+    groups = load_recording(rec).config["kv_cache_groups"]
+    assert groups[-1]["is_eagle_group"] and not any(g["is_eagle_group"] for g in groups[:-1])
+    assert rep.identical_steps == rep.steps_recorded == rep.steps_ours > 0, [d.__dict__ for d in rep.diffs[:5]]
+    assert rep.free_blocks_equal == rep.steps_recorded
+    assert rep.block_ids_equal_by_group == [rep.steps_recorded] * len(groups)
+    assert rep.block_diffs == []
+
+
+def test_drafter_recordings_become_drafter_scenarios():
+    """The drafter group of a recording is the scenario's drafter: an MTP layer has the target
+    attention's spec, an EAGLE head another; our groups end with it, flagged ``draft``."""
+    from hybridsim.simulate import kv_groups
+
+    for rec in DRAFTERS:
+        r = load_recording(rec)
+        sd = r.scenario.spec_decode
+        assert sd.method == ("eagle" if rec.stem.startswith("eagle") else "mtp")
+        assert sd.draft_layers == 1 and sd.num_speculative_tokens == r.config["num_spec_tokens"]
+        groups = kv_groups(r.scenario)
+        assert len(groups) == len(r.config["kv_cache_groups"])
+        assert [g.draft for g in groups] == [False] * (len(groups) - 1) + [True]
+        assert [g.kind == "mamba" for g in groups] == [g["spec"] == "MambaSpec" for g in r.config["kv_cache_groups"]]
+
+
+def _tampered(src: Path, dst: Path, step: int, edit) -> Path:
+    lines = [json.loads(x) for x in src.read_text().splitlines()]
+    for d in lines:
+        if d.get("type") == "step" and d["step"] == step:
+            edit(d)
+    dst.write_text("".join(json.dumps(d) + "\n" for d in lines))
+    return dst
+
+
+def test_report_lists_block_level_differences(tmp_path):
+    """A recording whose block ids (one group) and free count differ at one step: the decisions
+    stay identical, and the report names the step, the group and both sides' values."""
+    src = DRAFTERS[0]
+    step = next(d for d in (json.loads(x) for x in src.read_text().splitlines())
+                if d.get("type") == "step" and d["scheduled_new_reqs"])
+    rid = step["scheduled_new_reqs"][0]["id"]
+    want = step["scheduled_new_reqs"][0]["block_ids"][1]
+
+    def edit(d):
+        d["scheduled_new_reqs"][0]["block_ids"][1] = [b + 1000 for b in want]
+        d["num_free_blocks"] += 1
+
+    rep = run_fidelity(str(_tampered(src, tmp_path / "t.jsonl", step["step"], edit)))
+    assert rep.identical_steps == rep.steps_recorded
+    assert rep.free_blocks_equal == rep.steps_recorded - 1
+    assert rep.block_ids_equal_by_group[1] == rep.steps_recorded - 1
+    assert rep.block_ids_equal_by_group[0] == rep.steps_recorded
+    kinds = {(d.step, d.what): d for d in rep.block_diffs}
+    d = kinds[(step["step"], "block ids, group 1")]
+    assert d.recorded == f"{rid}:[{' '.join(str(b + 1000) for b in want)}]"
+    assert d.ours == f"{rid}:[{' '.join(map(str, want))}]"
+    free = kinds[(step["step"], "free blocks")]
+    assert int(free.recorded) == int(free.ours) + 1
+    js = rep.as_dict()["first_block_diffs"]
+    assert {x["what"] for x in js} == {"block ids, group 1", "free blocks"}

@@ -67,15 +67,20 @@ SEED = int(os.environ.get("HYBRIDSIM_PEER_FUZZ_SEED", "3"))
 
 @pytest.mark.parametrize("seed,modes,drafts,at_minimum",
                          [(SEED, ("align",), False, False), (SEED + 1, ("none",), False, False),
-                          (SEED + 3, ("align",), True, False), (SEED + 4, ("align", "none"), True, True)],
-                         ids=["align", "none", "drafts", "at-minimum"])
+                          (SEED + 3, ("align",), True, False), (SEED + 4, ("align", "none"), True, True),
+                          (SEED + 24, ("align",), "models", True)],
+                         ids=["align", "none", "drafts", "at-minimum", "mtp-eagle"])
 def test_random_workloads_identical(seed, modes, drafts, at_minimum, peer, tmp_path, capsys):
     """Every step identical, block ids included (mode none: prefix caching off; drafts: half of
-    the workloads draft 1-3 tokens, padded admissions among them; at-minimum: pools at scenario
+    the workloads draft 1-3 tokens, padded admissions among them; mtp-eagle: those drafts from
+    MTP or EAGLE drafters, with the drafter's KV-cache group; at-minimum: pools at scenario
     validation's minimum or 1-2 blocks above it, where neither side may stall)."""
     from peer_fuzz import compare_dir, write
 
-    write(tmp_path, 40, seed, modes, drafts, at_minimum)
+    if drafts == "models":  # MTP (one module) and EAGLE drafters, one or six Mamba groups
+        write(tmp_path, 40, seed, modes, True, at_minimum, ("mtp", "eagle"), (1, 6), multi_module=False)
+    else:
+        write(tmp_path, 40, seed, modes, drafts, at_minimum)
     peer_steps(peer, sorted(tmp_path.glob("fuzz_*.json")), tmp_path)
     assert compare_dir(tmp_path, 3), capsys.readouterr().out
     if at_minimum:  # validation's promise: the longest request can always come back

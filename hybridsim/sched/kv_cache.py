@@ -31,13 +31,21 @@ class PrefixHit:
 
 
 class KVCacheManager:
-    def __init__(self, groups: list[GroupSpec], num_blocks: int, enable_caching: bool, fused_events: bool = True):
+    def __init__(self, groups: list[GroupSpec], num_blocks: int, enable_caching: bool, fused_events: bool = True,
+                 max_model_len: int = 1 << 62, reprefill: int = 0, hash_lookahead: int = 0):
+        """``max_model_len`` caps the lookahead slots of attention groups (MTP / EAGLE);
+        ``reprefill``: trailing computed tokens a multi-module MTP drafter may prefill again,
+        never published (vLLM 0.33's ``num_prefill_lookahead - 1``)."""
         self.groups = groups
         self.pool = BlockPool(num_blocks)
         # the first attention group (most of the blocks) keys its prefixes by plain hashes
         plain = next((g.group_id for g in groups if not g.is_mamba), None)
         self.managers: list[KVManager] = [make_manager(g, self.pool, enable_caching, g.group_id == plain)
                                           for g in groups]
+        for m in self.managers:
+            m.max_len = max_model_len
+            m.reprefill = reprefill
+            m.hash_lookahead = hash_lookahead
         self.attn = [m for m in self.managers if not m.spec.is_mamba]
         self.mamba = [m for m in self.managers if m.spec.is_mamba]
         self.enable_caching = enable_caching
@@ -117,7 +125,8 @@ class KVCacheManager:
         if admit_tokens is not None and admit_tokens > total:
             bs = self.block_size
             full_ckpt = _admission_checkpoint(admit_tokens, bs)
-            full = sum(m.plan(req, num_computed, admit_tokens, hit_rows[i], full_ckpt).fresh
+            # (the engine's whole-sequence check counts no lookahead slots)
+            full = sum(m.plan(req, num_computed, admit_tokens, hit_rows[i], full_ckpt, lookahead=False).fresh
                        for i, m in enumerate(managers))
             need = max(need, full)
         if hit is not None and hit.attach:
@@ -452,6 +461,15 @@ class KVCacheManager:
         vLLM 0.33 caches them after each step's update, not only when the request is next
         scheduled; only a request freed before that (finished, or preempted first) shows it."""
         self._publish_full(req, min(req.num_computed_tokens, len(req.token_ids)))
+
+    def publish_pending(self, req: Request) -> None:
+        """After a step's update (drafts on), vLLM 0.33 caches the request's blocks up to its
+        computed tokens: a Mamba state kept earlier but not publishable then (MTP / EAGLE,
+        ``MambaAlignManager.cache``) is published now, before the next step's lookups."""
+        for m in self.mamba:
+            pending = getattr(m, "pending", None)
+            if pending and req.index in pending:
+                m._publish_pending(req, min(req.num_computed_tokens, len(req.token_ids)))
 
     def publish_block(self, req: Request, m: AttentionManager, i: int) -> None:
         """Publish block ``i`` of the request's row in group ``m`` alone (ordered catch-up)."""

@@ -40,6 +40,9 @@ class KVManager:
         self.rows: dict[int, list[int]] = {}
         self.last_need = 0  # fresh blocks the last ``need`` asked for
         self.lift = key_lift(self.gid, plain_keys)  # prefix keys: see block_pool.key_lift
+        self.max_len = _INF  # (set by KVCacheManager) caps lookahead slots
+        self.reprefill = 0  # (set by KVCacheManager) trailing tokens never published
+        self.hash_lookahead = 0  # (set by KVCacheManager) tokens past a block its hash covers
 
     def key(self, block_hash: int) -> int:
         """The prefix-cache key of a block of this group with that hash."""
@@ -134,9 +137,18 @@ class AttentionManager(KVManager):
             return list(map(self.pool.cached.__getitem__, req.block_hashes[:nblocks]))
         return [self.pool.cached[self.key(h)] for h in req.block_hashes[:nblocks]]
 
-    def plan(self, req, num_computed, total, hit, checkpoint):
+    def slots(self, total: int) -> int:
+        """Token slots the row must hold for ``total`` tokens: the draft model (MTP / EAGLE)
+        writes ``lookahead`` more, never past max_model_len (vLLM 0.33's allocate_slots)."""
+        la = self.spec.lookahead
+        if not la:
+            return total
+        t = total + la
+        return t if t < self.max_len else max(self.max_len, total)
+
+    def plan(self, req, num_computed, total, hit, checkpoint, lookahead: bool = True):
         row_len = len(self.rows.get(req.index, ())) or len(hit)
-        need = cdiv(total, self.bs) - row_len
+        need = cdiv(self.slots(total) if lookahead else total, self.bs) - row_len
         if need <= 0:
             return Allocation(0, _no_change)
         idx = req.index
@@ -150,7 +162,7 @@ class AttentionManager(KVManager):
         return Allocation(need, apply)
 
     def need(self, req, total, checkpoint):
-        k = -(-total // self.bs) - len(self.rows[req.index])
+        k = -(-self.slots(total) // self.bs) - len(self.rows[req.index])
         self.last_need = k if k > 0 else 0
         return self.last_need
 
@@ -169,7 +181,8 @@ class AttentionManager(KVManager):
         idx = req.index
         num_cached = self.num_cached
         done = num_cached.get(idx, 0)
-        full = (total if total < ntok else ntok) // self.bs
+        full = (total if total < ntok else ntok) - self.reprefill
+        full = min(full, len(req.block_hashes) * req.hash_block_size) // self.bs
         if full > done and self.caching:
             self.pool.cache_row(row, req.block_hashes, done, full, self.lift)
             num_cached[idx] = done = full
@@ -183,7 +196,7 @@ class AttentionManager(KVManager):
         self.num_cached[req.index] = nblocks
 
     def decode_need(self, req, num_computed, total):
-        k = -(-total // self.bs) - len(self.rows[req.index])
+        k = -(-self.slots(total) // self.bs) - len(self.rows[req.index])
         self.last_need = k if k > 0 else 0
         return self.last_need
 
@@ -202,9 +215,10 @@ class AttentionManager(KVManager):
         publish nothing until the tokens that fill it are committed."""
         idx = req.index
         bs = self.bs
+        top = len(self.rows[idx]) * bs - self.spec.lookahead  # (a row at max_model_len: never crossed)
         if not self.caching:
-            return len(self.rows[idx]) * bs, _INF
-        return len(self.rows[idx]) * bs, (self.num_cached.get(idx, 0) + 1) * bs - 2
+            return top, _INF
+        return top, (self.num_cached.get(idx, 0) + 1) * bs - 2
 
 
 def _no_change(fresh: list[int]) -> list[int]:
@@ -278,7 +292,7 @@ class MambaNoneManager(MambaManager):
     def hit_blocks(self, req, bound_blocks):
         return 0
 
-    def plan(self, req, num_computed, total, hit, checkpoint):
+    def plan(self, req, num_computed, total, hit, checkpoint, lookahead=True):
         if req.index in self.rows:
             return Allocation(0, _no_change)
         idx = req.index
@@ -298,6 +312,10 @@ class MambaAlignManager(MambaManager):
     draft blocks are recycled into the new columns when the running column
     moves on, as upstream does.
     """
+
+    def __init__(self, spec: GroupSpec, pool: BlockPool, plain_keys: bool = False):
+        super().__init__(spec, pool, plain_keys)
+        self.pending: dict[int, int] = {}  # per request: a kept state column not yet publishable
 
     def _layout(self, base: list[int], first: bool, total: int, checkpoint: Optional[int]):
         """Target columns for ``total`` tokens and how to fill them: (fresh needed, state) or None."""
@@ -333,7 +351,7 @@ class MambaAlignManager(MambaManager):
                 k += 1
         return r[prev_len:]
 
-    def plan(self, req, num_computed, total, hit, checkpoint):
+    def plan(self, req, num_computed, total, hit, checkpoint, lookahead=True):
         idx = req.index
         row = self.rows.get(idx)
         first = row is None
@@ -391,21 +409,50 @@ class MambaAlignManager(MambaManager):
         prompt's replay point and the junction, ``Request.junction``): the checkpoint column
         when it sits on one of them, and the chunk's end state when the scheduler says it
         does (``publish_end``, decided by the same rule). No other state is published."""
+        idx = req.index
+        if self.pending and idx in self.pending:
+            self._publish_pending(req, total)
         if checkpoint is None and not publish_end:
             return
-        row = self.rows.get(req.index)
+        row = self.rows.get(idx)
         if row is None:
             return
         hashes = req.block_hashes
         bs = self.bs
+        # (a state whose block hash does not exist yet, MTP / EAGLE lookahead hashes, or that
+        # lies in a multi-module MTP drafter's re-prefillable tail is published later, by the
+        # first allocation whose computed tokens reach past it, if its block is still held)
+        upto = min(len(hashes), (total - self.reprefill) // bs)
         if checkpoint is not None and row[checkpoint] != NULL_BLOCK:
             at = (checkpoint + 1) * bs  # (sched.plan.checkpoint_at)
             if keeps_state_at(at, req.junction, req.num_prompt_tokens, bs):
-                self.pool.cache(row[checkpoint], self.key(hashes[checkpoint]), True)
+                if checkpoint < upto:
+                    self.pool.cache(row[checkpoint], self.key(hashes[checkpoint]), True)
+                else:
+                    self.pending[idx] = checkpoint
         if publish_end and total % bs == 0:
             col = total // bs - 1
             if row[col] != NULL_BLOCK:
-                self.pool.cache(row[col], self.key(hashes[col]), True)
+                if col < upto:
+                    self.pool.cache(row[col], self.key(hashes[col]), True)
+                else:
+                    self.pending[idx] = col
+
+    def _publish_pending(self, req: Request, total: int) -> None:
+        """Publish a kept state that could not be published when it was written (see ``cache``)."""
+        idx = req.index
+        col = self.pending[idx]
+        row = self.rows.get(idx)
+        if row is None or col >= len(row) or row[col] == NULL_BLOCK:
+            del self.pending[idx]  # (released meanwhile: freed without a hash)
+            return
+        if col < min(len(req.block_hashes), (total - self.reprefill) // self.bs):
+            self.pool.cache(row[col], self.key(req.block_hashes[col]), True)
+            del self.pending[idx]
+
+    def free(self, req: Request) -> None:
+        self.pending.pop(req.index, None)
+        super().free(req)
 
 
 def align_targets(total: int, checkpoint: Optional[int], bs: int, S: int) -> list[int]:
@@ -437,7 +484,7 @@ class MambaAllManager(MambaManager):
         super().__init__(spec, pool, plain_keys)
         self.num_cached: dict[int, int] = {}
 
-    def plan(self, req, num_computed, total, hit, checkpoint):
+    def plan(self, req, num_computed, total, hit, checkpoint, lookahead=True):
         idx = req.index
         row = self.rows.get(idx)
         prev_len = len(row) if row is not None else len(hit)

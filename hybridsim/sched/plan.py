@@ -23,17 +23,19 @@ def prefill_end(num_prompt_tokens: int, num_tokens: int) -> int:
     return max(num_prompt_tokens, num_tokens - 1)
 
 
-def prefill_checkpoint(num_tokens: int, bs: int) -> int:
+def prefill_checkpoint(num_tokens: int, bs: int, lookahead: int = 1) -> int:
     """Where align mode keeps the checkpoint state of a prefill of ``num_tokens`` tokens (see
     ``prefill_end``): the last block boundary that
     leaves at least one token to compute, ``(num_tokens - 1) // bs * bs`` (vLLM 0.33; for a
     length that is a multiple of ``bs``, one block before the end). A final prefill chunk
     that passes it keeps a state there (``checkpoint_at`` says where exactly), and the
-    engine's scheduler stops a final chunk that does not pass it before its last token."""
-    return (num_tokens - 1) // bs * bs
+    engine's scheduler stops a final chunk that does not pass it before its last token.
+    ``lookahead``: with MTP of several modules the boundary's block hash covers that many
+    tokens after it, which must exist: ``(num_tokens - lookahead) // bs * bs``."""
+    return (num_tokens - (lookahead if lookahead > 1 else 1)) // bs * bs
 
 
-def checkpoint_at(start: int, end: int, prefill_end: int, bs: int) -> Optional[int]:
+def checkpoint_at(start: int, end: int, prefill_end: int, bs: int, lookahead: int = 1) -> Optional[int]:
     """Where a prefill chunk from ``start`` to ``end`` keeps a checkpoint state, or None (vLLM
     0.33's Mamba manager): only a final chunk (``end >= prefill_end``) does, at the last block
     boundary before its end that leaves a token to compute, ``prefill_checkpoint(end)``, when
@@ -41,7 +43,13 @@ def checkpoint_at(start: int, end: int, prefill_end: int, bs: int) -> Optional[i
     chunk ending where the prefill ends this is the prefill's checkpoint; a resumed request's
     final chunk also computes its last token, one past its prefill, and when the prefill ends
     on a block boundary its checkpoint is that boundary. Scheduler and executor both read it."""
-    if end < prefill_end:
+    if end < prefill_end or start % bs:
+        # (a chunk that starts inside a block, possible when a block is longer than a chunk
+        # may be, writes no checkpoint: vLLM 0.33 takes one only from a block boundary)
+        return None
+    if lookahead > 1 and not start < prefill_checkpoint(prefill_end, bs, lookahead) < end:
+        # (multi-module MTP: the checkpoint must be a boundary whose block hash the prompt
+        # completes; the column itself is the usual one)
         return None
     at = prefill_checkpoint(end, bs)
     return at if start < at < end else None

@@ -25,11 +25,12 @@ class Request:
                  "num_prompt_tokens", "num_computed_tokens", "spec_token_ids", "block_hashes",
                  "status", "num_preemptions", "resumed", "output_seed", "admitted_once",
                  "hash_block_size", "draft_round", "junction", "quiet_total", "quiet_computed", "quiet_by", "out_stream", "cruising",
-                 "seat", "cruise_run", "cruise_end", "prompt_ids", "prefill_chunk")
+                 "seat", "cruise_run", "cruise_end", "prompt_ids", "prefill_chunk",
+                 "hash_lookahead", "plain_hashes")
 
     def __init__(self, req_id: str, index: int, arrival_step: int, prompt: Sequence[int], max_tokens: int,
                  priority: int = 0, output_seed: int = 0, hash_block_size: int = 16,
-                 block_hashes: list[int] | None = None):
+                 block_hashes: list[int] | None = None, hash_lookahead: int = 0):
         self.req_id = req_id
         self.index = index
         self.arrival_step = arrival_step
@@ -62,6 +63,11 @@ class Request:
         # its last scheduled chunk ended before its tokens did (vLLM's is_prefill_chunk: a step
         # that runs such a request pads no admission to a uniform draft row)
         self.prefill_chunk = False
+        # MTP / EAGLE (vLLM 0.33's lookahead block hashes): a block's hash also covers the
+        # ``hash_lookahead`` tokens after it (the drafter's KV at the block's last position
+        # depends on them), so it exists only once they do
+        self.hash_lookahead = hash_lookahead
+        self.plain_hashes: list[int] = []  # (with a lookahead: the chain without it)
         self.update_hashes()
 
     @property
@@ -80,6 +86,19 @@ class Request:
         """Extend the chained block hashes over every full block of committed tokens."""
         bs = self.hash_block_size
         hashes = self.block_hashes
+        la = self.hash_lookahead
+        if la:
+            toks = self.token_ids
+            plain = self.plain_hashes
+            full = (len(toks) - la) // bs
+            i = len(plain)
+            if full > i:
+                plain.extend(chained_hashes(toks[i * bs:full * bs], bs, plain[-1] if plain else 0))
+                _M = (1 << 64) - 1
+                for j in range(i, full):
+                    look = hash(tuple(toks[(j + 1) * bs:(j + 1) * bs + la]))
+                    hashes.append((plain[j] * 0x9E3779B97F4A7C15 + look + 0x5bd1e995) & _M)
+            return
         full = len(self.token_ids) // bs
         i = len(hashes)
         if full > i:

@@ -39,6 +39,9 @@ class SchedulerConfig:
     policy: str = "fcfs"
     num_speculative_tokens: int = 0
     align_split: bool = False  # hybrid model in align mode: chunk ends on block boundaries
+    # prompt tokens past a chunk the drafter reads (MTP / EAGLE); above 1 (multi-module MTP) a
+    # prefill chunk never ends fewer than this many tokens before the prefill's end
+    prefill_lookahead: int = 0
 
 
 class _PriorityQueue:
@@ -334,6 +337,8 @@ class Scheduler:
             else:
                 if align:
                     n, checkpoint, publish = self._align_split(req, c, n, None)
+                if cfg.prefill_lookahead > 1:
+                    n, checkpoint, publish = self._reserve_lookahead(req, c, n, None, checkpoint, publish)
                 if n <= 0:
                     continue
             self._at_seat = req.seat
@@ -420,6 +425,21 @@ class Scheduler:
         if (waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and self._pub_steps
                 and self._pub_steps[0] <= self._now):
             self._flush_publishing()  # prefix lookups and admissions see the step's publishing
+        skipped: list[Request] = []
+        try:
+            self._admit(scheduled, budget, long_thr, pad, ran, skipped)
+        finally:
+            for r in reversed(skipped):  # back at the front, in their order
+                waiting.appendleft(r)
+
+    def _admit(self, scheduled: list[ScheduledRequest], budget: int, long_thr: int, pad: bool, ran: bool,
+               skipped: list[Request]) -> None:
+        """The admission loop of ``_schedule_waiting``; ``skipped`` collects the requests it
+        passes over (multi-module MTP: no chunk that stays clear of the prefill's end)."""
+        cfg = self.cfg
+        S = cfg.num_speculative_tokens
+        kv = self.kv
+        waiting = self.waiting
         while waiting and budget > 0:
             if len(self.running) >= cfg.max_num_seqs:
                 break
@@ -446,6 +466,11 @@ class Scheduler:
                 n, checkpoint, publish = self._align_split(req, c, n, hit)
             if n <= 0:
                 break
+            if cfg.prefill_lookahead > 1:
+                n, checkpoint, publish = self._reserve_lookahead(req, c, n, hit, checkpoint, publish)
+                if n <= 0:  # (the engine passes over it to the requests behind it)
+                    skipped.append(waiting.popleft())
+                    continue
             if padded and n != 1 + S:
                 # a cut padded row loses its padding, not its token (vLLM drops it after the
                 # align-mode split; without that split it would fail an assertion instead)
@@ -477,6 +502,27 @@ class Scheduler:
             req.prefill_chunk = c + n < ntok
             budget -= n
 
+    @property
+    def _max_prefill(self) -> int:
+        """The most tokens a prefill chunk may have: the budget, or the long-prefill threshold."""
+        cfg = self.cfg
+        thr = cfg.long_prefill_token_threshold
+        return min(cfg.max_num_batched_tokens, thr) if thr > 0 else cfg.max_num_batched_tokens
+
+    def _reserve_lookahead(self, req: Request, c: int, n: int, hit: Optional[PrefixHit],
+                           checkpoint: Optional[int], publish: bool) -> tuple[int, Optional[int], bool]:
+        """Multi-module MTP (vLLM 0.33's ``_reserve_prefill_lookahead``): a chunk that would end
+        fewer than ``prefill_lookahead`` tokens before the request's last token is shortened to
+        leave that many; the align-mode checkpoint and publishing follow the shorter chunk."""
+        P = self.cfg.prefill_lookahead
+        remaining = len(req.token_ids) - c - n
+        if not 0 < remaining < P:
+            return n, checkpoint, publish
+        n = max(n - (P - remaining), 0)
+        if n and self.cfg.align_split:
+            return self._align_split(req, c, n, hit)
+        return n, checkpoint, publish
+
     def _align_split(self, req: Request, start: int, n: int,
                      hit: Optional[PrefixHit]) -> tuple[int, Optional[int], bool]:
         """Align-mode chunking (vLLM 0.33): a prefill chunk that does not finish the prefill
@@ -495,6 +541,7 @@ class Scheduler:
         Returns (tokens, checkpoint column or None, publish the chunk-end state).
         """
         bs = self.bs
+        la = self.cfg.prefill_lookahead  # (align split: prefix caching is on)
         end_of_prefill = prefill_end(req.num_prompt_tokens, len(req.token_ids))
         if start >= end_of_prefill:
             return n, None, False
@@ -504,18 +551,26 @@ class Scheduler:
         if start < junction < end:
             end = junction
         elif end < end_of_prefill:
-            end = end // bs * bs
-        point = prefill_checkpoint(end_of_prefill, bs)
+            aligned = end // bs * bs
+            # a block longer than any chunk may be (budget, long-prefill threshold) is filled
+            # over several chunks that keep a private running state (vLLM 0.33)
+            if aligned > start or bs <= self._max_prefill:
+                end = aligned
+        if start % bs and checkpoint_at(start, end, end_of_prefill, bs, la) is None:
+            nxt = (start // bs + 1) * bs  # (a chunk that started mid-block stops at its end)
+            if nxt < end:
+                end = nxt
+        point = prefill_checkpoint(end_of_prefill, bs, la)
         if whole >= end_of_prefill and point <= start:
             # a final chunk with no checkpoint column to write: never past the sequence's last
             # block boundary before its last token (a resumed prefill ending on a boundary
             # stops there, one token short of the end)
-            last = prefill_checkpoint(len(req.token_ids), bs)
+            last = prefill_checkpoint(len(req.token_ids), bs, la)
             if start < last < end:
                 end = last
         if end <= start:
             return 0, None, False
-        at = checkpoint_at(start, end, end_of_prefill, bs)
+        at = checkpoint_at(start, end, end_of_prefill, bs, la)
         checkpoint = None if at is None else at // bs - 1
         # the state at the chunk's end is kept if it is at the prompt's replay point or at the
         # junction, whether the chunk was cut there or ends there anyway (end > start here)
@@ -574,6 +629,8 @@ class Scheduler:
             toks.extend(tokens)
             if len(toks) // req.hash_block_size > len(req.block_hashes):
                 req.update_hashes()
+                if req.hash_lookahead:
+                    self.kv.publish_pending(req)
             if len(toks) - req.num_prompt_tokens >= req.max_tokens or len(toks) >= max_len:
                 finished.append(req)
             elif steady is not None and (spec or len(tokens) == 1):
