@@ -81,7 +81,7 @@ class MambaExecution:
         self.slot_of_layer = torch.tensor(self.layer_slot, dtype=torch.int64, device=device)
         self.bs = self.groups[0].block_size
         self.mode = scenario.cache.resolved_mode()
-        self.tracker = TRACKERS[self.mode](self.bs, self.S, bugs)
+        self.tracker = TRACKERS[self.mode](self.bs, self.S, bugs, scenario.spec_decode.prefill_lookahead)
         self.oracle = MambaOracle(self.tables, scenario.scheduler.max_num_seqs, device, oracle_scan)
         self.page_bytes = scenario.cache.page_size_bytes or geo.state_bytes(self.S)
         self.int32_pages = "int32_block_offset" in bugs

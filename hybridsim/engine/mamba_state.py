@@ -75,9 +75,10 @@ class Bugs:
 class MambaStateTracker:
     """Per-request worker state: the previous running column and the accepted count."""
 
-    def __init__(self, block_size: int, num_spec: int, bugs: Bugs):
+    def __init__(self, block_size: int, num_spec: int, bugs: Bugs, lookahead: int = 1):
         self.bs = block_size
         self.S = num_spec
+        self.lookahead = lookahead  # prompt tokens past a chunk the drafter reads (multi-module MTP)
         self.bugs = bugs
         self.state_idx: dict[str, int] = {}
         self.num_accepted: dict[str, int] = {}
@@ -139,7 +140,7 @@ class AlignTracker(MambaStateTracker):
     def checkpoint(self, p: RowPlan, prefill_end: int) -> None:
         """0.33: a final prefill chunk passing its checkpoint (``checkpoint_at``) also keeps
         the state there."""
-        at = checkpoint_at(p.c, p.c + p.n, prefill_end, self.bs)
+        at = checkpoint_at(p.c, p.c + p.n, prefill_end, self.bs, self.lookahead)
         if at is not None:
             p.boundary.append((at - p.c - 1, at // self.bs - 1))
 
