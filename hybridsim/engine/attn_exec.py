@@ -37,7 +37,7 @@ from .mla_exec import TOLERANCE
 from .transfer import to_device, upload
 
 
-ORACLE_SCORES = 1 << 25  # float64 score elements the oracle materialises at once
+ORACLE_SCORES = 1 << 26  # float64 elements (scores, projected keys) the oracle materialises at once
 
 
 @dataclass

@@ -19,6 +19,7 @@ from .segments import rel_errors, specials_differ
 
 LOW_PRECISION_TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 REFERENCE_MAX_QUERIES = 16  # mla_decode calls with more query tokens a request are prefill rows (see mla_decode)
+REFERENCE_ROWS = 8  # paged_attention rows a call re-runs through the reference (the oracle checks every row)
 STAGED_PAGES = 256  # state pages one checked state_copy batch copies for the reference (about 1 GB at real sizes)
 
 
@@ -31,6 +32,7 @@ class CheckedKernels:
         self.name = inner.name
         self.exact: list[tuple[str, torch.Tensor]] = []  # (check, differs: a 0-dim device tensor)
         self.close: list[tuple[str, float, torch.Tensor, torch.Tensor]] = []  # (check, tolerance, got, want)
+        self._paged_calls = 0
 
     def _exact(self, name: str, got: torch.Tensor, want: torch.Tensor) -> None:
         """Bit-exact, NaN where NaN: decided on the device now (pages can be large), read at ``flush``."""
@@ -149,8 +151,11 @@ class CheckedKernels:
     def paged_attention(self, q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale,
                         max_seq_len=None, num_splits=0, past_end_bug=False):
         """Rows of up to ``REFERENCE_MAX_QUERIES`` queries (decodes, speculative verification) are
-        re-run through the reference on the same cache; longer (prefill) rows are checked against
-        the oracle by ``attn.output`` only (the reference's cost there would be the oracle's)."""
+        re-run through the reference on the same cache, at most ``REFERENCE_ROWS`` a call (a window
+        that moves on with every call, so every row position is compared as the run goes; at
+        real scale the reference gathering every row's context in float32 would cost more than
+        the rest of the step). Longer (prefill) rows, and every row in any case, are checked
+        against the oracle by ``attn.output``."""
         got = self.inner.paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale,
                                          max_seq_len=max_seq_len, num_splits=num_splits, past_end_bug=past_end_bug)
         qsl = query_start_loc.to("cpu", torch.int64)
@@ -158,6 +163,10 @@ class CheckedKernels:
         rows = torch.nonzero(qlen <= REFERENCE_MAX_QUERIES).flatten()
         if len(rows) == 0:
             return got
+        if len(rows) > REFERENCE_ROWS:  # a rotating window of rows: every row is covered over the calls
+            start = self._paged_calls * REFERENCE_ROWS % len(rows)
+            rows = torch.cat([rows, rows])[start:start + REFERENCE_ROWS]
+        self._paged_calls += 1
         tok = torch.cat([torch.arange(int(qsl[r]), int(qsl[r + 1])) for r in rows.tolist()])
         sub_qsl = torch.zeros(len(rows) + 1, dtype=torch.int64)
         sub_qsl[1:] = torch.cumsum(qlen[rows], 0)
