@@ -163,11 +163,14 @@ class DenseOracle:
         return [torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])], dim=1) for parts in out]
 
 
-def MLAOracle(probes: list[MLAProbe], device: torch.device, budget_elems: int = 1 << 27) -> DenseOracle:
+MLA_ORACLE_ELEMS = 1 << 28  # float64 elements of one MLA oracle batch: scores and latent keys
+
+
+def MLAOracle(probes: list[MLAProbe], device: torch.device, budget_elems: int = MLA_ORACLE_ELEMS) -> DenseOracle:
     """Dense float64 attention over the committed tokens of every MLA layer."""
     return DenseOracle(MLAStack(probes, device), device, budget_elems)
 
 
-def GQAOracle(probes: list[GQAProbe], device: torch.device, budget_elems: int = 1 << 27) -> DenseOracle:
+def GQAOracle(probes: list[GQAProbe], device: torch.device, budget_elems: int = 1 << 26) -> DenseOracle:
     """Dense float64 causal attention over the committed tokens of every GQA layer."""
     return DenseOracle(GQAStack(probes, device), device, budget_elems)

@@ -29,7 +29,7 @@ from ..config import Scenario
 from ..kernels.segments import rel_errors, specials_differ
 from ..layers.exact import pages_digest
 from ..layers.gqa import GQAProbe, GQAStack
-from ..oracle import DenseOracle
+from ..oracle import GQAOracle
 from ..sched.plan import StepPlan
 from .cache import BlockMap, PageArena, PagedTensor
 from .mamba_state import Bugs
@@ -64,7 +64,7 @@ class AttentionExecution:
         self.bs = self.groups[0].block_size
         probes = [GQAProbe(geo, layer, scenario.seed) for layer in range(geo.layers)]
         self.stack = GQAStack(probes, device, torch.float32)  # exact in float32 (layers/gqa.py)
-        self.oracle = DenseOracle(GQAStack(probes, device), device, ORACLE_SCORES)
+        self.oracle = GQAOracle(probes, device, ORACLE_SCORES)
         shape = (self.bs, geo.kv_heads, geo.head_dim)
         if arena is not None:  # K then V inside each shared page of the layer's slot
             kv = geo.page_bytes(self.bs) // 2
