@@ -26,12 +26,12 @@ import torch
 
 from ..checks import Checks, Failure
 from ..config import Scenario
-from ..kernels.segments import rel_errors, specials_differ
+from ..kernels.segments import bits_differ, rel_errors
 from ..layers.exact import pages_digest
 from ..layers.gqa import GQAProbe, GQAStack
 from ..oracle import GQAOracle
 from ..sched.plan import StepPlan
-from .cache import BlockMap, PageArena, PagedTensor
+from .cache import BlockMap, PageArena, PagedTensor, block_table
 from .mamba_state import Bugs
 from .mla_exec import TOLERANCE
 from .transfer import to_device, upload
@@ -103,16 +103,6 @@ class AttentionExecution:
                         self.holders.setdefault(b, set()).add(s.req_id)
 
     # ------------------------------------------------------------------ forward
-    def _table(self, plan: StepPlan, reqs, group: int) -> torch.Tensor:
-        """The group's block table as cache rows, a row per scheduled request, padded with the
-        null row and one null column past the longest row (a kernel reading past a row's
-        end reads NaN pages, never another tensor)."""
-        rows = []
-        for s, r in zip(plan.scheduled, reqs):
-            ncols = -(-(s.num_computed_tokens + s.num_scheduled_tokens) // self.bs)
-            rows.append([self.blocks.row(b) for b in r.rows[group][:ncols]])
-        width = max(len(row) for row in rows) + 1
-        return torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.int64)
 
     def _check_writes(self, plan: StepPlan, reqs) -> None:
         """Blocks written this step that another live request held before it: a shared (full,
@@ -161,7 +151,9 @@ class AttentionExecution:
         for layer, (kc, vc) in enumerate(self.caches):
             g = self.layer_group[layer]
             if g not in tables:
-                t = to_device(self._table(plan, reqs, g), dev)
+                # one null column past the longest row: a kernel reading past a row's end reads
+                # NaN pages, never another tensor
+                t = to_device(block_table(plan, reqs, self.blocks, g, bs, pad_cols=1), dev)
                 tables[g] = (t, t[row_d, col_d] * bs + off_d)
             table, slots = tables[g]
             self.k.reshape_and_cache(k[layer], v[layer], slots, kc, vc)
@@ -195,7 +187,7 @@ class AttentionExecution:
             for cache, want in ((kc, k[layer]), (vc, v[layer])):
                 got = cache[blk, off]
                 w = want.to(cache.dtype)
-                diff = ((torch.nan_to_num(got, 1.0) != torch.nan_to_num(w, 1.0)) | specials_differ(got, w))
+                diff = bits_differ(got, w)
                 bad[:, layer] += torch.zeros(len(hit_rows), dtype=torch.int64, device=dev).index_add_(
                     0, which, diff.flatten(1).sum(1))
         return bad

@@ -34,6 +34,18 @@ class BlockMap:
         return len(self.rows)
 
 
+def block_table(plan, reqs, blocks: BlockMap, group: int, block_size: int, pad_cols: int = 0) -> torch.Tensor:
+    """A step's block table of one group as cache rows (host, int64): a row per scheduled request,
+    the columns its computed and scheduled tokens cover, padded with the null row (0) to the
+    longest row plus ``pad_cols``."""
+    rows = []
+    for s, r in zip(plan.scheduled, reqs):
+        ncols = -(-(s.num_computed_tokens + s.num_scheduled_tokens) // block_size)
+        rows.append([blocks.row(b) for b in r.rows[group][:ncols]])
+    width = max(1, max(len(row) for row in rows) + pad_cols)
+    return torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.int64)
+
+
 class PagedTensor:
     """``capacity`` NaN-filled pages of ``page_shape``; with ``slots`` the pages of every slot are
     stacked, (slots, pages, ...), so one launch can reach them all."""

@@ -27,7 +27,7 @@ from ..layers.exact import pages_digest
 from ..layers.mla import MLAProbe
 from ..oracle import MLAOracle
 from ..sched.plan import StepPlan
-from .cache import BlockMap, PagedTensor
+from .cache import BlockMap, PagedTensor, block_table
 from .mamba_state import Bugs
 from .transfer import to_device, upload
 
@@ -75,15 +75,8 @@ class MLAExecution:
 
     # ------------------------------------------------------------------ forward
     def _block_table(self, plan: StepPlan, reqs, group: int) -> torch.Tensor:
-        """The step's block table of one group as cache rows, a row per scheduled request
-        (padded with the null row), uploaded once."""
-        rows = []
-        for s, r in zip(plan.scheduled, reqs):
-            ncols = -(-(s.num_computed_tokens + s.num_scheduled_tokens) // self.bs)
-            rows.append([self.blocks.row(b) for b in r.rows[group][:ncols]])
-        width = max(1, max(len(row) for row in rows))
-        return to_device(torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.int64),
-                         self.device)
+        """The step's block table of one group as cache rows, uploaded once."""
+        return to_device(block_table(plan, reqs, self.blocks, group, self.bs), self.device)
 
     def forward(self, plan: StepPlan, reqs, inputs: list[np.ndarray], meta) -> MLAForward:
         t0 = perf_counter()

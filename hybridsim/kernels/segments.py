@@ -21,6 +21,11 @@ def specials_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             | (torch.isneginf(a) != torch.isneginf(b)))
 
 
+def bits_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise: the values differ, or one is NaN/±inf where the other is not (NaN equals NaN)."""
+    return (torch.nan_to_num(a, 1.0) != torch.nan_to_num(b, 1.0)) | specials_differ(a, b)
+
+
 def _errors(g: torch.Tensor, w: torch.Tensor, reduce) -> torch.Tensor:
     specials = specials_differ(g, w).double()
     fg, fw = torch.nan_to_num(g, 0.0, 0.0, 0.0), torch.nan_to_num(w, 0.0, 0.0, 0.0)
