@@ -152,7 +152,13 @@ def mla_rows(copy_bw, flops, configs, splits_options, impls=("auto",)):
     return rows
 
 
-def gqa_rows(copy_bw, configs, splits_options):
+def _gpu_time(call, graph: bool) -> float:
+    if graph:
+        return triton.testing.do_bench_cudagraph(call, rep=100, return_mode="median") * 1e-3
+    return bench(call, rep=100)
+
+
+def gqa_rows(copy_bw, configs, splits_options, graph=True):
     """Nemotron-H-8B attention decode: 32 query heads, 8 KV heads, head_dim 128, bf16, pages of
     16, 64 and 1056 tokens (align mode's unified page). Bytes = K + V of every row's context +
     q + out; the floor is bytes / measured copy bandwidth (decode is memory-bound). Each
@@ -186,8 +192,7 @@ def gqa_rows(copy_bw, configs, splits_options):
                         call = lambda: run_paged_attention(plan, q, k_cache, v_cache, table, 0.088, new_out,  # noqa: E731
                                                            num_warps=nw, num_stages=ns)
                         call()
-                        t = triton.testing.do_bench_cudagraph(call, rep=100, return_mode="median") * 1e-3
-                        results.append((t, (bn, nw, ns), plan.num_splits))
+                        results.append((_gpu_time(call, graph), (bn, nw, ns), plan.num_splits))
                     except Exception as e:  # a config that does not compile (registers/shared memory)
                         print(f"  config {(bn, nw, ns)} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
                 auto = results[0]
@@ -198,8 +203,7 @@ def gqa_rows(copy_bw, configs, splits_options):
                     call = lambda: run_paged_attention(plan, q, k_cache, v_cache, table, 0.088, new_out,  # noqa: E731
                                                        num_warps=best_cfg[1], num_stages=best_cfg[2])
                     call()
-                    results.append((triton.testing.do_bench_cudagraph(call, rep=100, return_mode="median") * 1e-3,
-                                    best_cfg, plan.num_splits))
+                    results.append((_gpu_time(call, graph), best_cfg, plan.num_splits))
                 best = min(results)
                 tt = None
                 if B * ctx <= 32 * 16384:
@@ -265,6 +269,7 @@ def main():
     ap.add_argument("--gqa-configs", default="64,4,2;64,4,3;32,4,3;128,8,2;64,8,3",
                     help="block_n,num_warps,num_stages;...")
     ap.add_argument("--gqa-splits", default="1,4,8,16")
+    ap.add_argument("--gqa-eager", action="store_true", help="time eagerly instead of replaying a CUDA graph")
     ap.add_argument("--only", default="state_copy,memory,mla,gqa")
     args = ap.parse_args()
     configs = [tuple(int(x) for x in c.split(",")) for c in args.mla_configs.split(";")]
@@ -280,7 +285,7 @@ def main():
         rows += memory_rows(copy_bw)
     if "gqa" in only:
         rows += gqa_rows(copy_bw, [tuple(int(x) for x in c.split(",")) for c in args.gqa_configs.split(";")],
-                         [int(x) for x in args.gqa_splits.split(",") if x])
+                         [int(x) for x in args.gqa_splits.split(",") if x], graph=not args.gqa_eager)
     if "mla" in only:
         rows += mla_rows(copy_bw, flops, configs, splits, tuple(args.mla_impls.split(",")))
     args.out.write_text(json.dumps({"device": props.name, "sms": props.multi_processor_count,
