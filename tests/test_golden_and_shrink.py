@@ -87,7 +87,7 @@ def test_corrupt_expected_file_is_bad_input(tmp_path):
     r = hs("replay", d, "--check")
     assert r.returncode == 2 and "Traceback" not in r.stdout + r.stderr
     err = r.stderr.replace("\n", "")  # the console wraps long paths
-    assert f"{exp}:3: not valid JSON (Expecting value at column " in err
+    assert f"{exp}:3: not valid JSON (Expecting " in err and " at column " in err
 
 
 def test_csv_and_plot_exports(tmp_path):
