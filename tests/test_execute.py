@@ -74,30 +74,22 @@ def test_bug_is_specific_no_false_alarm_elsewhere():
     assert res.checks.tallies["ssm.output"].failures == 0
 
 
-def test_triton_provider_executes_a_hybrid_mla_scenario_green():
-    """The Triton kernels inside the executor (interpreter on a CPU): every kernel is called,
-    every call equals the reference on the same inputs, and the oracle checks pass."""
-    src = tiny_scenario(preset="tiny-hybrid-mla", spec=2, acc="{kind: bernoulli, rate: 0.6}", n=4, per_step=2,
+@pytest.mark.parametrize("preset,must_run", [
+    ("tiny-hybrid-mla", ("kernel.state_copy", "kernel.mla_decode", "kernel.merge_states", "kernel.cache_ops",
+                         "ssm.running_state", "mla.output")),
+    ("tiny-hybrid", ("kernel.reshape_and_cache", "kernel.paged_attention", "attn.output", "attn.cached_blocks")),
+])
+def test_triton_provider_executes_a_hybrid_scenario_green(preset, must_run):
+    """The Triton kernels inside the executor (interpreter on a CPU), with prefix hits, chunked
+    prefill and speculative rows: every kernel is called, every call equals the reference on the
+    same inputs, and the oracle checks pass."""
+    src = tiny_scenario(preset=preset, spec=2, acc="{kind: bernoulli, rate: 0.6}", n=4, per_step=2,
                         pmin=20, pmax=90, omin=4, omax=10, prefix=32)
     res = plan_scenario(parse_scenario(src, "tiny-triton"), kernels="triton")
     bad = [(t.name, t.first_failure) for t in res.checks.tallies.values() if t.failures]
     assert not bad, bad
     counts = {t.name: t.count for t in res.checks.tallies.values()}
-    for name in ("kernel.state_copy", "kernel.mla_decode", "kernel.merge_states", "kernel.cache_ops",
-                 "ssm.running_state", "mla.output"):
-        assert counts.get(name, 0) > 0, counts
-
-
-def test_triton_provider_executes_a_hybrid_gqa_scenario_green():
-    """The GQA kernels inside the executor (interpreter on a CPU), with prefix hits, chunked
-    prefill and speculative rows: every call equals the reference, and the oracle checks pass."""
-    src = tiny_scenario(preset="tiny-hybrid", spec=2, acc="{kind: bernoulli, rate: 0.6}", n=4, per_step=2,
-                        pmin=20, pmax=90, omin=4, omax=10, prefix=32)
-    res = plan_scenario(parse_scenario(src, "tiny-triton-gqa"), kernels="triton")
-    bad = [(t.name, t.first_failure) for t in res.checks.tallies.values() if t.failures]
-    assert not bad, bad
-    counts = {t.name: t.count for t in res.checks.tallies.values()}
-    for name in ("kernel.reshape_and_cache", "kernel.paged_attention", "attn.output", "attn.cached_blocks"):
+    for name in must_run:
         assert counts.get(name, 0) > 0, counts
 
 

@@ -33,7 +33,7 @@ from ..oracle import GQAOracle
 from ..sched.plan import StepPlan
 from .cache import BlockMap, PageArena, PagedTensor, block_table
 from .mamba_state import Bugs
-from .mla_exec import TOLERANCE
+from .compare import TOLERANCE, error_pairs, tally_outputs
 from .transfer import to_device, upload
 
 
@@ -207,21 +207,8 @@ class AttentionExecution:
         flat = torch.cat(parts).cpu().tolist() if parts else []
         for i, s in enumerate(plan.scheduled):
             self.rejected[s.req_id] = s.num_scheduled_tokens - committed[i]
-        tally = self.checks.get("attn.output")
-        for j, i in enumerate(rows):
-            s = plan.scheduled[i]
-            for layer in range(L):
-                a, rel, bad = flat[3 * (j * L + layer):3 * (j * L + layer) + 3]
-                if bad:
-                    a = rel = float("inf")
-                tally.max_abs_err = max(tally.max_abs_err, a)
-                tally.max_rel_err = max(tally.max_rel_err, rel)
-                if rel <= self.tol:
-                    tally.passed(committed[i])
-                else:
-                    tally.failed(Failure(plan.step, s.req_id, f"attention output off by rel {rel:.2e} "
-                                                              f"(tolerance {self.tol:g})", layer=f"attn{layer}",
-                                         position=s.num_computed_tokens, max_abs_err=a, max_rel_err=rel))
+        tally_outputs(self.checks.get("attn.output"), plan, rows, committed, error_pairs(flat[:3 * len(rows) * L]),
+                      L, self.tol, "attn")
         if fwd.hit_bad is not None:
             hits = self.checks.get("attn.cached_blocks")
             rest = flat[3 * len(rows) * L:]

@@ -28,10 +28,10 @@ from ..layers.mla import MLAProbe
 from ..oracle import MLAOracle
 from ..sched.plan import StepPlan
 from .cache import BlockMap, PagedTensor, block_table
+from .compare import TOLERANCE, error_pairs, tally_outputs
 from .mamba_state import Bugs
 from .transfer import to_device, upload
 
-TOLERANCE = {"float32": 1e-5, "float64": 1e-9, "bfloat16": 2e-2, "float16": 5e-3}
 SCORE_ELEMS = 1 << 26  # the largest attention score matrix the prefill path materialises
 
 
@@ -187,22 +187,8 @@ class MLAExecution:
         L = len(self.probes)
         got = [fwd.outs[layer][i][: committed[i]] for i in rows for layer in range(L)] + [d for *_, d, _ in fwd.paths]
         want = [exp[layer] for exp in expected for layer in range(L)] + [p for *_, p in fwd.paths]
-        # (abs, rel) per comparison; a non-finite output (NaN or inf where the reference has none) is inf
-        all_errs = [(a, rel) if not bad else (float("inf"), float("inf"))
-                    for a, rel, bad in rel_errors(got, want).cpu().tolist()] if got else []
-        tally = self.checks.get("mla.output")
-        for j, i in enumerate(rows):
-            s = plan.scheduled[i]
-            for layer in range(L):
-                a, rel = all_errs[j * L + layer]
-                tally.max_abs_err = max(tally.max_abs_err, a)
-                tally.max_rel_err = max(tally.max_rel_err, rel)
-                if rel <= self.tol:
-                    tally.passed(committed[i])
-                else:
-                    tally.failed(Failure(plan.step, s.req_id, f"attention output off by rel {rel:.2e} "
-                                                              f"(tolerance {self.tol:g})", layer=f"mla{layer}",
-                                         position=s.num_computed_tokens, max_abs_err=a, max_rel_err=rel))
+        all_errs = error_pairs(rel_errors(got, want).reshape(-1).cpu().tolist()) if got else []
+        tally_outputs(self.checks.get("mla.output"), plan, rows, committed, all_errs, L, self.tol, "mla")
         paths = self.checks.get("mla.paths")
         for j, (i, layer, _, _) in enumerate(fwd.paths):
             a, rel = all_errs[len(rows) * L + j]
