@@ -2,6 +2,10 @@
 under cProfile with the device synchronised at the end, and print the top functions.
 
     python3 bench/profile_run.py scenarios/nemotron_h_8b.yaml [--max-steps N] [--kernels triton]
+        [--timed 3] [--sync-debug] [--cuda-profile] [--sort cumulative]
+
+``--timed N`` times N runs without the profiler first (the numbers for a bar: cProfile itself
+slows a host-bound loop); ``--sync-debug`` counts the lines where the host waits for the device.
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ def main() -> None:
     ap.add_argument("--kernels", default="auto")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--sort", default="tottime", help="pstats order: tottime | cumulative")
+    ap.add_argument("--timed", type=int, default=0, help="first, this many runs without the profiler, each timed")
+    ap.add_argument("--sync-debug", action="store_true", help="also count the host-device syncs per source line")
     ap.add_argument("--cuda-profile", action="store_true", help="also print device time per operator")
     a = ap.parse_args()
     res, first = once(a.scenario, a.max_steps, a.kernels, a.device)
@@ -48,6 +55,22 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
             once(a.scenario, a.max_steps, a.kernels, a.device)
         print(tp.key_averages().table(sort_by="self_cuda_time_total", row_limit=a.top))
+    for k in range(a.timed):  # cProfile slows a host-bound loop: these are the honest numbers
+        r, _ = once(a.scenario, a.max_steps, a.kernels, a.device)
+        print(f"timed run {k + 1}: whole loop {r.wall_s:.3f} s = {1e3 * r.wall_s / r.stats.steps:.1f} ms/step; "
+              + ", ".join(f"{t['phase']} {1e3 * t['total_s'] / r.stats.steps:.1f}" for t in r.timings) + " ms/step")
+    if a.sync_debug:  # a run with torch's sync warnings on: which lines make the host wait
+        import collections
+        import warnings
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            once(a.scenario, a.max_steps, a.kernels, a.device)
+        torch.cuda.set_sync_debug_mode(0)
+        where = collections.Counter(f"{w.filename}:{w.lineno}" for w in caught)
+        print(f"host-device syncs: {len(caught)} in {res.stats.steps} steps")
+        for loc, n in where.most_common(a.top):
+            print(f"  {n:6d}  {loc}")
     prof = cProfile.Profile()
     prof.enable()
     res, second = once(a.scenario, a.max_steps, a.kernels, a.device)
@@ -60,7 +83,7 @@ def main() -> None:
         print(f"  {t['phase']}: {t['total_s']:.3f} s")
     if torch.cuda.is_available():
         print(f"  peak device memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(a.top)
+    pstats.Stats(prof).sort_stats(a.sort).print_stats(a.top)
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ class MambaOracle:
     def check(self, rows: list[OracleRow], cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
               y_ref: torch.Tensor) -> tuple[torch.Tensor, list]:
         """Advance every row through its committed tokens, comparing as asked. Returns
-        stats (compares + rows, layers, 3) on the host — mismatching elements, max |diff|, first
+        stats (compares + rows, layers, 3) on the device — mismatching elements, max |diff|, first
         mismatching index — with the compare tags in row order, then one entry per row."""
         L = self.t.layers
         b = ScanBuilder(L)
@@ -112,7 +112,7 @@ class MambaOracle:
         launch, tags = b.build(window.contiguous(), self.conv, self.temporal, self.identity, self.device,
                                y_start=y_start, cmp=cache, y_ref=y_ref)
         self.scan(self.t, launch)
-        return launch.stats.cpu(), tags
+        return launch.stats, tags
 
 
 class DenseOracle:

@@ -77,6 +77,7 @@ def replay_trace(path: str | Path, *, check: str = "full", bugs: Optional[set[st
     t0 = perf_counter()
     for _, plan, outcome in tr.steps:
         ex.step(plan, outcome)
+    ex.finish()
     wall = perf_counter() - t0
     return ReplayResult(Path(path), len(tr.steps), len(tr.requests), checks, wall, notes, dict(ex.timings),
                         ex.state_digests(), ex.kernel_timer.summary() if ex.kernel_timer is not None else None,

@@ -138,6 +138,8 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
             last = now
             if progress is not None:
                 progress(sim.stats)
+        if executor is not None:
+            executor.finish()  # (the last step's verdicts, read one step late on a GPU)
     except BaseException:
         if writer is not None:
             writer.abort()

@@ -34,6 +34,7 @@ from ..sched.plan import StepPlan
 from .cache import BlockMap, PageArena, PagedTensor, block_table
 from .mamba_state import Bugs
 from .compare import TOLERANCE, error_pairs, tally_outputs
+from .verdicts import Verdicts
 from .transfer import to_device, upload
 
 
@@ -79,6 +80,7 @@ class AttentionExecution:
         self.holders: dict[int, set[str]] = {}  # block -> live requests whose attention rows hold it
         self.rejected: dict[str, int] = {}  # drafts the last step rejected, per request (rejected_kv_visible)
         self.timings = {"attn": 0.0, "attn_oracle": 0.0}
+        self.verdicts = Verdicts(0)  # (the executor hands every part its shared one)
 
     # ------------------------------------------------------------------ request lifecycle
     def release(self, rid: str, rows: list[list[int]]) -> None:
@@ -204,25 +206,32 @@ class AttentionExecution:
         parts = [rel_errors(got, want).reshape(-1)] if got else []
         if fwd.hit_bad is not None:
             parts.append(fwd.hit_bad.reshape(-1).double().to(parts[0].device if parts else self.device))
-        flat = torch.cat(parts).cpu().tolist() if parts else []
         for i, s in enumerate(plan.scheduled):
             self.rejected[s.req_id] = s.num_scheduled_tokens - committed[i]
+        if parts:
+            hits = (fwd.hit_rows, fwd.hit_blocks) if fwd.hit_bad is not None else None  # (not fwd: its outputs)
+            self.verdicts.add(torch.cat(parts), lambda res: self._tally(plan, rows, committed, hits, res.tolist()))
+        self.timings["attn_oracle"] += perf_counter() - t0
+
+    def _tally(self, plan: StepPlan, rows: list[int], committed: list[int],
+               hit: Optional[tuple[list[int], list[int]]], flat: list[float]) -> None:
+        L = len(self.caches)
         tally_outputs(self.checks.get("attn.output"), plan, rows, committed, error_pairs(flat[:3 * len(rows) * L]),
                       L, self.tol, "attn")
-        if fwd.hit_bad is not None:
+        if hit is not None:
+            hit_rows, hit_blocks = hit
             hits = self.checks.get("attn.cached_blocks")
             rest = flat[3 * len(rows) * L:]
-            for j, i in enumerate(fwd.hit_rows):
+            for j, i in enumerate(hit_rows):
                 s = plan.scheduled[i]
                 for layer in range(L):
                     n_bad = int(rest[j * L + layer])
                     if n_bad:
-                        hits.failed(Failure(plan.step, s.req_id, f"{n_bad} K/V elements of the {fwd.hit_blocks[j]} "
+                        hits.failed(Failure(plan.step, s.req_id, f"{n_bad} K/V elements of the {hit_blocks[j]} "
                                             f"blocks handed out on a {s.num_computed_tokens}-token prefix hit differ "
                                             "from their tokens' K/V", layer=f"attn{layer}", position=0))
                     else:
-                        hits.passed(fwd.hit_blocks[j])
-        self.timings["attn_oracle"] += perf_counter() - t0
+                        hits.passed(hit_blocks[j])
 
     def cache_digests(self, order: list[int]) -> dict[str, str]:
         """Per layer: sha256 over the exact fingerprints of its K and V pages in physical block

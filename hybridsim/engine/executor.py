@@ -29,6 +29,7 @@ from .mamba_state import Bugs
 from .metadata import build_batch
 from .memory import arena_layout
 from .mla_exec import MLAExecution
+from .verdicts import Verdicts
 
 
 @dataclass
@@ -113,6 +114,11 @@ class Executor:
         if self.geo.mla is not None:
             self.mla = MLAExecution(scenario, groups, kernels, checks, self.bugs, self.device, self.blocks,
                                     scenario.execution.mla_workspace_tokens)
+        # on a GPU the step's verdicts are read one step late (engine/verdicts.py)
+        self.verdicts = Verdicts(1 if self.device.type == "cuda" else 0)
+        for part in (self.mamba, self.attn, self.mla, kernels):
+            if part is not None and hasattr(part, "verdicts"):
+                part.verdicts = self.verdicts
 
     @property
     def last_copies(self) -> int:
@@ -125,7 +131,13 @@ class Executor:
         for part in (self.mamba, self.attn, self.mla):
             if part is not None:
                 out.update(part.timings)
+        if self.verdicts.lag:
+            out["verdicts"] = self.verdicts.wait_s  # reading a step's results back, one step late
         return out
+
+    def finish(self) -> None:
+        """Tally what is still pending: call after the last step, before reading the checks."""
+        self.verdicts.drain()
 
     # ------------------------------------------------------------------ step
     def step(self, plan: StepPlan, outcome: StepOutcome) -> None:
@@ -137,6 +149,7 @@ class Executor:
             flush = getattr(self.k, "flush", None)  # checked kernels: the step's verdicts, one transfer
             if flush is not None:
                 flush(plan.step)
+            self.verdicts.end_step()
 
     def _step(self, plan: StepPlan, outcome: StepOutcome) -> None:
         if self.mamba is not None:

@@ -33,6 +33,7 @@ from ..sched.plan import StepOutcome, StepPlan, prefill_end
 from .cache import BlockMap, MambaStateCache, PageArena
 from .mamba_state import TRACKERS, Bugs, Copy, RowPlan
 from .metadata import chunk_metadata, chunk_metadata_varlen
+from .verdicts import Verdicts
 from .transfer import to_device, upload
 
 
@@ -87,6 +88,7 @@ class MambaExecution:
         self.int32_pages = "int32_block_offset" in bugs
         self.last_copies = 0
         self.timings = {"mamba": 0.0, "copies": 0.0, "oracle": 0.0}
+        self.verdicts = Verdicts(0)  # (the executor hands every part its shared one)
         self.output_digest: Optional["hashlib._Hash"] = None  # set to collect a digest of every checked output
 
     # ------------------------------------------------------------------ request lifecycle
@@ -275,12 +277,13 @@ class MambaExecution:
             rows.append(row)
         cache = (self.cache.conv.data, self.cache.temporal.data, self.slot_of_layer)
         stats, tags = self.oracle.check(rows, cache, fwd.y)
-        self._tally(plan.step, rows, stats, tags)
+        step = plan.step
+        self.verdicts.add(stats, lambda st: self._tally(step, rows, st, tags))
         if self.output_digest is not None:
             idx = [fwd.y_start[i] + t for i, row in enumerate(rows) for t in range(row.k)]
             if idx:
                 fp = fingerprint_rows(fwd.y[upload(idx, self.device)])
-                self.output_digest.update(fp.cpu().numpy().tobytes())
+                self.verdicts.add(fp, lambda h: self.output_digest.update(h.numpy().tobytes()))
         self.timings["oracle"] += perf_counter() - t0
 
     def _compare(self, row: OracleRow, r, step: int, kind: str, pos: int, col: int, off: int, tcol: int) -> None:

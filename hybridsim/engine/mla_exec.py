@@ -30,6 +30,7 @@ from ..sched.plan import StepPlan
 from .cache import BlockMap, PagedTensor, block_table
 from .compare import TOLERANCE, error_pairs, tally_outputs
 from .mamba_state import Bugs
+from .verdicts import Verdicts
 from .transfer import to_device, upload
 
 SCORE_ELEMS = 1 << 26  # the largest attention score matrix the prefill path materialises
@@ -72,6 +73,7 @@ class MLAExecution:
         self.low_precision = lg.dtype in ("bfloat16", "float16")
         self.oracle = MLAOracle(cpu_probes, device)
         self.timings = {"mla": 0.0, "mla_oracle": 0.0}
+        self.verdicts = Verdicts(0)  # (the executor hands every part its shared one)
 
     # ------------------------------------------------------------------ forward
     def _block_table(self, plan: StepPlan, reqs, group: int) -> torch.Tensor:
@@ -187,10 +189,18 @@ class MLAExecution:
         L = len(self.probes)
         got = [fwd.outs[layer][i][: committed[i]] for i in rows for layer in range(L)] + [d for *_, d, _ in fwd.paths]
         want = [exp[layer] for exp in expected for layer in range(L)] + [p for *_, p in fwd.paths]
-        all_errs = error_pairs(rel_errors(got, want).reshape(-1).cpu().tolist()) if got else []
+        if got:
+            paths = [(i, layer) for i, layer, _, _ in fwd.paths]  # (not fwd: its outputs)
+            self.verdicts.add(rel_errors(got, want).reshape(-1),
+                              lambda res: self._tally(plan, rows, committed, paths, error_pairs(res.tolist())))
+        self.timings["mla_oracle"] += perf_counter() - t0
+
+    def _tally(self, plan: StepPlan, rows: list[int], committed: list[int], path_rows: list[tuple[int, int]],
+               all_errs: list[tuple[float, float]]) -> None:
+        L = len(self.probes)
         tally_outputs(self.checks.get("mla.output"), plan, rows, committed, all_errs, L, self.tol, "mla")
         paths = self.checks.get("mla.paths")
-        for j, (i, layer, _, _) in enumerate(fwd.paths):
+        for j, (i, layer) in enumerate(path_rows):
             a, rel = all_errs[len(rows) * L + j]
             paths.max_abs_err = max(paths.max_abs_err, a)
             paths.max_rel_err = max(paths.max_rel_err, rel)
@@ -200,7 +210,6 @@ class MLAExecution:
                 paths.failed(Failure(plan.step, plan.scheduled[i].req_id, f"prefill and decode paths differ "
                                                                           f"(rel {rel:.2e})", layer=f"mla{layer}",
                                      max_abs_err=a, max_rel_err=rel))
-        self.timings["mla_oracle"] += perf_counter() - t0
 
     def cache_digests(self, order: list[int]) -> dict[str, str]:
         """Per layer: sha256 over the exact fingerprints of its latent pages in physical block order

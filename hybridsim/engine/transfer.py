@@ -2,7 +2,10 @@
 
 A copy from ordinary (pageable) host memory makes the host wait for the device's queue
 to drain, which would serialise host and device at every upload; from pinned memory with
-``non_blocking`` it is queued like a kernel and the host runs on.
+``non_blocking`` it is queued like a kernel and the host runs on. Pinning a fresh buffer
+per upload costs more than the copy itself (a step makes dozens), so small uploads are
+staged through one pinned ring per device (``PinnedRing``), reused once the device has
+read it.
 """
 
 from __future__ import annotations
@@ -10,16 +13,84 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+RING_SEGMENT = 1 << 21  # bytes; uploads larger than this are pinned on their own
+RING_SEGMENTS = 4
+ALIGN = 64
+
+
+class PinnedRing:
+    """Pinned host memory in ``RING_SEGMENTS`` segments, filled in turn. Leaving a segment
+    records an event after the copies that read it; coming back to it waits for that event
+    (long done in practice: three segments of uploads were queued since)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.buf = torch.empty(RING_SEGMENT * RING_SEGMENTS, dtype=torch.uint8, pin_memory=True)
+        self.bytes = self.buf.numpy()
+        self.done: list = [None] * RING_SEGMENTS
+        self.seg, self.off = 0, 0
+
+    def put(self, a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        n = a.nbytes
+        if self.off + n > RING_SEGMENT:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            self.done[self.seg] = ev
+            self.seg = (self.seg + 1) % RING_SEGMENTS
+            self.off = 0
+            if self.done[self.seg] is not None:
+                self.done[self.seg].synchronize()
+        start = self.seg * RING_SEGMENT + self.off
+        self.bytes[start:start + n] = a.reshape(-1).view(np.uint8)
+        self.off += -(-n // ALIGN) * ALIGN
+        host = self.buf[start:start + n].view(dtype).reshape(a.shape)
+        return host.to(self.device, non_blocking=True)
+
+
+_RINGS: dict[torch.device, PinnedRing] = {}
+
+
+_NP_DTYPES: dict = {}
+
+
+def _numpy_dtype(dtype: torch.dtype):
+    if dtype not in _NP_DTYPES:
+        try:
+            _NP_DTYPES[dtype] = torch.empty(0, dtype=dtype).numpy().dtype
+        except TypeError:  # (bfloat16 and others numpy lacks)
+            _NP_DTYPES[dtype] = None
+    return _NP_DTYPES[dtype]
+
+
+def _stage(a: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if a.size == 0:
+        return torch.empty(a.shape, dtype=dtype, device=device)
+    if a.nbytes > RING_SEGMENT:
+        return torch.from_numpy(a).pin_memory().to(device, non_blocking=True)
+    ring = _RINGS.get(device)
+    if ring is None:
+        ring = _RINGS[device] = PinnedRing(device)
+    return ring.put(a, dtype)
+
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on ``device``, without waiting for the device (pinned staging)."""
-    if torch.device(device).type != "cuda":
+    device = torch.device(device)
+    if device.type != "cuda":
         return t
-    return t.pin_memory().to(device, non_blocking=True)
+    np_dtype = _numpy_dtype(t.dtype)
+    if np_dtype is None:
+        return t.pin_memory().to(device, non_blocking=True)
+    return _stage(np.ascontiguousarray(t.numpy()), t.dtype, device)
 
 
 def upload(data, device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """A list, numpy array or host tensor as a ``dtype`` tensor on ``device`` (see ``to_device``)."""
+    device = torch.device(device)
+    np_dtype = _numpy_dtype(dtype)
+    if device.type == "cuda" and np_dtype is not None:
+        a = data.to(dtype).numpy() if isinstance(data, torch.Tensor) else np.asarray(data, dtype=np_dtype)
+        return _stage(np.ascontiguousarray(a), dtype, device)
     if isinstance(data, torch.Tensor):
         t = data.to(dtype)
     elif isinstance(data, np.ndarray):

@@ -10,10 +10,12 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from ..engine.transfer import upload
 from .paged_attention import key_limit
 
 
@@ -201,23 +203,26 @@ def plan_paged_attention(query_start_loc, seq_lens, heads: int, kv_heads: int, p
     """Query tiles of BLOCK_Q tokens x G heads per row, and the split count: about two waves of
     programs, long rows split along their keys when tiles alone are too few."""
     G = heads // kv_heads
-    qsl = query_start_loc.to("cpu", torch.int64)
-    lens = seq_lens.to("cpu", torch.int64)
+    qsl = np.asarray(query_start_loc.to("cpu", torch.int64), dtype=np.int64)
+    lens = np.asarray(seq_lens.to("cpu", torch.int64), dtype=np.int64)
     qlen = qsl[1:] - qsl[:-1]
     block_m = block_m or max(_pow2(G), 16 if int(qlen.max()) * G <= 16 else 64)
     block_q = max(1, block_m // G)
     block_n = block_n or (64 if low_precision else 32)
     tiles = (qlen + block_q - 1) // block_q
     n_tiles = int(tiles.sum())
-    tile_row = torch.repeat_interleave(torch.arange(len(qlen)), tiles)
-    tile_q0 = (torch.arange(n_tiles) - torch.repeat_interleave(torch.cumsum(tiles, 0) - tiles, tiles)) * block_q
-    max_key = int(key_limit(lens, page, past_end_bug).max())
+    tile_row = np.repeat(np.arange(len(qlen)), tiles)
+    tile_q0 = (np.arange(n_tiles) - np.repeat(np.cumsum(tiles) - tiles, tiles)) * block_q
+    max_key = int(key_limit(torch.from_numpy(lens), page, past_end_bug).max())
     if num_splits <= 0:
         sms = _sm_count(device) if device.type == "cuda" else 4
         num_splits = max(1, min(triton.cdiv(max_key, 4 * block_n), triton.cdiv(2 * sms, max(n_tiles, 1) * kv_heads)))
     per = triton.cdiv(triton.cdiv(max(max_key, 1), num_splits), block_n) * block_n
-    put = lambda x: x.to(torch.int32).to(device, non_blocking=True)  # noqa: E731
-    return PagedPlan(put(tile_row), put(tile_q0), put(qsl), put(lens), block_m, block_q, block_n,
+    # the four index vectors in one upload (each upload is a copy of its own)
+    packed = upload(np.concatenate([tile_row, tile_q0, qsl, lens]), device, torch.int32)
+    cut = np.cumsum([0, n_tiles, n_tiles, len(qsl), len(lens)])
+    tile_row_d, tile_q0_d, qsl_d, lens_d = (packed[cut[i]:cut[i + 1]] for i in range(4))
+    return PagedPlan(tile_row_d, tile_q0_d, qsl_d, lens_d, block_m, block_q, block_n,
                      max(1, triton.cdiv(max_key, per)), per, past_end_bug)
 
 

@@ -10,17 +10,41 @@ to the host in one transfer (a sync per comparison would serialise the whole run
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..checks import Checks, Failure
+from ..engine.transfer import upload
+from ..engine.verdicts import Verdicts
+from .paged_attention import paged_attention_layers
 from .reference import ReferenceKernels
-from .segments import bits_differ, rel_errors
+from .segments import LARGE, bits_differ, rel_errors
 
 
 LOW_PRECISION_TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 REFERENCE_MAX_QUERIES = 16  # mla_decode calls with more query tokens a request are prefill rows (see mla_decode)
 REFERENCE_ROWS = 8  # paged_attention rows a call re-runs through the reference (the oracle checks every row)
 STAGED_PAGES = 256  # state pages one checked state_copy batch copies for the reference (about 1 GB at real sizes)
+
+
+@dataclass
+class _PagedCall:
+    """A checked paged_attention call waiting for its reference (run at the step's end, with the
+    other layers of its group, before anything writes a cache again)."""
+
+    key: tuple
+    rows: torch.Tensor  # (rows,) host: the rows re-run
+    q: torch.Tensor
+    caches: tuple[torch.Tensor, torch.Tensor]
+    block_table: torch.Tensor
+    query_start_loc: torch.Tensor  # host
+    seq_lens: torch.Tensor  # host
+    scale: float
+    past_end_bug: bool
+    tok: torch.Tensor  # (tokens,) on the device: the rows' query tokens
+    got: torch.Tensor  # the kernel's outputs of those tokens
+    tol: float
 
 
 class CheckedKernels:
@@ -32,11 +56,38 @@ class CheckedKernels:
         self.name = inner.name
         self.exact: list[tuple[str, torch.Tensor]] = []  # (check, differs: a 0-dim device tensor)
         self.close: list[tuple[str, float, torch.Tensor, torch.Tensor]] = []  # (check, tolerance, got, want)
-        self._paged_calls = 0
+        self.small_exact: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (index into exact, got, want)
+        self.paged: list[_PagedCall] = []  # paged_attention calls whose reference runs at flush
+        self._paged_steps = 0
+        self.verdicts = Verdicts(0)  # (an executor hands it its shared one)
 
     def _exact(self, name: str, got: torch.Tensor, want: torch.Tensor) -> None:
-        """Bit-exact, NaN where NaN: decided on the device now (pages can be large), read at ``flush``."""
-        self.exact.append((name, bits_differ(got, want).any()))
+        """Bit-exact, NaN where NaN. Large pairs (state pages) are decided on the device now, so
+        they are not held; small ones are kept and decided at ``flush`` in one pass."""
+        if got.numel() >= LARGE:
+            self.exact.append((name, bits_differ(got, want).any()))
+        else:
+            self.exact.append((name, None))
+            self.small_exact.append((len(self.exact) - 1, got.reshape(-1), want.reshape(-1).to(got.device, got.dtype)))
+
+    def _small_exact_verdicts(self) -> None:
+        """Fill the verdicts of the kept small pairs: per dtype, one concatenation, one comparison,
+        one segmented reduction."""
+        by_dtype: dict = {}
+        for item in self.small_exact:
+            by_dtype.setdefault(item[1].dtype, []).append(item)
+        for items in by_dtype.values():
+            dev = items[0][1].device
+            got = torch.cat([g for _, g, _ in items])
+            want = torch.cat([w for _, _, w in items])
+            sizes = [g.numel() for _, g, _ in items]
+            seg = torch.repeat_interleave(upload(list(range(len(items))), dev), upload(sizes, dev),
+                                          output_size=got.numel())
+            differs = torch.zeros(len(items), dtype=torch.int64, device=dev).index_add_(
+                0, seg, bits_differ(got, want).to(torch.int64))
+            for j, (k, _, _) in enumerate(items):
+                self.exact[k] = (self.exact[k][0], differs[j] > 0)
+        self.small_exact.clear()
 
     def _close(self, name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
         """Within a relative tolerance, specials alike: measured at ``flush`` for the whole step at once."""
@@ -44,21 +95,31 @@ class CheckedKernels:
 
     def flush(self, step: int) -> None:
         """Tally every comparison of the step: one pass over the tolerance comparisons
-        (segmented reductions), one device-to-host transfer."""
+        (segmented reductions), one device-to-host transfer (through ``verdicts``: on a GPU
+        the executor reads it one step late)."""
+        self._run_paged_references()
+        self._small_exact_verdicts()
+        self._paged_steps += 1
         parts = [torch.stack([d for _, d in self.exact]).double()] if self.exact else []
         if self.close:
             parts.append(rel_errors([g for _, _, g, _ in self.close], [w for _, _, _, w in self.close]).reshape(-1))
         if not parts:
             return
-        flat = torch.cat([p.to(parts[0].device) for p in parts]).cpu().tolist()
-        for (name, _), differs in zip(self.exact, flat):
+        exact = [name for name, _ in self.exact]
+        close = [(name, tol) for name, tol, _, _ in self.close]
+        self.exact, self.close = [], []
+        self.verdicts.add(torch.cat([p.to(parts[0].device) for p in parts]),
+                          lambda res: self._tally(step, exact, close, res.tolist()))
+
+    def _tally(self, step: int, exact: list[str], close: list[tuple[str, float]], flat: list[float]) -> None:
+        for name, differs in zip(exact, flat):
             t = self.checks.get(f"kernel.{name}")
             if differs:
                 t.failed(Failure(step, None, f"{self.name} {name} differs from the reference"))
             else:
                 t.passed()
-        rest = flat[len(self.exact):]
-        for k, (name, tol, _, _) in enumerate(self.close):
+        rest = flat[len(exact):]
+        for k, (name, tol) in enumerate(close):
             _, rel, specials = rest[3 * k:3 * k + 3]
             t = self.checks.get(f"kernel.{name}")
             t.max_rel_err = max(t.max_rel_err, rel)
@@ -67,12 +128,11 @@ class CheckedKernels:
             else:
                 t.failed(Failure(step, None, f"{self.name} {name} off the reference by rel {rel:.2e}",
                                  max_rel_err=rel))
-        self.exact.clear()
-        self.close.clear()
 
     def mamba_scan(self, tables, launch) -> None:
         """The probe's scan is the test harness's model, not a kernel under test: its Triton and
         torch forms are proven equal by the test suite, and the oracle checks what it wrote."""
+        self._run_paged_references()
         self.inner.mamba_scan(tables, launch)
 
     def state_copy(self, conv, temporal, table, items):
@@ -80,6 +140,7 @@ class CheckedKernels:
         of GB at real sizes), and the kernel's result is compared on those pages. A step's copies
         are independent of each other (the reference refuses any that are not), so a step with
         many copies is checked, and launched, in batches of at most ``STAGED_PAGES`` pages."""
+        self._run_paged_references()  # (the references read the caches as the kernels saw them)
         t = table.to(torch.int64).cpu()
         it = items.to(torch.int64).cpu()
         self.ref.check_copy_items(t, it)
@@ -120,6 +181,7 @@ class CheckedKernels:
 
     def concat_and_cache(self, entries, slots, cache):
         """Compared on the slots written: each holds its entry in the cache's dtype."""
+        self._run_paged_references()  # (the references read the caches as the kernels saw them)
         self.inner.concat_and_cache(entries, slots, cache)
         got = cache.view(-1, cache.shape[-1])[slots.to(cache.device, torch.int64)]
         self._exact("cache_ops", got, entries.to(cache.device, cache.dtype))
@@ -141,6 +203,7 @@ class CheckedKernels:
 
     def reshape_and_cache(self, key, value, slots, k_cache, v_cache):
         """Compared on the slots written: each holds its token's K and V in the cache's dtype."""
+        self._run_paged_references()  # (the references read the caches as the kernels saw them)
         self.inner.reshape_and_cache(key, value, slots, k_cache, v_cache)
         s = slots.to(k_cache.device, torch.int64)
         bs = k_cache.shape[1]
@@ -150,11 +213,12 @@ class CheckedKernels:
     def paged_attention(self, q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale,
                         max_seq_len=None, num_splits=0, past_end_bug=False):
         """Rows of up to ``REFERENCE_MAX_QUERIES`` queries (decodes, speculative verification) are
-        re-run through the reference on the same cache, at most ``REFERENCE_ROWS`` a call (a window
-        that moves on with every call, so every row position is compared as the run goes; at
+        re-run through the reference on the same cache, at most ``REFERENCE_ROWS`` a step (a window
+        that moves on with every step, so every row position is compared as the run goes; at
         real scale the reference gathering every row's context in float32 would cost more than
-        the rest of the step). Longer (prefill) rows, and every row in any case, are checked
-        against the oracle by ``attn.output``."""
+        the rest of the step). The reference runs at the step's end for all layers of a call's
+        rows at once. Longer (prefill) rows, and every row in any case, are checked against the
+        oracle by ``attn.output``."""
         got = self.inner.paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale,
                                          max_seq_len=max_seq_len, num_splits=num_splits, past_end_bug=past_end_bug)
         qsl = query_start_loc.to("cpu", torch.int64)
@@ -162,20 +226,38 @@ class CheckedKernels:
         rows = torch.nonzero(qlen <= REFERENCE_MAX_QUERIES).flatten()
         if len(rows) == 0:
             return got
-        if len(rows) > REFERENCE_ROWS:  # a rotating window of rows: every row is covered over the calls
-            start = self._paged_calls * REFERENCE_ROWS % len(rows)
+        if len(rows) > REFERENCE_ROWS:  # a rotating window of rows: every row is covered over the steps
+            start = self._paged_steps * REFERENCE_ROWS % len(rows)
             rows = torch.cat([rows, rows])[start:start + REFERENCE_ROWS]
-        self._paged_calls += 1
         tok = torch.cat([torch.arange(int(qsl[r]), int(qsl[r + 1])) for r in rows.tolist()])
-        sub_qsl = torch.zeros(len(rows) + 1, dtype=torch.int64)
-        sub_qsl[1:] = torch.cumsum(qlen[rows], 0)
-        tok_d = tok.to(q.device)
-        want = self.ref.paged_attention(q.index_select(0, tok_d), k_cache, v_cache,
-                                        block_table.index_select(0, rows.to(block_table.device)), sub_qsl,
-                                        seq_lens.to("cpu", torch.int64)[rows], scale, past_end_bug=past_end_bug)
+        tok_d = upload(tok, q.device)
         tol = max(self.tol, LOW_PRECISION_TOL.get(k_cache.dtype, 0.0))
-        self._close("paged_attention", got.index_select(0, tok_d.to(got.device)), want, tol)
+        key = (id(block_table), id(query_start_loc), id(seq_lens), tuple(rows.tolist()), float(scale), past_end_bug,
+               q.shape[1:], q.dtype, k_cache.shape[1:], k_cache.dtype)
+        self.paged.append(_PagedCall(key, rows, q, (k_cache, v_cache), block_table, qsl, seq_lens, scale, past_end_bug,
+                                     tok_d, got.index_select(0, tok_d.to(got.device)), tol))
         return got
+
+    def _run_paged_references(self) -> None:
+        """The reference for the pending paged_attention calls: one batched call per group of
+        calls sharing rows, table and lengths (a step's layers)."""
+        if not self.paged:
+            return
+        groups: dict = {}
+        for c in self.paged:
+            groups.setdefault(c.key, []).append(c)
+        self.paged = []
+        for calls in groups.values():
+            c0 = calls[0]
+            qlen = c0.query_start_loc[1:] - c0.query_start_loc[:-1]
+            sub_qsl = torch.zeros(len(c0.rows) + 1, dtype=torch.int64)
+            sub_qsl[1:] = torch.cumsum(qlen[c0.rows], 0)
+            table = c0.block_table.index_select(0, upload(c0.rows, c0.block_table.device))
+            want = paged_attention_layers([c.q.index_select(0, c.tok) for c in calls], [c.caches for c in calls], table,
+                                          sub_qsl, c0.seq_lens.to("cpu", torch.int64)[c0.rows], c0.scale,
+                                          past_end_bug=c0.past_end_bug)
+            for c, w in zip(calls, want):
+                self._close("paged_attention", c.got, w, c.tol)
 
     def mla_decode(self, q_lat, q_pe, cache, block_table, seq_lens, kv_lora_rank, scale, num_splits=0,
                    max_seq_len=None):

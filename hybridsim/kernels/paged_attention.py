@@ -13,7 +13,10 @@ Lengths are host tensors: the launch grid of a kernel depends on them.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+from ..engine.transfer import upload
 
 NEG_INF = float("-inf")
 SCORE_ELEMS = 1 << 25  # the reference materialises scores of at most this many elements at once
@@ -44,53 +47,71 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ``past_end_bug`` (an injectable bug): every row also attends to the keys of the table
     column after its last block, as a decode path whose loop runs one block too far would.
     """
-    T, H, D = q.shape
-    K = k_cache.shape[2]
+    return paged_attention_layers([q], [(k_cache, v_cache)], block_table, query_start_loc, seq_lens, scale,
+                                  past_end_bug)[0]
+
+
+def paged_attention_layers(qs: list[torch.Tensor], caches: list[tuple[torch.Tensor, torch.Tensor]],
+                           block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                           scale: float, past_end_bug: bool = False) -> list[torch.Tensor]:
+    """``paged_attention`` of several layers that share the rows and the block table (the layers
+    of one KV-cache group in a step): layer l's queries ``qs[l]`` over its caches ``caches[l]``.
+    Every index is built once on the host and the layers go through each product together."""
+    L = len(qs)
+    T, H, D = qs[0].shape
+    K = caches[0][0].shape[2]
     G = H // K
-    bs = k_cache.shape[1]
-    dev = q.device
+    bs = caches[0][0].shape[1]
+    dev = qs[0].device
     qsl = query_start_loc.cpu().tolist()
     lens = seq_lens.cpu().tolist()
     B = len(lens)
-    out = torch.empty(T, H, D, dtype=torch.float32, device=dev)
+    out = torch.empty(L, T, H, D, dtype=torch.float32, device=dev)
     if T == 0:
-        return out
+        return list(out)
     table = block_table.to(dev, torch.int64)
     width = table.shape[1] * bs
     qlen = [qsl[r + 1] - qsl[r] for r in range(B)]
     limit = key_limit(torch.tensor(lens, dtype=torch.int64), bs, past_end_bug).tolist()
     order = sorted((r for r in range(B) if qlen[r]), key=lambda r: (qlen[r], limit[r]), reverse=True)
+    q_all = torch.stack(qs) if L > 1 else qs[0][None]
     start = 0
     while start < len(order):  # rows batched with padding, scores within SCORE_ELEMS
         mq, mk = qlen[order[start]], min(max(limit[order[start]], 1), width)
         end = start + 1
-        while end < len(order) and (end - start + 1) * mq * H * max(mk, min(limit[order[end]], width)) <= SCORE_ELEMS:
+        while end < len(order) and L * (end - start + 1) * mq * H * max(mk, min(limit[order[end]], width)) <= SCORE_ELEMS:
             mk = max(mk, min(limit[order[end]], width))
             end += 1
-        rows = order[start:end]
+        rows = np.asarray(order[start:end], dtype=np.int64)
         start = end
-        r_t = torch.tensor(rows, dtype=torch.int64, device=dev)
-        q0 = torch.tensor([qsl[r] for r in rows], dtype=torch.int64, device=dev)
-        ql = torch.tensor([qlen[r] for r in rows], dtype=torch.int64, device=dev)
-        sl = torch.tensor([lens[r] for r in rows], dtype=torch.int64, device=dev)
-        lim = torch.tensor([limit[r] for r in rows], dtype=torch.int64, device=dev)
-        t = torch.arange(mq, device=dev)
-        tok = q0[:, None] + torch.minimum(t[None, :], ql[:, None] - 1)  # padding repeats the last query
-        qq = q[tok].float().view(len(rows), mq, K, G, D)
-        kpos = torch.arange(mk, device=dev)
-        blocks = table[r_t][:, kpos // bs]  # (b, mk)
-        inside = (kpos[None, :] < lim[:, None])[..., None, None]
+        b = len(rows)
+        ql = np.asarray(qlen, dtype=np.int64)[rows]
+        t = np.arange(mq)
+        valid = t[None, :] < ql[:, None]  # (b, mq)
+        tok = np.asarray(qsl, dtype=np.int64)[rows][:, None] + np.minimum(t[None, :], ql[:, None] - 1)  # padding: the last query
+        kpos = np.arange(mk)
+        # one upload: rows, their lengths and limits, the queries' tokens, where valid outputs go
+        packed = upload(np.concatenate([rows, ql, np.asarray(lens, dtype=np.int64)[rows],
+                                        np.asarray(limit, dtype=np.int64)[rows], tok.reshape(-1),
+                                        np.flatnonzero(valid.reshape(-1)), tok[valid]]), dev)
+        r_t, ql_t, sl, lim, tok_t, src, dst = torch.split(packed, [b, b, b, b, b * mq, int(valid.sum()),
+                                                                   int(valid.sum())])
+        qq = q_all[:, tok_t].float().view(L, b, mq, K, G, D)
+        kpos_t = torch.arange(mk, device=dev)
+        blocks = table[r_t][:, kpos_t // bs]  # (b, mk)
+        inside = (kpos_t[None, :] < lim[:, None])[None, ..., None, None]
         # keys past what a row reads may hold anything (NaN pages): zeroed so they weigh nothing
-        kk = torch.where(inside, k_cache[blocks, kpos % bs].float(), torch.zeros((), device=dev))
-        vv = torch.where(inside, v_cache[blocks, kpos % bs].float(), torch.zeros((), device=dev))
-        s = torch.einsum("bqkgd,bnkd->bqkgn", qq, kk) * scale
-        qpos = sl[:, None] - ql[:, None] + t[None, :]  # (b, mq)
-        visible = kpos[None, None, :] <= qpos[:, :, None]
+        zero = torch.zeros((), device=dev)
+        kk = torch.where(inside, torch.stack([kc[blocks, kpos_t % bs] for kc, _ in caches]).float(), zero)
+        vv = torch.where(inside, torch.stack([vc[blocks, kpos_t % bs] for _, vc in caches]).float(), zero)
+        s = torch.einsum("lbqkgd,lbnkd->lbqkgn", qq, kk) * scale
+        tq = torch.arange(mq, device=dev)
+        qpos = sl[:, None] - ql_t[:, None] + tq[None, :]  # (b, mq)
+        visible = kpos_t[None, None, :] <= qpos[:, :, None]
         if past_end_bug:
             first = ((sl + bs - 1) // bs * bs)[:, None, None]
-            visible = visible | ((kpos[None, None, :] >= first) & (kpos[None, None, :] < lim[:, None, None]))
-        s = s.masked_fill(~visible[:, :, None, None, :], NEG_INF)
-        o = torch.einsum("bqkgn,bnkd->bqkgd", torch.softmax(s, dim=-1), vv).reshape(len(rows), mq, H, D)
-        valid = t[None, :] < ql[:, None]
-        out[tok[valid]] = o[valid]
-    return out
+            visible = visible | ((kpos_t[None, None, :] >= first) & (kpos_t[None, None, :] < lim[:, None, None]))
+        s = s.masked_fill(~visible[None, :, :, None, None, :], NEG_INF)
+        o = torch.einsum("lbqkgn,lbnkd->lbqkgd", torch.softmax(s, dim=-1), vv).reshape(L, b * mq, H, D)
+        out[:, dst] = o[:, src]
+    return list(out)

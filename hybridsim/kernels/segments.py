@@ -1,9 +1,10 @@
 """Relative errors of many (got, want) pairs with few launches.
 
-Small pairs (decode rows, merge outputs) are flattened into one vector and reduced per
-segment in one pass; a reduction into few segments from millions of elements would
-serialise on atomics, so large pairs (prefill rows) are reduced one by one — each is
-big enough to fill the device by itself.
+Pairs whose rows are alike (a row: everything after the first axis, e.g. one token's
+heads x dims) are stacked on the row axis and reduced in two levels: each row on its own
+(a plain reduction, no atomics), then the rows' maxima per pair (a segmented reduction of
+a few thousand values). A step's outputs of every row and layer are then a few launches,
+however many pairs and however large.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import torch
 
 from ..engine.transfer import upload
 
-LARGE = 1 << 18  # elements: a pair at least this big is reduced on its own
+LARGE = 1 << 18  # elements: an exact comparison at least this big is decided at once (checked.py)
+BATCH = 1 << 24  # elements of one stacked pass (float64 working copies of this many, a few at once)
 
 
 def specials_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -26,30 +28,38 @@ def bits_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (torch.nan_to_num(a, 1.0) != torch.nan_to_num(b, 1.0)) | specials_differ(a, b)
 
 
-def _errors(g: torch.Tensor, w: torch.Tensor, reduce) -> torch.Tensor:
-    specials = specials_differ(g, w).double()
-    fg, fw = torch.nan_to_num(g, 0.0, 0.0, 0.0), torch.nan_to_num(w, 0.0, 0.0, 0.0)
-    diff = reduce((fg - fw).abs())
-    return torch.stack([diff, diff / reduce(fw.abs()).clamp_min(1e-30), reduce(specials)], dim=-1)
-
-
 def rel_errors(got: list[torch.Tensor], want: list[torch.Tensor]) -> torch.Tensor:
     """(n, 3) float64 for n pairs: max |got - want| over finite values, that over max |want|, and
     1.0 where the pair's NaN/inf positions differ (else 0)."""
     dev = got[0].device
     out = torch.zeros(len(got), 3, dtype=torch.float64, device=dev)
-    small = [i for i, g in enumerate(got) if g.numel() < LARGE]
-    for i in (i for i, g in enumerate(got) if g.numel() >= LARGE):
-        out[i] = _errors(got[i].double(), want[i].double(), lambda v: v.amax())
-    if small:
-        g = torch.cat([got[i].reshape(-1).double() for i in small])
-        w = torch.cat([want[i].reshape(-1).to(dev, torch.float64) for i in small])
-        seg = torch.repeat_interleave(upload(list(range(len(small))), dev),
-                                      upload([got[i].numel() for i in small], dev), output_size=g.numel())
-        n = len(small)
-
-        def reduce(v: torch.Tensor) -> torch.Tensor:
-            return torch.zeros(n, dtype=v.dtype, device=dev).scatter_reduce(0, seg, v, "amax", include_self=True)
-
-        out[upload(small, dev)] = _errors(g, w, reduce)
+    kinds: dict = {}  # pairs that stack: the same row width and dtypes
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g.numel():
+            width = g[0].numel() if g.dim() >= 2 else 1
+            kinds.setdefault((width, g.dtype, w.dtype), []).append(i)
+    for (width, _, _), idx in kinds.items():
+        batch: list[int] = []
+        size = 0
+        for i in idx:
+            if batch and size + got[i].numel() > BATCH:
+                out[upload(batch, dev)] = _stacked_errors(got, want, batch, width, dev)
+                batch, size = [], 0
+            batch.append(i)
+            size += got[i].numel()
+        out[upload(batch, dev)] = _stacked_errors(got, want, batch, width, dev)
     return out
+
+
+def _stacked_errors(got, want, idx: list[int], width: int, dev) -> torch.Tensor:
+    g = torch.cat([got[i].reshape(-1, width) for i in idx]).double()
+    w = torch.cat([want[i].reshape(-1, width) for i in idx]).to(dev, torch.float64)
+    rows = [got[i].numel() // width for i in idx]
+    seg = torch.repeat_interleave(upload(list(range(len(idx))), dev), upload(rows, dev), output_size=g.shape[0])
+    specials = specials_differ(g, w).any(-1).double()
+    fg, fw = torch.nan_to_num(g, 0.0, 0.0, 0.0), torch.nan_to_num(w, 0.0, 0.0, 0.0)
+    per_row = torch.stack([(fg - fw).abs().amax(-1), fw.abs().amax(-1), specials], dim=-1)  # (rows, 3)
+    per_pair = torch.zeros(len(idx), 3, dtype=torch.float64, device=dev).scatter_reduce_(
+        0, seg[:, None].expand(-1, 3), per_row, "amax")
+    diff, top, spec = per_pair.unbind(-1)
+    return torch.stack([diff, diff / top.clamp_min(1e-30), spec], dim=-1)
