@@ -8,13 +8,24 @@ import pytest
 import torch
 
 from hybridsim.engine import transfer
-from hybridsim.engine.transfer import to_device, upload
+from hybridsim.engine.transfer import to_device, upload, upload_many
 
 
 def test_upload_on_cpu_keeps_values_and_dtype():
     assert upload([3, -1, 7], "cpu").tolist() == [3, -1, 7]
     assert upload(np.array([[1.5, 2.0]]), "cpu", torch.float32).dtype == torch.float32
     assert upload(torch.tensor([1, 2]), "cpu", torch.int32).dtype == torch.int32
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_upload_many_keeps_shapes_values_and_16_byte_alignment(device, dtype):
+    parts = [np.arange(5), np.array([[1, -2, 3]] * 3), np.zeros(0, dtype=np.int64), [7], np.arange(6).reshape(2, 3)]
+    out = upload_many(parts, device, dtype)
+    for p, t in zip(parts, out):
+        assert t.dtype == dtype and t.device.type == device
+        assert np.array_equal(t.cpu().numpy(), np.asarray(p).reshape(np.asarray(p).shape))
+        assert (t.data_ptr() - out[0].data_ptr()) % 16 == 0
 
 
 @pytest.mark.gpu

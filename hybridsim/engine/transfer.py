@@ -98,3 +98,23 @@ def upload(data, device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     else:
         t = torch.tensor(data, dtype=dtype)
     return to_device(t, device)
+
+
+def upload_many(arrays: list, device, dtype: torch.dtype = torch.int64) -> list[torch.Tensor]:
+    """Several host arrays as ``dtype`` tensors on ``device`` in one upload. Each starts on a
+    16-byte boundary of the shared buffer, as a separately allocated tensor would (Triton
+    specialises a kernel on its pointers' alignment)."""
+    parts = [np.asarray(a, dtype=_numpy_dtype(dtype)) for a in arrays]
+    per = max(1, 16 // torch.empty(0, dtype=dtype).element_size())
+    sizes = [-(-p.size // per) * per for p in parts]
+    flat = np.zeros(sum(sizes), dtype=_numpy_dtype(dtype))
+    at = 0
+    for p, n in zip(parts, sizes):
+        flat[at:at + p.size] = p.reshape(-1)
+        at += n
+    whole = upload(flat, device, dtype)
+    out, at = [], 0
+    for p, n in zip(parts, sizes):
+        out.append(whole[at:at + p.size].view(p.shape))
+        at += n
+    return out

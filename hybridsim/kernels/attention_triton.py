@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..engine.transfer import upload
+from ..engine.transfer import upload_many
 from .paged_attention import key_limit
 
 
@@ -219,9 +219,7 @@ def plan_paged_attention(query_start_loc, seq_lens, heads: int, kv_heads: int, p
         num_splits = max(1, min(triton.cdiv(max_key, 4 * block_n), triton.cdiv(2 * sms, max(n_tiles, 1) * kv_heads)))
     per = triton.cdiv(triton.cdiv(max(max_key, 1), num_splits), block_n) * block_n
     # the four index vectors in one upload (each upload is a copy of its own)
-    packed = upload(np.concatenate([tile_row, tile_q0, qsl, lens]), device, torch.int32)
-    cut = np.cumsum([0, n_tiles, n_tiles, len(qsl), len(lens)])
-    tile_row_d, tile_q0_d, qsl_d, lens_d = (packed[cut[i]:cut[i + 1]] for i in range(4))
+    tile_row_d, tile_q0_d, qsl_d, lens_d = upload_many([tile_row, tile_q0, qsl, lens], device, torch.int32)
     return PagedPlan(tile_row_d, tile_q0_d, qsl_d, lens_d, block_m, block_q, block_n,
                      max(1, triton.cdiv(max_key, per)), per, past_end_bug)
 

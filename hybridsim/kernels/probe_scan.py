@@ -33,7 +33,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..engine.transfer import upload
+from ..engine.transfer import upload_many
 from ..layers.exact import Q, pow_table
 from ..layers.mamba import StackedTables, hash_channels, head_terms
 
@@ -130,34 +130,39 @@ class ScanBuilder:
 
     def build(self, init_window: torch.Tensor, state_conv, state_temporal, state_slot, device,
               y_out=None, y_start=None, cmp=None, y_ref=None) -> tuple[ScanLaunch, list]:
-        """The launch, and the comparison tags in ``stats`` order."""
+        """The launch, and the comparison tags in ``stats`` order. Every index vector goes to
+        the device in one upload."""
         B, L = len(self.row_len), self.layers
-        as_t = lambda v, shape=None: upload(torch.tensor(v, dtype=torch.int64).reshape(shape or (-1,)), device)  # noqa
         ev = sorted(self.events, key=lambda e: (e[0], e[1]))
-        ev_ptr = _row_ptr([e[0] for e in ev], B)
-        launch = ScanLaunch(
-            tokens=upload(np.concatenate(self.tokens), device), row_start=as_t(self.row_start), row_len=as_t(self.row_len),
-            init_window=init_window, init_tpage=as_t(self.init_tpage, (B, L)),
-            state_conv=state_conv, state_temporal=state_temporal, state_slot=state_slot,
-            ev_ptr=as_t(ev_ptr), ev_t=as_t([e[1] for e in ev]),
-            ev_tpage=as_t([e[2] for e in ev], (len(ev), L)), ev_cpage=as_t([e[3] for e in ev], (len(ev), L)),
-            y_out=y_out, y_start=y_start)
+        host: dict[str, np.ndarray] = {
+            "tokens": np.concatenate(self.tokens), "row_start": np.asarray(self.row_start),
+            "row_len": np.asarray(self.row_len), "init_tpage": np.asarray(self.init_tpage).reshape(B, L),
+            "ev_ptr": np.asarray(_row_ptr([e[0] for e in ev], B)), "ev_t": np.asarray([e[1] for e in ev]),
+            "ev_tpage": np.asarray([e[2] for e in ev]).reshape(len(ev), L),
+            "ev_cpage": np.asarray([e[3] for e in ev]).reshape(len(ev), L)}
         if any(h is not None for h in self.hist):
-            launch.hist_cpage = as_t([h if h is not None else [-1] * L for h in self.hist], (B, L))
+            host["hist_cpage"] = np.asarray([h if h is not None else [-1] * L for h in self.hist]).reshape(B, L)
         tags: list = []
         if cmp is not None:
             order = sorted(range(len(self.cmps)), key=lambda i: (self.cmps[i][0], self.cmps[i][1]))
             cm = [self.cmps[i] for i in order]
             tags = [c[5] for c in cm]
+            host.update(cmp_ptr=np.asarray(_row_ptr([c[0] for c in cm], B)), cmp_t=np.asarray([c[1] for c in cm]),
+                        cmp_tpage=np.asarray([c[2] for c in cm]).reshape(len(cm), L),
+                        cmp_cpage=np.asarray([c[3] for c in cm]).reshape(len(cm), L),
+                        cmp_off=np.asarray([c[4] for c in cm]), y_from=np.asarray(self.y_from),
+                        y_count=np.asarray(self.y_count))
+        dev = dict(zip(host, upload_many(list(host.values()), device)))
+        launch = ScanLaunch(
+            tokens=dev["tokens"], row_start=dev["row_start"], row_len=dev["row_len"], init_window=init_window,
+            init_tpage=dev["init_tpage"], state_conv=state_conv, state_temporal=state_temporal, state_slot=state_slot,
+            ev_ptr=dev["ev_ptr"], ev_t=dev["ev_t"], ev_tpage=dev["ev_tpage"], ev_cpage=dev["ev_cpage"],
+            hist_cpage=dev.get("hist_cpage"), y_out=y_out, y_start=y_start)
+        if cmp is not None:
             launch.cmp_conv, launch.cmp_temporal, launch.cmp_slot = cmp
-            launch.cmp_ptr = as_t(_row_ptr([c[0] for c in cm], B))
-            launch.cmp_t = as_t([c[1] for c in cm])
-            launch.cmp_tpage = as_t([c[2] for c in cm], (len(cm), L))
-            launch.cmp_cpage = as_t([c[3] for c in cm], (len(cm), L))
-            launch.cmp_off = as_t([c[4] for c in cm])
-            launch.y_ref = y_ref
-            launch.y_from = as_t(self.y_from)
-            launch.y_count = as_t(self.y_count)
+            launch.cmp_ptr, launch.cmp_t, launch.cmp_off = dev["cmp_ptr"], dev["cmp_t"], dev["cmp_off"]
+            launch.cmp_tpage, launch.cmp_cpage = dev["cmp_tpage"], dev["cmp_cpage"]
+            launch.y_ref, launch.y_from, launch.y_count = y_ref, dev["y_from"], dev["y_count"]
             launch.stats = new_stats(len(cm), B, L, device)
         return launch, tags
 

@@ -52,7 +52,8 @@ def rel_errors(got: list[torch.Tensor], want: list[torch.Tensor]) -> torch.Tenso
 
 
 def _stacked_errors(got, want, idx: list[int], width: int, dev) -> torch.Tensor:
-    g = torch.cat([got[i].reshape(-1, width) for i in idx]).double()
+    # (got keeps its dtype: the subtraction promotes to float64 element by element, no copy)
+    g = torch.cat([got[i].reshape(-1, width) for i in idx])
     w = torch.cat([want[i].reshape(-1, width) for i in idx]).to(dev, torch.float64)
     rows = [got[i].numel() // width for i in idx]
     seg = torch.repeat_interleave(upload(list(range(len(idx))), dev), upload(rows, dev), output_size=g.shape[0])
