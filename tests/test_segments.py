@@ -18,9 +18,11 @@ def _one(g: torch.Tensor, w: torch.Tensor) -> list[float]:
     return [diff, diff / max(top, 1e-30), float(special)]
 
 
-@pytest.mark.parametrize("batch", [1 << 24, 50])  # 50: many stacked passes, pairs larger than a pass alone
-def test_rel_errors_equal_the_per_pair_definition(monkeypatch, batch):
+@pytest.mark.parametrize("batch,large", [(1 << 24, 1 << 18), (50, 1 << 18), (1 << 24, 20)])
+def test_rel_errors_equal_the_per_pair_definition(monkeypatch, batch, large):
+    """50: many stacked passes and pairs larger than a pass alone; 20: many pairs reduced alone."""
     monkeypatch.setattr(segments, "BATCH", batch)
+    monkeypatch.setattr(segments, "LARGE", large)
     gen = torch.Generator().manual_seed(3)
     got, want = [], []
     for k in range(40):

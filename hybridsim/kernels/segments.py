@@ -1,10 +1,11 @@
 """Relative errors of many (got, want) pairs with few launches.
 
-Pairs whose rows are alike (a row: everything after the first axis, e.g. one token's
-heads x dims) are stacked on the row axis and reduced in two levels: each row on its own
-(a plain reduction, no atomics), then the rows' maxima per pair (a segmented reduction of
-a few thousand values). A step's outputs of every row and layer are then a few launches,
-however many pairs and however large.
+Small pairs whose rows are alike (a row: everything after the first axis, e.g. one
+token's heads x dims) are stacked on the row axis and reduced in two levels: each row on
+its own (a plain reduction, no atomics), then the rows' maxima per pair (a segmented
+reduction of a few thousand values); a step's decode rows of every layer are then a few
+launches. A large pair (a prefill chunk's outputs) is reduced where it lies: stacking it
+would only copy it.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ def rel_errors(got: list[torch.Tensor], want: list[torch.Tensor]) -> torch.Tenso
     out = torch.zeros(len(got), 3, dtype=torch.float64, device=dev)
     kinds: dict = {}  # pairs that stack: the same row width and dtypes
     for i, (g, w) in enumerate(zip(got, want)):
-        if g.numel():
+        if g.numel() >= LARGE:  # big enough to fill the device alone: reduced where it lies, no copy
+            out[i] = _stacked_errors(got, want, [i], g.numel(), dev)[0]
+        elif g.numel():
             width = g[0].numel() if g.dim() >= 2 else 1
             kinds.setdefault((width, g.dtype, w.dtype), []).append(i)
     for (width, _, _), idx in kinds.items():
@@ -53,14 +56,20 @@ def rel_errors(got: list[torch.Tensor], want: list[torch.Tensor]) -> torch.Tenso
 
 def _stacked_errors(got, want, idx: list[int], width: int, dev) -> torch.Tensor:
     # (got keeps its dtype: the subtraction promotes to float64 element by element, no copy)
-    g = torch.cat([got[i].reshape(-1, width) for i in idx])
-    w = torch.cat([want[i].reshape(-1, width) for i in idx]).to(dev, torch.float64)
-    rows = [got[i].numel() // width for i in idx]
-    seg = torch.repeat_interleave(upload(list(range(len(idx))), dev), upload(rows, dev), output_size=g.shape[0])
+    if len(idx) == 1:  # (a view: nothing copied)
+        g, w = got[idx[0]].reshape(-1, width), want[idx[0]].reshape(-1, width).to(dev, torch.float64)
+    else:
+        g = torch.cat([got[i].reshape(-1, width) for i in idx])
+        w = torch.cat([want[i].reshape(-1, width) for i in idx]).to(dev, torch.float64)
     specials = specials_differ(g, w).any(-1).double()
     fg, fw = torch.nan_to_num(g, 0.0, 0.0, 0.0), torch.nan_to_num(w, 0.0, 0.0, 0.0)
     per_row = torch.stack([(fg - fw).abs().amax(-1), fw.abs().amax(-1), specials], dim=-1)  # (rows, 3)
-    per_pair = torch.zeros(len(idx), 3, dtype=torch.float64, device=dev).scatter_reduce_(
-        0, seg[:, None].expand(-1, 3), per_row, "amax")
+    if len(idx) == 1:
+        per_pair = per_row.amax(0, keepdim=True)
+    else:
+        rows = [got[i].numel() // width for i in idx]
+        seg = torch.repeat_interleave(upload(list(range(len(idx))), dev), upload(rows, dev), output_size=g.shape[0])
+        per_pair = torch.zeros(len(idx), 3, dtype=torch.float64, device=dev).scatter_reduce_(
+            0, seg[:, None].expand(-1, 3), per_row, "amax")
     diff, top, spec = per_pair.unbind(-1)
     return torch.stack([diff, diff / top.clamp_min(1e-30), spec], dim=-1)
