@@ -135,7 +135,9 @@ class DenseOracle:
         for i, (_, c, k) in enumerate(rows):
             step = max(1, (self.budget // (c + k) - per_k) // per_q)
             pieces += [(i, q0, min(k, q0 + step)) for q0 in range(0, k, step)]
-        size = lambda p: (p[2] - p[1], rows[p[0]][1] + rows[p[0]][2])  # noqa: E731  (queries, keys)
+        # (queries, keys): a piece's last query sees c + q1 keys (causal), so earlier pieces of a
+        # long prefill chunk need fewer keys than the row has
+        size = lambda p: (p[2] - p[1], rows[p[0]][1] + p[2])  # noqa: E731
         pieces.sort(key=lambda p: size(p), reverse=True)
         out: list[list[tuple[int, torch.Tensor]]] = [[] for _ in rows]
         start = 0
@@ -154,7 +156,7 @@ class DenseOracle:
             qpos = np.zeros((len(batch), q_max), dtype=np.int64)
             for j, (i, q0, q1) in enumerate(batch):
                 toks, c, k = rows[i]
-                tok[j, : c + k] = toks[: c + k]
+                tok[j, : c + q1] = toks[: c + q1]
                 qpos[j] = np.minimum(c + q0 + np.arange(q_max), c + q1 - 1)  # padding repeats the last query
             res = self.stack.attend(upload(tok, self.device), upload(qpos, self.device))
             for j, (i, q0, q1) in enumerate(batch):
