@@ -32,6 +32,9 @@ from .mla_exec import MLAExecution
 from .verdicts import Verdicts
 
 
+INFERENCE_MODE = True
+
+
 @dataclass
 class GroupInfo:
     group_id: int
@@ -137,10 +140,15 @@ class Executor:
 
     def finish(self) -> None:
         """Tally what is still pending: call after the last step, before reading the checks."""
-        self.verdicts.drain()
+        with torch.inference_mode(INFERENCE_MODE):
+            self.verdicts.drain()
 
     # ------------------------------------------------------------------ step
     def step(self, plan: StepPlan, outcome: StepOutcome) -> None:
+        with torch.inference_mode(INFERENCE_MODE):  # (no autograd bookkeeping on any of a step's operations)
+            self._guarded_step(plan, outcome)
+
+    def _guarded_step(self, plan: StepPlan, outcome: StepOutcome) -> None:
         try:
             self._step(plan, outcome)
         except torch.OutOfMemoryError as e:  # an environment limit, not a failed check
