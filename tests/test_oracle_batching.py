@@ -24,25 +24,21 @@ def _rows(seed: int):
     return [(g.integers(0, 60_000, size=c + k).astype(np.int64), c, k) for c, k in ROWS]
 
 
-@pytest.mark.parametrize("budget", [1 << 26, 40_000, 6_000])  # one batch; several; a query or few a piece
-def test_gqa_oracle_batches_equal_the_definition(budget):
-    geo = AttentionGeometry(layers=2, heads=4, kv_heads=2, head_dim=16, dtype="float32")
-    probes = [GQAProbe(geo, layer, seed=3) for layer in range(2)]
+GQA = (lambda: AttentionGeometry(layers=2, heads=4, kv_heads=2, head_dim=16, dtype="float32"), GQAProbe, gqa_dense,
+       GQAOracle, 1e-12)
+MLA = (lambda: MLAGeometry(layers=2, heads=4, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                           v_head_dim=16), MLAProbe, mla_dense, MLAOracle, 1e-10)
+
+
+@pytest.mark.parametrize("kind,budget", [(GQA, 1 << 26), (GQA, 40_000), (GQA, 6_000), (MLA, 1 << 28), (MLA, 60_000)],
+                         ids=["gqa-one-batch", "gqa-several", "gqa-few-queries-a-piece", "mla-one-batch", "mla-several"])
+def test_oracle_batches_equal_the_definition(kind, budget):
+    geometry, probe_kind, dense, oracle, rtol = kind
+    geo = geometry()
+    probes = [probe_kind(geo, layer, seed=3) for layer in range(2)]
     rows = _rows(1)
-    got = GQAOracle(probes, torch.device("cpu"), budget).expected(rows)
+    got = oracle(probes, torch.device("cpu"), budget).expected(rows)
     for (toks, c, k), out in zip(rows, got):
         for layer, p in enumerate(probes):
-            want = gqa_dense(p, torch.from_numpy(toks), torch.arange(c, c + k))
-            assert torch.allclose(out[layer], want, rtol=1e-12, atol=1e-12)
-
-
-@pytest.mark.parametrize("budget", [1 << 28, 60_000])
-def test_mla_oracle_batches_equal_the_definition(budget):
-    geo = MLAGeometry(layers=2, heads=4, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
-    probes = [MLAProbe(geo, layer, seed=9) for layer in range(2)]
-    rows = _rows(2)
-    got = MLAOracle(probes, torch.device("cpu"), budget).expected(rows)
-    for (toks, c, k), out in zip(rows, got):
-        for layer, p in enumerate(probes):
-            want = mla_dense(p, torch.from_numpy(toks), torch.arange(c, c + k))
-            assert torch.allclose(out[layer], want, rtol=1e-10, atol=1e-12)
+            want = dense(p, torch.from_numpy(toks), torch.arange(c, c + k))
+            assert torch.allclose(out[layer], want, rtol=rtol, atol=1e-12)
