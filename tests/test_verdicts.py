@@ -3,6 +3,7 @@ reading them at once does."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import hybridsim.engine.executor as executor_mod
@@ -47,4 +48,18 @@ def test_a_run_with_lagged_verdicts_tallies_the_same(monkeypatch):
     lagged = plan_scenario(load_scenario(REPO / "scenarios" / "chunked_prefill.yaml"), bugs={"slot_off_by_one"})
     a, b = _tallies(at_once), _tallies(lagged)
     assert a["attn.output"][1] > 0 and a["ssm.output"][0] > 0
+    assert a == b
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_lag_changes_no_tally(monkeypatch):
+    """On a GPU the lag is the default: the same run read at once (lag forced to 0) tallies the same."""
+    def run():
+        return plan_scenario(load_scenario(REPO / "scenarios" / "chunked_prefill.yaml"), bugs={"slot_off_by_one"},
+                             kernels="triton", device="cuda")
+    lagged = run()
+    monkeypatch.setattr(executor_mod, "Verdicts", lambda lag: Verdicts(0))
+    at_once = run()
+    a, b = _tallies(at_once), _tallies(lagged)
+    assert a["attn.output"][1] > 0 and a["kernel.paged_attention"][0] > 0
     assert a == b
