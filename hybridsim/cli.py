@@ -78,10 +78,15 @@ def _guard(fn: Callable[[], int]) -> None:
     raise typer.Exit(code)
 
 
+class _NoDeviceMemoryError(Exception):
+    """Stands for torch's out-of-memory error where torch is not loaded: nothing raises it."""
+
+
 def torch_oom() -> type:
-    """torch's out-of-memory error type, without importing torch for commands that do not need it."""
+    """torch's out-of-memory error type, without importing torch for commands that do not need it
+    (without torch loaded no device ran out of memory: a MemoryError is the host's)."""
     torch = sys.modules.get("torch")
-    return getattr(torch, "OutOfMemoryError", MemoryError) if torch is not None else MemoryError
+    return getattr(torch, "OutOfMemoryError", _NoDeviceMemoryError) if torch is not None else _NoDeviceMemoryError
 
 
 def _announce(lines: list[str]) -> None:

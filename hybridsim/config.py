@@ -57,7 +57,12 @@ class ModelSection(_Strict):
                 section.update(override)
                 if self.preset is not None:
                     name = f"{self.preset}+overrides"
-            merged[key] = cls(**section) if section else None
+            try:
+                merged[key] = cls(**section) if section else None
+            except ValidationError as e:  # (named where it is: model.<section>.<key>)
+                err = e.errors()[0]
+                msg = err["msg"][len("Value error, "):] if err["msg"].startswith("Value error, ") else err["msg"]
+                raise _CrossFieldError(("model", key, *err["loc"]), msg) from None
         return ModelGeometry(name=name, source=source, **merged)
 
 

@@ -173,3 +173,16 @@ def test_preset_with_overrides():
     text = tiny_scenario().replace("model: {preset: tiny-hybrid}", "model: {preset: tiny-hybrid, mamba: {layers: 3}}")
     geo = parse_scenario(text).scenario.geometry()
     assert geo.mamba.layers == 3 and geo.mamba.heads == 4 and geo.name == "tiny-hybrid+overrides"
+
+
+@pytest.mark.parametrize("section,want", [
+    ("{heads: 5, kv_heads: 2}", "model.attention: heads (5) must be a multiple of kv_heads (2)"),
+    ("{head_dim: -3}", "model.attention.head_dim: Input should be greater than or equal to 1"),
+])
+def test_bad_geometry_override_is_named_where_it_is(section, want):
+    """A preset's geometry overridden badly: the message names the section (not the top level) and its line."""
+    text = tiny_scenario(preset="tiny-hybrid").replace("model: {preset: tiny-hybrid}",
+                                                       f"model: {{preset: tiny-hybrid, attention: {section}}}")
+    assert "attention:" in text
+    e = _err(text)
+    assert e.message == want and e.where == "s.yaml:4"
