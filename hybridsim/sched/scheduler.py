@@ -591,8 +591,8 @@ class Scheduler:
         if req.cruising:
             self._land(req, False)
         self._awake.discard(req)
-        if self.cfg.num_speculative_tokens:  # (what the engine cached after the last update)
-            self.kv.publish_computed(req)
+        if self.cfg.num_speculative_tokens and not self.kv.partial:  # (what the engine cached after
+            self.kv.publish_computed(req)  # the last update; partial-hit mode caches right then)
         self.kv.free(req)
         req.status = Status.PREEMPTED
         req.num_computed_tokens = 0
@@ -647,8 +647,8 @@ class Scheduler:
             self.running.remove(req)
             self._awake.discard(req)
             req.status = Status.FINISHED
-            if self.cfg.num_speculative_tokens:  # cached after the update, then freed (vLLM 0.33)
-                self.kv.publish_computed(req)
+            if self.cfg.num_speculative_tokens and not self.kv.partial:  # cached after the update,
+                self.kv.publish_computed(req)  # then freed (vLLM 0.33; partial-hit mode: in the loop)
             self.kv.free(req)
             self._finished_since_last.append(req.req_id)
         self._now = plan.step + 1
