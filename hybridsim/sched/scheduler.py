@@ -522,8 +522,8 @@ class Scheduler:
         if not 0 < remaining < P:
             return n, checkpoint, publish
         n = max(n - (P - remaining), 0)
-        if n and self.cfg.align_split:
-            return self._align_split(req, c, n, hit)
+        if n and self.cfg.align_split and not self.kv.partial:  # (partial-hit mode: the managers
+            return self._align_split(req, c, n, hit)  # decide the checkpoint; vLLM splits no more)
         return n, checkpoint, publish
 
     def _align_split(self, req: Request, start: int, n: int,
