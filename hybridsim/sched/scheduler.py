@@ -522,8 +522,12 @@ class Scheduler:
         if not 0 < remaining < P:
             return n, checkpoint, publish
         n = max(n - (P - remaining), 0)
-        if n and self.cfg.align_split and not self.kv.partial:  # (partial-hit mode: the managers
-            return self._align_split(req, c, n, hit)  # decide the checkpoint; vLLM splits no more)
+        if n and self.cfg.align_split and not self.kv.partial:
+            # vLLM 0.33 splits no more: the shorter chunk (not a final one, so it writes no
+            # checkpoint) may end inside a block; its end state is kept if it is a reachable
+            # boundary (partial-hit mode: the managers decide all this themselves)
+            junction = hit.attention_tokens if hit is not None else req.junction
+            return n, None, keeps_state_at(c + n, junction, req.num_prompt_tokens, self.bs)
         return n, checkpoint, publish
 
     def _align_split(self, req: Request, start: int, n: int,
