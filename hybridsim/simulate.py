@@ -206,7 +206,10 @@ class Simulation:
                                  # tail back; a drafter's group makes every layout hybrid)
                                  reprefill=max(scenario.spec_decode.prefill_lookahead - 1, 0)
                                  if len(self.groups) == 1 else 0, hash_lookahead=lookahead,
-                                 unit=scenario.cache.prefix_match_unit or 0)
+                                 unit=scenario.cache.prefix_match_unit or 0,
+                                 # (MTP with several modules: vLLM 0.33's Mamba rules read off one
+                                 # by one, sched.partial, as with partial-block hits)
+                                 mirror=drafter_model and scenario.spec_decode.prefill_lookahead > 1)
         if drafter_model or self.kv.partial:  # (partial-block hits: step by step too)
             bulk_decode = False
         self.scheduler = Scheduler(cfg, self.kv)

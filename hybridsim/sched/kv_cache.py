@@ -33,20 +33,24 @@ class PrefixHit:
 class KVCacheManager:
     def __init__(self, groups: list[GroupSpec], num_blocks: int, enable_caching: bool, fused_events: bool = True,
                  max_model_len: int = 1 << 62, reprefill: int = 0, hash_lookahead: int = 0,
-                 unit: int = 0):
+                 unit: int = 0, mirror: bool = False):
         """``max_model_len`` caps the lookahead slots of attention groups (MTP / EAGLE);
         ``reprefill``: trailing computed tokens a multi-module MTP drafter may prefill again,
         never published (vLLM 0.33's ``num_prefill_lookahead - 1``); ``unit``: the hashing
-        unit, below the block size for partial-block prefix hits (``sched.partial``)."""
+        unit, below the block size for partial-block prefix hits (``sched.partial``); ``mirror``:
+        use that module's managers (vLLM 0.33's rules read off one by one) with the unit equal to
+        the block size too (MTP with several modules)."""
         self.groups = groups
         self.pool = BlockPool(num_blocks)
         # the first attention group (most of the blocks) keys its prefixes by plain hashes
         plain = next((g.group_id for g in groups if not g.is_mamba), None)
         bs = min(g.block_size for g in groups)
         # (vLLM 0.33 takes hits inside a block only beside align-mode Mamba, prefix caching on)
-        self.partial = bool(enable_caching and 0 < unit < bs and plain is not None
+        unit = unit if 0 < unit < bs else bs
+        self.partial = bool(enable_caching and (unit < bs or mirror) and plain is not None
                             and any(g.is_mamba and g.mode == "align" for g in groups))
         self.unit = unit if self.partial else bs
+        self.fine = self.unit < bs  # (hits inside a block; else cached counts are floored to blocks)
         if self.partial:
             from .partial import AttentionPartialManager, MambaPartialManager
             self.managers = [(MambaPartialManager(g, self.pool, g.group_id == plain) if g.is_mamba else
@@ -575,7 +579,7 @@ class KVCacheManager:
                 pool.touch(row)
                 m.admit(req, row, h)
         tails = [m.grow(req, total) for m in managers]
-        ntok = min(total, len(req.token_ids))
+        ntok = self._cacheable(min(total, len(req.token_ids)))
         for m in managers:
             m.cache_to(req, ntok)
         self._set_quiet(req)
@@ -585,9 +589,15 @@ class KVCacheManager:
 
     def cache_partial(self, req: Request, ntok: int) -> None:
         """vLLM 0.33's ``cache_blocks`` of every group with ``ntok`` cacheable tokens."""
+        ntok = self._cacheable(ntok)
         for m in self.managers:
             if req.index in m.rows:
                 m.cache_to(req, ntok)
+
+    def _cacheable(self, ntok: int) -> int:
+        """Tokens a later hit could match (``_align_cacheable``): all of them with hits inside a
+        block, else whole blocks."""
+        return ntok if self.fine else ntok // self.block_size * self.block_size
 
     def end_schedule(self) -> None:
         """The end of a schedule pass: the endpoints of this pass's private copies are let go,

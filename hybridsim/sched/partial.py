@@ -64,7 +64,7 @@ def split(req: Request, start: int, n: int, bs: int, unit: int, lookahead: int, 
         aligned = end // bs * bs
         if aligned > start or bs <= max_prefill:
             end = aligned
-    tail = 0 if internal else checkpoint_position(P, unit, lookahead)
+    tail = 0 if internal or unit == bs else checkpoint_position(P, unit, lookahead)
     stops = ((start // bs + 1) * bs if start % bs and not internal else 0,
              last_cache,
              tail if last_cache < tail < P else 0,
