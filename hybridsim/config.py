@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from .errors import InputError, read_text
 from .model import AttentionGeometry, MambaGeometry, MLAGeometry, ModelGeometry
@@ -82,6 +82,15 @@ class CacheSection(_Strict):
     page_size_bytes: Optional[int] = Field(
         None, ge=1, description="modelled bytes per Mamba state page (engines pad pages to one unified "
                                 "size, often MBs); default: the natural state size")
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        """Leave ``prefix_match_unit`` out when unset: scenario dumps (trace headers, sweep
+        cells) of scenarios that do not use it stay byte for byte what they were."""
+        d = handler(self)
+        if d.get("prefix_match_unit", 0) is None:
+            del d["prefix_match_unit"]
+        return d
 
     def resolved_mode(self) -> str:
         if self.mamba_cache_mode is not None:
