@@ -113,3 +113,14 @@ def test_a_bad_unit_is_one_error_naming_the_key(cache, says):
     with pytest.raises(InputError) as e:
         parse_scenario(text, "t.yaml")
     assert "prefix_match_unit" in str(e.value) and says in str(e.value)
+
+
+def test_partial_recording_converts_to_a_consistent_trace(tmp_path):
+    """(The peer driver's recordings carry no ``resumed`` key: a request seen before is resumed.)"""
+    from hybridsim.convert import convert_recording
+    from hybridsim.trace import read_trace
+
+    out = tmp_path / "p.jsonl"
+    assert convert_recording(PARTIAL[0], out) == 136
+    tr = read_trace(out)  # raises on any accounting inconsistency
+    assert tr.header["scenario"]["cache"]["prefix_match_unit"] == 16
