@@ -64,6 +64,10 @@ def model_text(w: dict) -> str:
     bs = w.get("block_size", 16)
     if bs != 16:
         text = text.replace("block_size: 16", f"block_size: {bs}")
+    unit = w.get("prefix_match_unit")
+    if unit and unit != bs and w["mamba_cache_mode"] == "align" and w.get("enable_prefix_caching", True):
+        # (partial-block prefix hits; vLLM ignores the unit with prefix caching off or Mamba mode none)
+        text = text.replace("num_blocks: 262144", f"prefix_match_unit: {unit}, num_blocks: 262144")
     return (text.replace("num_blocks: 262144", f"num_blocks: {w['num_blocks']}")
             .replace("enable_prefix_caching: true", f"enable_prefix_caching: {caching}")
             .replace("mamba_cache_mode: align", f"mamba_cache_mode: {w['mamba_cache_mode']}"))

@@ -209,10 +209,10 @@ def main() -> None:
     nm = sub.add_parser("named", help="write the drafter workloads recorded in data/vllm-recorded/")
     nm.add_argument("dir", type=Path)
     w.add_argument("--one-module", action="store_true",
-                   help="MTP drafters with one module only (several: not yet identical, docs/fidelity.md)")
+                   help="MTP drafters with one module only (by default: one, or as many as drafts)")
     w.add_argument("--block-size", type=int, default=BS, help="the block size (16 or 64)")
     w.add_argument("--match-units", default="", help="prefix_match_unit values to draw from, comma-separated "
-                   "(below the block size: partial-block hits, which hybridsim does not model yet)")
+                   "(below the block size: partial-block prefix hits)")
     c = sub.add_parser("compare", help="compare our plans with the peer's steps")
     c.add_argument("dir", type=Path)
     c.add_argument("--show", type=int, default=3, help="differing steps to print per workload")

@@ -89,7 +89,9 @@ def make_scheduler(w: dict):
     # the recordings' NemotronH-style geometry (data/vllm-recorded/*.jsonl: the config line)
     # (align mode: one prefill-checkpoint block, as the recordings; mode none: one block holds a
     # request's whole state, so its block is max_model_len tokens long, as the engine sizes it)
-    ckpt = dict(num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=bs) if mode == "align" else {}
+    # (the alignment is the Mamba2 mixer's, MambaMixer2.get_kv_cache_spec: 1, any position; with the
+    # unit equal to the block size it changes nothing, a checkpoint lying on a block boundary anyway)
+    ckpt = dict(num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1) if mode == "align" else {}
     mamba = MambaSpec(block_size=w["max_model_len"] if mode == "none" else bs, shapes=((3, 288), (8, 32, 16)),
                       dtypes=(torch.bfloat16, torch.float32), mamba_cache_mode=mode, num_speculative_blocks=S,
                       **ckpt)

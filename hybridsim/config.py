@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from .errors import InputError, read_text
 from .model import AttentionGeometry, MambaGeometry, MLAGeometry, ModelGeometry
@@ -81,9 +81,21 @@ class CacheSection(_Strict):
     enable_prefix_caching: bool = True
     mamba_cache_mode: Optional[Literal["none", "align", "all"]] = Field(
         None, description="none | align | all; default align with prefix caching, else none")
+    prefix_match_unit: Optional[int] = Field(
+        None, ge=1, description="tokens per prefix hash (vLLM's prefix_match_unit): below block_size, prefix hits "
+                                "may end inside a block (align-mode Mamba only); default block_size")
     page_size_bytes: Optional[int] = Field(
         None, ge=1, description="modelled bytes per Mamba state page (engines pad pages to one unified "
                                 "size, often MBs); default: the natural state size")
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        """Leave ``prefix_match_unit`` out when unset: scenario dumps (trace headers, sweep
+        cells) of scenarios that do not use it stay byte for byte what they were."""
+        d = handler(self)
+        if d.get("prefix_match_unit", 0) is None:
+            del d["prefix_match_unit"]
+        return d
 
     def resolved_mode(self) -> str:
         if self.mamba_cache_mode is not None:
@@ -386,6 +398,16 @@ def cross_field_problems(s: Scenario) -> list[tuple[tuple, str]]:
         out.append((("scheduler", "long_prefill_token_threshold"),
                     f"{sched.long_prefill_token_threshold} is more than max_model_len ({sched.max_model_len}); "
                     "the engine refuses that"))
+    unit = s.cache.prefix_match_unit
+    if unit is not None and unit != bs:
+        if bs % unit:
+            out.append((("cache", "prefix_match_unit"),
+                        f"{unit} does not divide block_size ({bs}); prefix hashes cover whole units of a block"))
+        elif geo.mamba is None or geo.attention is None and geo.mla is None or mode != "align" \
+                or not s.cache.enable_prefix_caching:
+            out.append((("cache", "prefix_match_unit"),
+                        f"{unit} is below block_size ({bs}): partial-block prefix hits need a hybrid model with "
+                        "mamba_cache_mode align and prefix caching on (leave it out otherwise)"))
     if geo.mamba is not None:
         if s.cache.mamba_cache_mode in ("align", "all") and not s.cache.enable_prefix_caching:
             out.append((("cache", "mamba_cache_mode"),

@@ -29,7 +29,9 @@ def recording_records(rec) -> list[tuple[StepPlan, StepOutcome]]:
             admitted.add(r["id"])
             sched.append(ScheduledRequest(
                 r["id"], r["num_computed_tokens"], s["num_scheduled_tokens"][r["id"]],
-                tuple(tuple(g) for g in r["block_ids"]), is_new=True, resumed=bool(r["resumed"]),
+                tuple(tuple(g) for g in r["block_ids"]), is_new=True,
+                # (the peer driver's recordings have no "resumed": a request seen before is)
+                resumed=bool(r.get("resumed", not first)),
                 prefix_hit_tokens=r["num_computed_tokens"],
                 prompt_token_ids=prompts[r["id"]] if first else None,
                 num_prompt_tokens=len(prompts[r["id"]]), spec_token_ids=tuple(spec.get(r["id"], ()))))

@@ -116,7 +116,7 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _make_requests(workload: Workload, hash_bs: int, hash_lookahead: int = 0) -> list[Request]:
+def _make_requests(workload: Workload, hash_bs: int, hash_lookahead: int = 0, block_size: int = 0) -> list[Request]:
     """The scheduler's requests, with the prompts' block hashes computed in one vectorised
     pass when the workload has its prompts as one array. The garbage collector is paused
     meanwhile: it would otherwise walk the growing token lists again and again."""
@@ -129,7 +129,8 @@ def _make_requests(workload: Workload, hash_bs: int, hash_lookahead: int = 0) ->
             if flat.size == sum(lengths):
                 hashes = block_hashes_many(flat, np.cumsum([0] + lengths[:-1]).tolist(), lengths, hash_bs)
         return [Request(w.req_id, i, w.arrival_step, w.prompt, w.max_tokens, w.priority,
-                        w.output_seed, hash_bs, hashes[i] if hashes is not None else None, hash_lookahead)
+                        w.output_seed, hash_bs, hashes[i] if hashes is not None else None, hash_lookahead,
+                        block_size)
                 for i, w in enumerate(wreqs)]
 
 
@@ -204,8 +205,12 @@ class Simulation:
                                  # (only vLLM's one-group coordinator holds the re-prefillable
                                  # tail back; a drafter's group makes every layout hybrid)
                                  reprefill=max(scenario.spec_decode.prefill_lookahead - 1, 0)
-                                 if len(self.groups) == 1 else 0, hash_lookahead=lookahead)
-        if drafter_model:
+                                 if len(self.groups) == 1 else 0, hash_lookahead=lookahead,
+                                 unit=scenario.cache.prefix_match_unit or 0,
+                                 # (MTP with several modules: vLLM 0.33's Mamba rules read off one
+                                 # by one, sched.partial, as with partial-block hits)
+                                 mirror=drafter_model and scenario.spec_decode.prefill_lookahead > 1)
+        if drafter_model or self.kv.partial:  # (partial-block hits: step by step too)
             bulk_decode = False
         self.scheduler = Scheduler(cfg, self.kv)
         if continuation is None:
@@ -217,7 +222,7 @@ class Simulation:
                                    acceptance_model(scenario.spec_decode.acceptance, scenario.seed),
                                    workload.vocab_size, cfg.max_model_len)
         self.drafter = drafter
-        self.requests = _make_requests(workload, min(g.block_size for g in self.groups), lookahead)
+        self.requests = _make_requests(workload, self.kv.unit, lookahead, self.kv.block_size)
         self.outputs = _TrueOutputs(self.cont, self.requests, cfg.num_speculative_tokens)
         if bulk_decode:  # steady decodes advanced in bulk (same plans; see Scheduler.enable_cruise)
             self.scheduler.enable_cruise(self.outputs.tokens, drafter if isinstance(drafter, ModelDrafts) else None)

@@ -139,10 +139,9 @@ def _check_config(cfg: dict, where: str) -> None:
     if _need(cfg, "scheduler_block_size", int, where, "config") < 1:
         raise InputError("config: 'scheduler_block_size' should be at least 1", where)
     unit = cfg.get("hash_block_size")
-    if unit is not None and unit != cfg["scheduler_block_size"]:
-        raise InputError(f"config: hash_block_size {unit} differs from scheduler_block_size "
-                         f"{cfg['scheduler_block_size']} (prefix_match_unit below the block size: partial-block "
-                         "prefix hits, which this tool does not model yet; docs/fidelity.md)", where)
+    if unit is not None and (type(unit) is not int or unit < 1 or cfg["scheduler_block_size"] % unit):
+        raise InputError(f"config: hash_block_size {json.dumps(unit)[:40]} should be a whole number that divides "
+                         f"scheduler_block_size {cfg['scheduler_block_size']}", where)
     for key, typ in (("num_blocks", int), ("enable_prefix_caching", bool),
                      ("mamba_cache_mode", str), ("max_num_batched_tokens", int), ("max_num_seqs", int),
                      ("max_model_len", int), ("enable_chunked_prefill", bool), ("long_prefill_token_threshold", int),
@@ -259,7 +258,11 @@ def load_recording(path: str | Path) -> Recording:
             "model": _geometry_from_groups(cfg["kv_cache_groups"], S, f"{p}:{cfg_line}"),
             "cache": {"block_size": cfg["scheduler_block_size"], "num_blocks": cfg["num_blocks"],
                       "enable_prefix_caching": cfg["enable_prefix_caching"],
-                      "mamba_cache_mode": cfg["mamba_cache_mode"]},
+                      "mamba_cache_mode": cfg["mamba_cache_mode"],
+                      # (below the block size: partial-block prefix hits, vLLM's prefix_match_unit)
+                      **({"prefix_match_unit": cfg["hash_block_size"]}
+                         if cfg.get("hash_block_size", cfg["scheduler_block_size"]) != cfg["scheduler_block_size"]
+                         else {})},
             "scheduler": {"max_num_batched_tokens": cfg["max_num_batched_tokens"],
                           "max_num_seqs": cfg["max_num_seqs"], "max_model_len": cfg["max_model_len"],
                           "enable_chunked_prefill": cfg["enable_chunked_prefill"],

@@ -68,17 +68,20 @@ SEED = int(os.environ.get("HYBRIDSIM_PEER_FUZZ_SEED", "3"))
 @pytest.mark.parametrize("seed,modes,drafts,at_minimum",
                          [(SEED, ("align",), False, False), (SEED + 1, ("none",), False, False),
                           (SEED + 3, ("align",), True, False), (SEED + 4, ("align", "none"), True, True),
-                          (SEED + 24, ("align",), "models", True)],
-                         ids=["align", "none", "drafts", "at-minimum", "mtp-eagle"])
+                          (SEED + 24, ("align",), "models", True), (SEED + 30, ("align",), "partial", False)],
+                         ids=["align", "none", "drafts", "at-minimum", "mtp-eagle", "partial-hits"])
 def test_random_workloads_identical(seed, modes, drafts, at_minimum, peer, tmp_path, capsys):
     """Every step identical, block ids included (mode none: prefix caching off; drafts: half of
     the workloads draft 1-3 tokens, padded admissions among them; mtp-eagle: those drafts from
-    MTP or EAGLE drafters, with the drafter's KV-cache group; at-minimum: pools at scenario
+    MTP or EAGLE drafters, with the drafter's KV-cache group; partial-hits: block 64 with
+    prefix_match_unit 16 or 32, hits ending inside a block; at-minimum: pools at scenario
     validation's minimum or 1-2 blocks above it, where neither side may stall)."""
     from peer_fuzz import compare_dir, write
 
     if drafts == "models":  # MTP (one module) and EAGLE drafters, one or six Mamba groups
         write(tmp_path, 40, seed, modes, True, at_minimum, ("mtp", "eagle"), (1, 6), multi_module=False)
+    elif drafts == "partial":  # partial-block prefix hits: block 64, units 16 and 32, every drafter
+        write(tmp_path, 30, seed, modes, True, at_minimum, ("ngram", "mtp", "eagle"), (1, 6), 64, (16, 32))
     else:
         write(tmp_path, 40, seed, modes, drafts, at_minimum)
     peer_steps(peer, sorted(tmp_path.glob("fuzz_*.json")), tmp_path)

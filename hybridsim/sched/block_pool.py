@@ -71,7 +71,7 @@ class FreeQueue:
 
 class BlockPool:
     __slots__ = ("num_blocks", "ref_cnt", "block_key", "cached", "dups", "front", "next_fresh", "tail",
-                 "tail_dead", "num_tail", "evictions", "cached_this_step")
+                 "tail_dead", "num_tail", "evictions", "cached_this_step", "extra", "ktok")
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
@@ -88,6 +88,10 @@ class BlockPool:
         self.num_tail = 0  # live entries
         self.evictions = 0
         self.cached_this_step: set[Hashable] = set()
+        # partial-block prefix hits only (sched.partial): a block may hold further prefixes
+        # (keys past its primary ``block_key``), and the primary's length in tokens
+        self.extra: dict[int, list[Hashable]] = {}
+        self.ktok: dict[int, int] = {}
 
     # ------------------------------------------------------------------ queries
     @property
@@ -165,6 +169,10 @@ class BlockPool:
                 if key is not _WIPED:  # evict the cached prefix it held
                     self._unindex(key, b)
                     self.evictions += 1
+                    if self.extra or self.ktok:
+                        self.ktok.pop(b, None)
+                        for k2 in self.extra.pop(b, ()):
+                            self._unindex(k2, b)
                 ref[b] = 1
                 out.append(b)
         return out
@@ -281,6 +289,47 @@ class BlockPool:
             else:
                 self.dups.setdefault(key, []).append(b)
 
+    # ------------------------------------------------------------------ several prefixes a block
+    # (partial-block prefix hits, sched.partial: vLLM 0.33's block pool keeps a primary hash
+    # per block plus further keys that point at it)
+    def holds(self, block: int, key: Hashable) -> bool:
+        """Whether ``block`` is one of the holders of ``key``."""
+        return self.cached.get(key) == block or block in self.dups.get(key, ())
+
+    def insert_key(self, block: int, key: Hashable, ntok: int) -> None:
+        """Make ``block`` a holder of ``key`` (its primary if it has none; ``ntok``: the
+        primary's prefix length), after any holders it already has (vLLM 0.33's
+        ``_insert_block_hash``)."""
+        if block == NULL_BLOCK or self.block_key[block] == key or self.holds(block, key):
+            return
+        if self.block_key[block] is None:
+            self.block_key[block] = key
+            self.ktok[block] = ntok
+        else:
+            self.extra.setdefault(block, []).append(key)
+        if key not in self.cached:
+            self.cached[key] = block
+        else:
+            self.dups.setdefault(key, []).append(block)
+
+    def remove_keys(self, block: int) -> list[Hashable]:
+        """Forget every prefix ``block`` holds (vLLM 0.33's ``_remove_cached_block_hashes``)."""
+        key = self.block_key[block]
+        if key is None or key is _WIPED:
+            return []
+        keys = [key] + self.extra.pop(block, [])
+        for k in keys:
+            self._unindex(k, block)
+        self.block_key[block] = None
+        self.ktok.pop(block, None)
+        return keys
+
+    def move_keys(self, src: int, dst: int) -> None:
+        """Re-point ``src``'s prefixes to ``dst`` (a private copy takes them over)."""
+        ntok = self.ktok.get(src, 0)
+        for k in self.remove_keys(src):
+            self.insert_key(dst, k, ntok)
+
     def new_step(self) -> None:
         self.cached_this_step.clear()
 
@@ -290,6 +339,8 @@ class BlockPool:
             return False
         self.cached.clear()
         self.dups.clear()
+        self.extra.clear()
+        self.ktok.clear()
         # queue order is kept, as upstream: tail blocks stay there, their prefixes forgotten
         self.block_key = [None if k is None else _WIPED for k in self.block_key]
         return True

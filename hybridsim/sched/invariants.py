@@ -52,6 +52,7 @@ class InvariantChecker:
         else:
             ok += 1
         bs = s.bs
+        unit = s.kv.unit  # (the hashing unit: the block size unless partial-block hits are on)
         S = cfg.num_speculative_tokens
         for r in plan.scheduled:
             req = s.requests[r.req_id]
@@ -64,8 +65,8 @@ class InvariantChecker:
                                            f"and {S} placeholders): {r.num_computed_tokens} computed, "
                                            f"{r.num_scheduled_tokens} scheduled, drafts {list(r.spec_token_ids)}")
             if r.is_new:
-                if r.prefix_hit_tokens % bs or r.prefix_hit_tokens > max(req.num_tokens - 1, 0):
-                    self._fail(step, r.req_id, f"prefix hit {r.prefix_hit_tokens} not block-aligned or "
+                if r.prefix_hit_tokens % unit or r.prefix_hit_tokens > max(req.num_tokens - 1, 0):
+                    self._fail(step, r.req_id, f"prefix hit {r.prefix_hit_tokens} not unit-aligned or "
                                                f"not below the request length {req.num_tokens}")
             else:
                 prev = self.before.get(r.req_id)

@@ -32,16 +32,36 @@ class PrefixHit:
 
 class KVCacheManager:
     def __init__(self, groups: list[GroupSpec], num_blocks: int, enable_caching: bool, fused_events: bool = True,
-                 max_model_len: int = 1 << 62, reprefill: int = 0, hash_lookahead: int = 0):
+                 max_model_len: int = 1 << 62, reprefill: int = 0, hash_lookahead: int = 0,
+                 unit: int = 0, mirror: bool = False):
         """``max_model_len`` caps the lookahead slots of attention groups (MTP / EAGLE);
         ``reprefill``: trailing computed tokens a multi-module MTP drafter may prefill again,
-        never published (vLLM 0.33's ``num_prefill_lookahead - 1``)."""
+        never published (vLLM 0.33's ``num_prefill_lookahead - 1``); ``unit``: the hashing
+        unit, below the block size for partial-block prefix hits (``sched.partial``); ``mirror``:
+        use that module's managers (vLLM 0.33's rules read off one by one) with the unit equal to
+        the block size too (MTP with several modules)."""
         self.groups = groups
         self.pool = BlockPool(num_blocks)
         # the first attention group (most of the blocks) keys its prefixes by plain hashes
         plain = next((g.group_id for g in groups if not g.is_mamba), None)
-        self.managers: list[KVManager] = [make_manager(g, self.pool, enable_caching, g.group_id == plain)
-                                          for g in groups]
+        bs = min(g.block_size for g in groups)
+        # (vLLM 0.33 takes hits inside a block only beside align-mode Mamba, prefix caching on)
+        unit = unit if 0 < unit < bs else bs
+        self.partial = bool(enable_caching and (unit < bs or mirror) and plain is not None
+                            and any(g.is_mamba and g.mode == "align" for g in groups))
+        self.unit = unit if self.partial else bs
+        self.fine = self.unit < bs  # (hits inside a block; else cached counts are floored to blocks)
+        if self.partial:
+            from .partial import AttentionPartialManager, MambaPartialManager
+            self.managers = [(MambaPartialManager(g, self.pool, g.group_id == plain) if g.is_mamba else
+                              AttentionPartialManager(g, self.pool, True, g.group_id == plain)) for g in groups]
+            for m in self.managers:
+                m.init_partial(unit)
+                if m.spec.is_mamba:
+                    m.lookahead = hash_lookahead
+            fused_events = False
+        else:
+            self.managers = [make_manager(g, self.pool, enable_caching, g.group_id == plain) for g in groups]
         for m in self.managers:
             m.max_len = max_model_len
             m.reprefill = reprefill
@@ -72,6 +92,8 @@ class KVCacheManager:
     def lookup(self, req: Request) -> PrefixHit:
         if not self.enable_caching:
             return PrefixHit(0, self._empty, 0)
+        if self.partial:
+            return self._lookup_partial(req)
         attn_blocks = self.attention_cached_blocks(req) if self.attn else (req.num_tokens - 1) // self.block_size
         hit = attn_blocks
         changed = True
@@ -111,6 +133,8 @@ class KVCacheManager:
         first allocation: the whole row).
         """
         total = num_computed + num_new
+        if self.partial:
+            return self._allocate_partial(req, num_computed, total, hit, admit_tokens)
         if hit is not None and self.fused:
             return self._fused_admit(req, num_computed, total, hit, checkpoint, publish_end, admit_tokens)
         managers = self.managers
@@ -236,6 +260,8 @@ class KVCacheManager:
         admission check): the same decisions, without the admission machinery. Returns
         per group the new row tail, or None for every group when nothing changed."""
         total = num_computed + num_new
+        if self.partial:
+            return self._allocate_partial(req, num_computed, total, None, None)
         managers = self.managers
         quiet = req.quiet_by
         if quiet is not None and checkpoint is None and not publish_end:
@@ -460,12 +486,16 @@ class KVCacheManager:
         """Publish the attention blocks full of the request's computed tokens. With drafts,
         vLLM 0.33 caches them after each step's update, not only when the request is next
         scheduled; only a request freed before that (finished, or preempted first) shows it."""
+        if self.partial:
+            return self.cache_partial(req, min(req.num_computed_tokens, len(req.token_ids)))
         self._publish_full(req, min(req.num_computed_tokens, len(req.token_ids)))
 
     def publish_pending(self, req: Request) -> None:
         """After a step's update (drafts on), vLLM 0.33 caches the request's blocks up to its
         computed tokens: a Mamba state kept earlier but not publishable then (MTP / EAGLE,
         ``MambaAlignManager.cache``) is published now, before the next step's lookups."""
+        if self.partial:
+            return self.cache_partial(req, min(req.num_computed_tokens, len(req.token_ids)))
         for m in self.mamba:
             pending = getattr(m, "pending", None)
             if pending and req.index in pending:
@@ -479,8 +509,106 @@ class KVCacheManager:
 
     def _set_quiet(self, req: Request) -> None:
         """Record, per group and overall, how far the request can decode untouched."""
+        if self.partial:  # (every step the general way)
+            req.quiet_by = None
+            req.quiet_total = req.quiet_computed = -1
+            return
         req.quiet_by = [m.quiet(req) for m in self.managers]
         _publish_quiet(req, req.quiet_by)
+
+    # ------------------------------------------------------------------ partial-block hits
+    def _lookup_partial(self, req: Request) -> PrefixHit:
+        """vLLM 0.33's hybrid lookup with unit-granular hits (``sched.partial``): the attention
+        groups' joint hit, then the latest Mamba state every Mamba group holds at or below it;
+        attention rows are cut to the blocks that hit covers. The junction is the attention
+        hit when the Mamba groups cut it (vLLM's ``shared_prefix_boundary``), else 0."""
+        bs = self.block_size
+        bound = req.num_tokens - 1
+        a, rows = _joint_attention_hit(self.attn, req, bound)
+        hit = a
+        changed = True
+        while changed and hit > 0:
+            changed = False
+            for m in self.mamba:
+                h, _ = m.hit_tokens(req, hit)
+                if h < hit:
+                    hit, changed = h, True
+        blocks = []
+        recent = self.pool.cached_this_step
+        keys = self.pool.block_key
+        for m in self.managers:
+            if m.spec.is_mamba:
+                if not hit:
+                    blocks.append([])
+                    continue
+                _, b = m.hit_tokens(req, hit)
+                if keys[b] in recent:  # (written by this very step: not readable yet)
+                    return PrefixHit(-1, self._empty, 0)
+                blocks.append([NULL_BLOCK] * ((hit - 1) // bs) + [b])
+            else:
+                blocks.append(rows[m.gid][:-(-hit // bs)])
+        return PrefixHit(hit, blocks, a if a > hit else 0)
+
+    def _allocate_partial(self, req: Request, c: int, total: int, hit: Optional[PrefixHit],
+                          admit_tokens: Optional[int]) -> Optional[list]:
+        """``allocate`` with partial-block hits, in vLLM 0.33's ``allocate_slots`` order: the
+        whole-sequence check (admission), releases, the count, the hit taken, new blocks group
+        by group (a partial hit's private copy first), caching."""
+        pool = self.pool
+        managers = self.managers
+        rows = hit.blocks if hit is not None else self._empty
+        h = hit.tokens if hit is not None else 0
+        evictable = self._hit_need(hit) if hit is not None and hit.attach else 0
+        if hit is not None and admit_tokens is not None and admit_tokens > total:
+            full = evictable
+            for m, row in zip(managers, rows):
+                full += (m.count(req, c, admit_tokens, row, h, True) if m.spec.is_mamba
+                         else m.count(req, admit_tokens, row, h, False))
+            if full > pool.num_free:
+                return None
+        if hit is None and c:
+            for m in self.mamba:
+                m.remove_skipped(req, c)
+        need = evictable
+        for m, row in zip(managers, rows):
+            need += m.count(req, c, total, row, h) if m.spec.is_mamba else m.count(req, total, row, h)
+        if need > pool.num_free:
+            return None
+        if hit is not None:
+            for m, row in zip(managers, rows):
+                pool.touch(row)
+                m.admit(req, row, h)
+        tails = [m.grow(req, total) for m in managers]
+        ntok = self._cacheable(min(total, len(req.token_ids)))
+        for m in managers:
+            m.cache_to(req, ntok)
+        self._set_quiet(req)
+        if hit is not None:
+            return [list(m.rows.get(req.index, [])) for m in managers]
+        return tails if any(tails) else self._unchanged
+
+    def cache_partial(self, req: Request, ntok: int) -> None:
+        """vLLM 0.33's ``cache_blocks`` of every group with ``ntok`` cacheable tokens."""
+        ntok = self._cacheable(ntok)
+        for m in self.managers:
+            if req.index in m.rows:
+                m.cache_to(req, ntok)
+
+    def _cacheable(self, ntok: int) -> int:
+        """Tokens a later hit could match (``_align_cacheable``): all of them with hits inside a
+        block, else whole blocks."""
+        return ntok if self.fine else ntok // self.block_size * self.block_size
+
+    def end_schedule(self) -> None:
+        """The end of a schedule pass: the endpoints of this pass's private copies are let go,
+        group by group (vLLM 0.33 frees them once the copies are queued)."""
+        held = []
+        for m in self.managers:
+            if m.held:
+                held += m.held
+                m.held = []
+        if held:
+            self.pool.free(held)
 
     def free(self, req: Request) -> None:
         for m in self.managers:
@@ -498,6 +626,22 @@ class KVCacheManager:
                 if hasattr(m, "num_cached"):
                     m.num_cached.clear()
         return ok
+
+
+def _joint_attention_hit(managers: list, req: Request, bound: int) -> tuple[int, dict]:
+    """The attention groups' joint unit-granular hit (``AttentionPartialManager.hit_tokens``,
+    every group holding each block): (tokens, per group id its hit blocks)."""
+    if len(managers) == 1:
+        m = managers[0]
+        a, blocks = m.hit_tokens(req, bound)
+        return a, {m.gid: blocks}
+    a = bound
+    while True:
+        got = [m.hit_tokens(req, a) for m in managers]
+        low = min(t for t, _ in got)
+        if low >= a or low == 0:
+            return low, {m.gid: b for m, (_, b) in zip(managers, got)}
+        a = low
 
 
 def _admission_checkpoint(admit_tokens: int, bs: int) -> Optional[int]:

@@ -182,7 +182,7 @@ class AttentionManager(KVManager):
         num_cached = self.num_cached
         done = num_cached.get(idx, 0)
         full = (total if total < ntok else ntok) - self.reprefill
-        full = min(full, len(req.block_hashes) * req.hash_block_size) // self.bs
+        full = min(full, len(req.unit_hashes) * req.hash_block_size) // self.bs
         if full > done and self.caching:
             self.pool.cache_row(row, req.block_hashes, done, full, self.lift)
             num_cached[idx] = done = full

@@ -26,11 +26,15 @@ class Request:
                  "status", "num_preemptions", "resumed", "output_seed", "admitted_once",
                  "hash_block_size", "draft_round", "junction", "quiet_total", "quiet_computed", "quiet_by", "out_stream", "cruising",
                  "seat", "cruise_run", "cruise_end", "prompt_ids", "prefill_chunk",
-                 "hash_lookahead", "plain_hashes")
+                 "hash_lookahead", "plain_hashes", "scale", "unit_hashes")
 
     def __init__(self, req_id: str, index: int, arrival_step: int, prompt: Sequence[int], max_tokens: int,
                  priority: int = 0, output_seed: int = 0, hash_block_size: int = 16,
-                 block_hashes: list[int] | None = None, hash_lookahead: int = 0):
+                 block_hashes: list[int] | None = None, hash_lookahead: int = 0, block_size: int = 0):
+        """``hash_block_size``: the hashing unit (vLLM's ``prefix_match_unit``). With a
+        ``block_size`` above it (partial-block prefix hits) ``unit_hashes`` holds a hash every
+        unit (``block_hashes`` given: those) and ``block_hashes`` the hash at each block's end
+        (the unit hash there, which covers the block's whole prefix, as in vLLM 0.33)."""
         self.req_id = req_id
         self.index = index
         self.arrival_step = arrival_step
@@ -42,7 +46,11 @@ class Request:
         self.num_computed_tokens = 0
         self.spec_token_ids: list[int] = []
         # (given: the prompt's block hashes, computed for many requests at once by sched.hashing)
+        self.scale = block_size // hash_block_size if block_size > hash_block_size else 1
         self.block_hashes: list[int] = block_hashes if block_hashes is not None else []
+        self.unit_hashes = self.block_hashes
+        if self.scale > 1:
+            self.block_hashes = self.unit_hashes[self.scale - 1::self.scale]
         self.status = Status.WAITING
         self.num_preemptions = 0
         self.resumed = False
@@ -85,7 +93,13 @@ class Request:
     def update_hashes(self) -> None:
         """Extend the chained block hashes over every full block of committed tokens."""
         bs = self.hash_block_size
-        hashes = self.block_hashes
+        hashes = self.unit_hashes
+        if self.scale > 1:
+            self._update_units()
+            k = self.scale
+            blocks = self.block_hashes
+            blocks.extend(hashes[(len(blocks) + 1) * k - 1::k])
+            return
         la = self.hash_lookahead
         if la:
             toks = self.token_ids
@@ -104,9 +118,23 @@ class Request:
         if full > i:
             hashes.extend(chained_hashes(self.token_ids[i * bs:full * bs], bs, hashes[-1] if hashes else 0))
 
+    def _update_units(self) -> None:
+        """``update_hashes`` over units (partial-block prefix hits)."""
+        scale, self.scale = self.scale, 1
+        blocks, self.block_hashes = self.block_hashes, self.unit_hashes
+        try:
+            self.update_hashes()
+        finally:
+            self.scale, self.block_hashes = scale, blocks
+
+    @property
+    def hashed_tokens(self) -> int:
+        """Tokens the block hashes cover (every unit of them)."""
+        return len(self.unit_hashes) * self.hash_block_size
+
     def append_output(self, tokens: list[int]) -> None:
         self.token_ids.extend(tokens)
-        if len(self.token_ids) // self.hash_block_size > len(self.block_hashes):
+        if len(self.token_ids) // self.hash_block_size > len(self.unit_hashes):
             self.update_hashes()
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid

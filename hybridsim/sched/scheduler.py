@@ -19,6 +19,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
+from . import partial
 from .kv_cache import NO_BOUND, KVCacheManager, PrefixHit
 from .plan import (PLACEHOLDER_DRAFT, Cruise, ScheduledRequest, SpecRun, StepOutcome, StepPlan, checkpoint_at,
                    keeps_state_at, prefill_checkpoint, prefill_end)
@@ -400,6 +401,8 @@ class Scheduler:
             pad = cfg.num_speculative_tokens > 0 and not prefill_ran
             self._schedule_waiting(scheduled, budget, long_thr, pad, bool(scheduled or cruise))
 
+        if kv.partial:
+            kv.end_schedule()
         self.pass_preempted = tuple(r.req_id for r in preempted)  # for sched.invariants
         preempted_ids = tuple(self._pending_preempted) + self.pass_preempted
         self._pending_preempted = []
@@ -519,8 +522,12 @@ class Scheduler:
         if not 0 < remaining < P:
             return n, checkpoint, publish
         n = max(n - (P - remaining), 0)
-        if n and self.cfg.align_split:
-            return self._align_split(req, c, n, hit)
+        if n and self.cfg.align_split and not self.kv.partial:
+            # vLLM 0.33 splits no more: the shorter chunk (not a final one, so it writes no
+            # checkpoint) may end inside a block; its end state is kept if it is a reachable
+            # boundary (partial-hit mode: the managers decide all this themselves)
+            junction = hit.attention_tokens if hit is not None else req.junction
+            return n, None, keeps_state_at(c + n, junction, req.num_prompt_tokens, self.bs)
         return n, checkpoint, publish
 
     def _align_split(self, req: Request, start: int, n: int,
@@ -542,6 +549,9 @@ class Scheduler:
         """
         bs = self.bs
         la = self.cfg.prefill_lookahead  # (align split: prefix caching is on)
+        if self.kv.partial:  # (partial-block prefix hits: the unit rules, sched.partial)
+            junction = hit.attention_tokens if hit is not None else req.junction
+            return partial.split(req, start, n, bs, self.kv.unit, la, self._max_prefill, junction), None, False
         end_of_prefill = prefill_end(req.num_prompt_tokens, len(req.token_ids))
         if start >= end_of_prefill:
             return n, None, False
@@ -585,8 +595,8 @@ class Scheduler:
         if req.cruising:
             self._land(req, False)
         self._awake.discard(req)
-        if self.cfg.num_speculative_tokens:  # (what the engine cached after the last update)
-            self.kv.publish_computed(req)
+        if self.cfg.num_speculative_tokens and not self.kv.partial:  # (what the engine cached after
+            self.kv.publish_computed(req)  # the last update; partial-hit mode caches right then)
         self.kv.free(req)
         req.status = Status.PREEMPTED
         req.num_computed_tokens = 0
@@ -627,10 +637,12 @@ class Scheduler:
                 # the last (vLLM 0.33; it bounds what the finished request publishes)
                 req.num_computed_tokens -= generated - len(tokens)
             toks.extend(tokens)
-            if len(toks) // req.hash_block_size > len(req.block_hashes):
+            if len(toks) // req.hash_block_size > len(req.unit_hashes):
                 req.update_hashes()
                 if req.hash_lookahead:
                     self.kv.publish_pending(req)
+            if self.kv.partial and self.cfg.num_speculative_tokens:  # (cached after the update)
+                self.kv.cache_partial(req, min(req.num_computed_tokens, len(toks)))
             if len(toks) - req.num_prompt_tokens >= req.max_tokens or len(toks) >= max_len:
                 finished.append(req)
             elif steady is not None and (spec or len(tokens) == 1):
@@ -639,8 +651,8 @@ class Scheduler:
             self.running.remove(req)
             self._awake.discard(req)
             req.status = Status.FINISHED
-            if self.cfg.num_speculative_tokens:  # cached after the update, then freed (vLLM 0.33)
-                self.kv.publish_computed(req)
+            if self.cfg.num_speculative_tokens and not self.kv.partial:  # cached after the update,
+                self.kv.publish_computed(req)  # then freed (vLLM 0.33; partial-hit mode: in the loop)
             self.kv.free(req)
             self._finished_since_last.append(req.req_id)
         self._now = plan.step + 1
@@ -811,7 +823,7 @@ class Scheduler:
                 ntok = base[0] + last - base[1] + 1
             else:  # (due means processed at or after the run's first step: the index is >= 0)
                 ntok = base.computed[last - base.start] + 1
-            if ntok // req.hash_block_size > len(req.block_hashes):
+            if ntok // req.hash_block_size > len(req.unit_hashes):
                 self._catch_up(req, ntok)  # block hashes over its committed tokens
             todo.append((req, ntok, last))
         if len(todo) > 1 and not self._distinct_keys(todo):
