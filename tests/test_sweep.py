@@ -249,6 +249,32 @@ def test_pool_retries_a_dead_worker_once(tmp_path):
     assert {k: (o.kind, o.value, o.attempts) for k, o in got.items()} == {"a": ("ok", "a", 2), "b": ("ok", "b", 2)}
 
 
+def _threads_when_alone(arg: tuple[str, float]) -> int:
+    """A job's torch threads: at once (``quick``), or once it is the only job left (up to a bound)."""
+    import time
+
+    import torch
+
+    name, bound = arg
+    if name == "quick":
+        return torch.get_num_threads()
+    t0 = time.monotonic()
+    while torch.get_num_threads() == 1 and time.monotonic() - t0 < bound:
+        time.sleep(0.01)
+    return torch.get_num_threads()
+
+
+def test_the_last_running_job_gets_the_free_cores(monkeypatch):
+    import hybridsim.sweep.pool as pool
+
+    monkeypatch.setattr(pool, "default_workers", lambda: 2)  # (the driver's view; the machine may have 1 core)
+    jobs = [Job("long", _threads_when_alone, ("long", 60.0)), Job("quick", _threads_when_alone, ("quick", 0.0))]
+    got = {o.key: o.value for o in run_local(jobs, 2)}
+    assert got == {"quick": 1, "long": 2}  # one thread each while both run; two for the one left
+    jobs = [Job("long", _threads_when_alone, ("long", 1.0)), Job("quick", _threads_when_alone, ("quick", 0.0))]
+    assert {o.key: o.value for o in run_local(jobs, 1)} == {"quick": 1, "long": 1}  # -j 1: one core, one thread
+
+
 def test_failing_cells_write_traces_that_replay_the_failure(tmp_path):
     path = sweep_dir(tmp_path, "inject_bug: [rejected_state_kept]\n")
     out = tmp_path / "out"
