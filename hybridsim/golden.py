@@ -117,8 +117,8 @@ def check_one(task: GoldenTask) -> GoldenRow:
 
 
 def _cost(trace: Path) -> int:
-    """A trace's replay time, roughly: its size. (On the golden traces, ordering by size finishes within
-    1% of ordering by their measured times; bench/RESULTS.md, issue 27.)"""
+    """A trace's replay time, roughly: its size. (On the golden traces, two workers given them largest
+    first finish about 1% after two given them longest first by measured time; bench/RESULTS.md.)"""
     try:
         return trace.stat().st_size
     except OSError:
