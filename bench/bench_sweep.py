@@ -1,11 +1,13 @@
 """Sweep and replay fan-out timings: --workers 1 vs 2 vs a local Ray instance; replay serial vs -j 2.
 
-    python bench/bench_sweep.py [--repeat N] [--skip-replay]
+    python bench/bench_sweep.py [--repeat N] [--skip-replay] [--replay-only]
 
 Each configuration runs in a fresh process (``python -m hybridsim ...``), timed from outside, so
 interpreter and torch imports, the forkserver's and Ray's start-up are all included, as a user
 waits for them. With ``--repeat`` the fastest of N runs counts (the shared CPU has noisy phases).
 Ray's start-up and per-cell overhead come from one more in-process run of the library.
+Each replay timing prints the 1-minute load average at its start and the CPU seconds other
+processes used while it ran (a run that shared the cores is not a quiet-machine number).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from time import perf_counter
+from time import perf_counter, sleep
 
 REPO = Path(__file__).resolve().parents[1]
 GRID = REPO / "scenarios/sweeps/tiny_grid.yaml"
@@ -33,6 +35,55 @@ def timed(args: list[str], env: dict | None = None) -> float:
     return wall
 
 
+def _procs() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, CPU clock ticks so far), from /proc."""
+    out = {}
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    r = f.read().rsplit(")", 1)[1].split()
+                out[int(p)] = (int(r[1]), int(r[11]) + int(r[12]))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def _machine_ticks() -> int:
+    with open("/proc/stat") as f:
+        return sum(int(v) for v in f.readline().split()[1:4])  # user, nice, system
+
+
+def timed_load(args: list[str], env: dict | None = None) -> tuple[float, str, float]:
+    """The wall time, the 1-minute load average at the start, and the CPU seconds that processes
+    outside the command's process tree (forkserver and workers included in it) used meanwhile."""
+    load = open("/proc/loadavg").read().split()[0]
+    m0 = _machine_ticks()
+    t0 = perf_counter()
+    p = subprocess.Popen([sys.executable, "-m", "hybridsim", *args], cwd=REPO, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, env=None if env is None else {**os.environ, **env})
+    tree: dict[int, int] = {}  # pid -> its CPU ticks, last seen (every one of them started after t0)
+    while p.poll() is None:
+        ps = _procs()
+        kids, grew = {p.pid}, True
+        while grew:
+            grew = False
+            for pid, (ppid, _) in ps.items():
+                if ppid in kids and pid not in kids:
+                    kids.add(pid)
+                    grew = True
+        for pid in kids & ps.keys():
+            tree[pid] = ps[pid][1]
+        sleep(0.2)
+    wall = perf_counter() - t0
+    err = p.stderr.read().decode()
+    if p.returncode != 0:
+        sys.exit(f"{' '.join(args)} exited {p.returncode}:\n{err[-2000:]}")
+    # (sampled every 0.2 s: a worker's last moments are missed, enough to tell a quiet run from a shared one)
+    other = max(0.0, (_machine_ticks() - m0 - sum(tree.values())) / os.sysconf("SC_CLK_TCK"))
+    return wall, load, other
+
+
 def sweep_wall(flags: list[str], repeat: int) -> float:
     best = float("inf")
     for _ in range(repeat):
@@ -44,7 +95,7 @@ def sweep_wall(flags: list[str], repeat: int) -> float:
 RAY_PROBE = """
 import json, sys, tempfile
 from pathlib import Path
-from time import perf_counter
+from time import perf_counter, sleep
 from hybridsim.sweep import load_sweep, run_sweep
 sw = load_sweep(sys.argv[1])
 with tempfile.TemporaryDirectory() as d:
@@ -67,8 +118,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--skip-replay", action="store_true")
+    ap.add_argument("--replay-only", action="store_true", help="replay serial vs -j 2 alone")
     ap.add_argument("--skip-ray", action="store_true", help="local pool only (a machine without Ray)")
     a = ap.parse_args()
+    if a.replay_only:
+        replay_report(a.repeat)
+        return
     w1 = sweep_wall(["--workers", "1"], a.repeat)
     w2 = sweep_wall(["--workers", "2"], a.repeat)
     print(f"sweep {GRID.relative_to(REPO)} (16 cells): --workers 1 {w1:.1f} s, --workers 2 {w2:.1f} s "
@@ -91,12 +146,18 @@ def ray_report() -> None:
 
 
 def replay_report(repeat: int) -> None:
-    serial = min(timed(["replay", "traces/", "--check"]) for _ in range(repeat))
-    one = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # (what each -j process runs with)
-    serial1 = min(timed(["replay", "traces/", "--check"], one) for _ in range(repeat))
-    j2 = min(timed(["replay", "traces/", "--check", "-j", "2"]) for _ in range(repeat))
-    print(f"replay traces/ --check: serial {serial:.1f} s, -j 2 {j2:.1f} s ({j2 / serial:.2f}x, bar 0.6x); "
-          f"serial with one torch thread {serial1:.1f} s (-j 2 {j2 / serial1:.2f}x of that)")
+    """Serial and -j 2 alternate, so that a busy phase of the shared machine hits both."""
+    runs: dict[str, list[tuple[float, str, float]]] = {"serial": [], "-j 2": []}
+    for i in range(repeat):
+        for name, args in (("serial", ["replay", "traces/", "--check"]),
+                           ("-j 2", ["replay", "traces/", "--check", "-j", "2"])):
+            wall, load, other = timed_load(args)
+            runs[name].append((wall, load, other))
+            print(f"  replay traces/ --check {name}: {wall:.1f} s (load average {load} at the start; other "
+                  f"processes' CPU meanwhile {other:.1f} s)", flush=True)
+    serial, j2 = min(runs["serial"]), min(runs["-j 2"])
+    print(f"replay traces/ --check: serial {serial[0]:.1f} s, -j 2 {j2[0]:.1f} s ({j2[0] / serial[0]:.2f}x, "
+          f"bar 0.6x); fastest of {repeat}")
 
 
 if __name__ == "__main__":

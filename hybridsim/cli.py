@@ -488,6 +488,9 @@ def convert(
 
 
 def main() -> None:  # console-script entry point
+    from .hostmem import tune_malloc
+
+    tune_malloc()  # (a checked CPU replay reuses its freed tensors' pages: hostmem.py)
     app()
 
 

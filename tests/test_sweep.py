@@ -8,6 +8,7 @@ import shutil
 import signal
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -199,6 +200,7 @@ def test_resume_runs_only_the_missing_cells(local_rows, tmp_path):
     assert started == [(2, 2)] and res.ran == 2 and res.skipped == 2
     assert (out / "results.csv").read_text().startswith("".join(full[:3]))  # earlier rows kept byte for byte
     pd.testing.assert_frame_equal(measured(res.frame), measured(local_rows[1].frame))
+    assert len(parquet_matches_csv(out)) == 4  # the resumed rows and the new ones
     res = run_sweep(load_sweep(path), out, workers=2, resume=True)
     assert res.ran == 0 and len(res.frame) == 4
 
@@ -219,6 +221,8 @@ def test_a_killed_worker_loses_no_other_cell(tmp_path):
     assert dead["error"].str.contains("died 2 times").all() and dead["error"].str.contains("signal 9").all()
     alive = df[df["seed"] == 0]
     assert set(alive["outcome"]) == {"pass"} and (alive["checks_run"] > 300).all()
+    pq = parquet_matches_csv(tmp_path / "out")  # (died rows: no counts, an error text)
+    assert pq[pq["seed"] == 1]["steps"].isna().all() and pq[pq["seed"] == 1]["error"].str.contains("signal 9").all()
 
 
 def test_ray_task_lost_twice_is_a_died_row(ray_instance, tmp_path):
@@ -245,6 +249,32 @@ def test_pool_retries_a_dead_worker_once(tmp_path):
     assert {k: (o.kind, o.value, o.attempts) for k, o in got.items()} == {"a": ("ok", "a", 2), "b": ("ok", "b", 2)}
 
 
+def _threads_when_alone(arg: tuple[str, float]) -> int:
+    """A job's torch threads: at once (``quick``), or once it is the only job left (up to a bound)."""
+    import time
+
+    import torch
+
+    name, bound = arg
+    if name == "quick":
+        return torch.get_num_threads()
+    t0 = time.monotonic()
+    while torch.get_num_threads() == 1 and time.monotonic() - t0 < bound:
+        time.sleep(0.01)
+    return torch.get_num_threads()
+
+
+def test_the_last_running_job_gets_the_free_cores(monkeypatch):
+    import hybridsim.sweep.pool as pool
+
+    monkeypatch.setattr(pool, "default_workers", lambda: 2)  # (the driver's view; the machine may have 1 core)
+    jobs = [Job("long", _threads_when_alone, ("long", 60.0)), Job("quick", _threads_when_alone, ("quick", 0.0))]
+    got = {o.key: o.value for o in run_local(jobs, 2)}
+    assert got == {"quick": 1, "long": 2}  # one thread each while both run; two for the one left
+    jobs = [Job("long", _threads_when_alone, ("long", 1.0)), Job("quick", _threads_when_alone, ("quick", 0.0))]
+    assert {o.key: o.value for o in run_local(jobs, 1)} == {"quick": 1, "long": 1}  # -j 1: one core, one thread
+
+
 def test_failing_cells_write_traces_that_replay_the_failure(tmp_path):
     path = sweep_dir(tmp_path, "inject_bug: [rejected_state_kept]\n")
     out = tmp_path / "out"
@@ -261,6 +291,8 @@ def test_failing_cells_write_traces_that_replay_the_failure(tmp_path):
         assert rep.failed and rep.steps == r["steps"]
         assert r["failed_checks"].split()[0] in {t.name for t in rep.checks.tallies.values() if t.failures}
     assert not df[df["exit_code"] == 0]["trace"].any()
+    pq = parquet_matches_csv(out).set_index("cell")
+    assert list(pq.loc[failing.index, "trace"]) == list(failing["trace"])
 
 
 # ----------------------------------------------------------------------------- CLI and replay -j
@@ -311,3 +343,82 @@ def test_replay_check_fans_out_with_the_same_rows(tmp_path):
     assert [r.result for r in fanned] == ["FAIL", "pass"] and fanned[0].differences == ["steps: 36 -> 35"]
     r = hs("replay", d / "spec_padding.jsonl", "-j", "2")
     assert r.returncode == 2 and "--check" in r.stderr
+
+
+# ----------------------------------------------------------------------------- results.parquet
+
+
+def _same(got, want: str) -> bool:
+    """A parquet value against the text results.csv has for it."""
+    if want == "":
+        return got == "" or pd.isna(got)
+    if isinstance(got, str) or isinstance(got, (bool, np.bool_)):
+        return str(got) == want
+    return float(got) == float(want)
+
+
+def parquet_matches_csv(out: Path) -> pd.DataFrame:
+    """results.parquet read back with pandas: results.csv's columns, rows in its order, the same values,
+    numbers as numbers."""
+    pq = pd.read_parquet(out / "results.parquet")
+    csv = pd.read_csv(out / "results.csv", dtype=str, keep_default_na=False)
+    assert list(pq.columns) == list(csv.columns) and len(pq) == len(csv) > 0
+    for i in range(len(csv)):
+        for c in csv.columns:
+            assert _same(pq.iloc[i][c], csv.iloc[i][c]), (i, c, pq.iloc[i][c], csv.iloc[i][c])
+    for c in ("exit_code", "attempts", "seed"):
+        assert pq[c].dtype.kind in "iu", (c, pq[c].dtype)
+    for c in ("cell", "outcome", "failed_checks", "first_divergence", "error", "trace"):
+        assert pq[c].map(type).eq(str).all(), c  # texts, missing as "" (as SweepResult.frame has them)
+    return pq
+
+
+def test_parquet_holds_the_csv_rows(local_rows):
+    path, res = local_rows
+    out = path.parent / "out"
+    pq = parquet_matches_csv(out)
+    pd.testing.assert_frame_equal(pq, res.frame)
+    assert res.notes == [] and (pq["checks_run"] > 300).all()
+    assert not (out / "results.parquet.partial").exists()
+
+
+def test_without_pyarrow_the_sweep_says_so_and_drops_a_stale_parquet(tmp_path, monkeypatch):
+    path = sweep_dir(tmp_path, "seeds: [0, 1]\nexclude:\n  - {cache.block_size: 32}\n"
+                               "  - {spec_decode.num_speculative_tokens: 2}\n")
+    out = tmp_path / "out"
+    sw = load_sweep(path)
+    with monkeypatch.context() as m:  # a sweep of the first cell alone: its parquet written
+        m.setattr(sw, "cells", sw.cells[:1])
+        res = run_sweep(sw, out, workers=1)
+    assert res.notes == [] and len(pd.read_parquet(out / "results.parquet")) == 1
+    def no_engine(engine):  # what pandas raises without pyarrow or fastparquet (the CLI test below has neither)
+        raise ImportError("Unable to find a usable engine; tried using: 'pyarrow', 'fastparquet'.")
+
+    monkeypatch.setattr("pandas.io.parquet.get_engine", no_engine)
+    res = run_sweep(load_sweep(path), out, workers=1, resume=True)
+    assert res.exit_code == 0 and len(res.frame) == 2 and res.ran == 1
+    assert len(res.notes) == 1 and res.notes[0].startswith("results.parquet not written: pandas needs pyarrow")
+    assert "hybridsim[parquet]" in res.notes[0] and "out of date, was removed" in res.notes[0]
+    assert not (out / "results.parquet").exists() and not (out / "results.parquet.partial").exists()
+    res = run_sweep(load_sweep(path), out, workers=1, resume=True)  # nothing left to remove: the plain note
+    assert res.ran == 0 and len(res.notes) == 1 and "removed" not in res.notes[0]
+
+
+def test_cli_without_pyarrow_writes_the_csv_and_says_so_once(tmp_path):
+    import subprocess
+    import sys
+
+    shadow = tmp_path / "noparquet"
+    for mod in ("pyarrow", "fastparquet"):
+        (shadow / mod).mkdir(parents=True)
+        (shadow / mod / "__init__.py").write_text(f"raise ImportError('no {mod} in this environment')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(shadow)])}
+    path = sweep_dir(tmp_path, "exclude:\n  - {cache.block_size: 32}\n  - {spec_decode.num_speculative_tokens: 2}\n")
+    r = subprocess.run([sys.executable, "-m", "hybridsim", "sweep", path, "--out", tmp_path / "out", "-j", "1"],
+                       capture_output=True, text=True, cwd=REPO, env=env)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    text = " ".join((r.stdout + r.stderr).split())
+    assert text.count("results.parquet not written") == 1, text
+    assert "pip install 'hybridsim[parquet]'" in text
+    assert len(pd.read_csv(tmp_path / "out" / "results.csv")) == 1
+    assert not (tmp_path / "out" / "results.parquet").exists()

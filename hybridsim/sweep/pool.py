@@ -9,16 +9,23 @@ costs a fork, not an interpreter start (about 2 s of imports on the dev machine)
 
 from __future__ import annotations
 
+import _thread
 import multiprocessing as mp
 import os
+import signal
+import threading
 from collections import deque
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from time import perf_counter
 from typing import Callable, Iterable, Iterator, Optional
 
+from ..hostmem import tune_malloc
 from .jobs import DIED, Job, Outcome, guarded, set_threads
 
-PRELOAD = ["hybridsim.sweep.cell"]  # imports torch, the planner and the executor
+# torch, the planner and the executor; and the CLI, which a child of the `hybridsim` script imports
+# again as its __main__ (0.04 s a job otherwise)
+PRELOAD = ["hybridsim.sweep.cell", "hybridsim.golden", "hybridsim.cli"]
 
 
 def default_workers() -> int:
@@ -29,10 +36,36 @@ def default_workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _child(job: Job, conn: Connection, threads: Optional[int]) -> None:
+def _child(job: Job, conn: Connection, threads: Optional[int], more: Optional[Connection] = None) -> None:
+    tune_malloc()
     set_threads(threads)
+    if more is not None:
+        _take_more_threads(more)
     conn.send(guarded(job.fn, job.arg))
     conn.close()
+
+
+def _take_more_threads(more: Connection) -> None:
+    """Raise this job's torch threads when the driver says cores came free (``run_local``). A helper
+    thread waits for the number; the main thread sets it (torch's thread count is the calling
+    thread's), in a signal handler that Python runs between two of the job's operations."""
+    want = [0]
+
+    def apply(signum, frame) -> None:
+        if want[0]:
+            set_threads(want[0])
+
+    signal.signal(signal.SIGUSR1, apply)
+
+    def listen() -> None:
+        try:
+            while True:
+                want[0] = int(more.recv())
+                _thread.interrupt_main(signal.SIGUSR1)  # (no signal is sent: the handler is just run)
+        except (EOFError, OSError, ValueError):
+            pass
+
+    threading.Thread(target=listen, name="hybridsim-threads", daemon=True).start()
 
 
 def _context() -> mp.context.BaseContext:
@@ -53,28 +86,48 @@ def warm_up() -> None:
         forkserver.ensure_running()
 
 
+@dataclass
+class _Running:
+    job: Job
+    attempt: int
+    proc: mp.process.BaseProcess
+    more: Connection  # (the driver's end: a larger torch thread count for the job)
+    t0: float
+    threads: int
+
+
 def run_local(jobs: Iterable[Job], workers: int, retries: int = 1) -> Iterator[Outcome]:
-    """Run jobs in separate processes, yielding each outcome as it finishes (not in order)."""
+    """Run jobs in separate processes, yielding each outcome as it finishes (not in order).
+
+    Each job starts with one torch thread (``set_threads``). Once no job is waiting, the cores of
+    the finished ones go to those still running (with -j 2, the last job gets two threads), so a
+    long job at the end does not run on one core while the other idles."""
     ctx = _context()
     threads = 1  # (see set_threads)
+    cores = max(1, min(workers, default_workers()))
     pending: deque[tuple[Job, int]] = deque((j, 1) for j in jobs)
-    running: dict[Connection, tuple[Job, int, mp.process.BaseProcess, float]] = {}
+    running: dict[Connection, _Running] = {}
     try:
         while pending or running:
             while pending and len(running) < workers:
                 job, attempt = pending.popleft()
                 recv, send = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=_child, args=(job, send, threads), daemon=True)
+                more_r, more_w = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_child, args=(job, send, threads, more_r), daemon=True)
                 proc.start()
                 send.close()  # (the child holds the only write end: its death is EOF here)
-                running[recv] = (job, attempt, proc, perf_counter())
+                more_r.close()
+                running[recv] = _Running(job, attempt, proc, more_w, perf_counter(), threads)
+            _share_cores(running, pending, cores)
             for conn in wait(list(running)):
-                job, attempt, proc, t0 = running.pop(conn)
+                r = running.pop(conn)
+                job, attempt, proc, t0 = r.job, r.attempt, r.proc, r.t0
                 try:
                     kind, value = conn.recv()
                 except (EOFError, OSError):
                     kind, value = DIED, None
                 conn.close()
+                r.more.close()
                 proc.join()
                 if kind == DIED:
                     if attempt <= retries:
@@ -86,9 +139,24 @@ def run_local(jobs: Iterable[Job], workers: int, retries: int = 1) -> Iterator[O
                 yield Outcome(job.key, kind, value if kind == "ok" else None,
                               "" if kind == "ok" else str(value), attempt, perf_counter() - t0)
     finally:
-        for _, _, proc, _ in running.values():  # (interrupted: leave no orphans)
-            proc.kill()
-            proc.join()
+        for r in running.values():  # (interrupted: leave no orphans)
+            r.proc.kill()
+            r.proc.join()
+            r.more.close()
+
+
+def _share_cores(running: dict[Connection, _Running], pending: deque, cores: int) -> None:
+    """No job waiting: the running jobs share the pool's cores (more threads, never fewer)."""
+    if pending or not running:
+        return
+    share = max(1, cores // len(running))
+    for r in running.values():
+        if share > r.threads:
+            try:
+                r.more.send(share)
+                r.threads = share
+            except OSError:  # (it has just finished)
+                pass
 
 
 def _death(exitcode: Optional[int], attempts: int) -> str:

@@ -15,6 +15,7 @@ from time import perf_counter
 from typing import Any, Iterable, Iterator, Optional
 
 from ..errors import EnvironmentProblem
+from ..hostmem import tune_malloc
 from .jobs import DIED, ENVIRONMENT, Job, Outcome, guarded, set_threads
 
 INSTALL = "pip install 'hybridsim[ray]' (or: pip install 'ray>=2.9')"
@@ -29,6 +30,7 @@ def import_ray() -> Any:
 
 
 def _task(job: Job) -> tuple[str, Any]:
+    tune_malloc()
     set_threads(1)  # (Ray gives the task one CPU)
     return guarded(job.fn, job.arg)
 

@@ -88,18 +88,34 @@ class ResultsFile:
             return pd.DataFrame(columns=self.columns)
         df = pd.read_csv(self.path)
         for c in df.columns:
-            if df[c].dtype == object or df[c].isna().all() and c in _TEXT:
+            if _is_text(df[c]) or df[c].isna().all() and c in _TEXT:
                 df[c] = df[c].astype(object).where(df[c].notna(), "").astype(str)
         return df
 
 
+def _is_text(col: pd.Series) -> bool:
+    """Texts as pandas reads them: object columns (pandas 2) or its string dtype (pandas 3's default)."""
+    return col.dtype == object or isinstance(col.dtype, pd.StringDtype)
+
+
+PARQUET_SKIPPED = ("results.parquet not written: pandas needs pyarrow for parquet "
+                   "(pip install 'hybridsim[parquet]'); results.csv has every row")
+
+
 def write_parquet(df: pd.DataFrame, out_dir: Path) -> Optional[str]:
-    """DIR/results.parquet beside the CSV; returns a note instead where pandas has no parquet engine."""
+    """DIR/results.parquet: the rows of results.csv (``df``, as ``ResultsFile.frame`` reads them), written
+    whole each time (a temporary file renamed over it). Without a parquet engine, returns a note instead,
+    and removes a results.parquet left by an earlier run (under --resume it would hold fewer rows than
+    results.csv)."""
     path = out_dir / "results.parquet"
+    tmp = path.with_name(path.name + ".partial")
     try:
-        tmp = path.with_name(path.name + ".partial")
-        df.astype({c: str for c in df.columns if df[c].dtype == object}).to_parquet(tmp, index=False)
-        tmp.replace(path)
+        df.astype({c: str for c in df.columns if _is_text(df[c])}).to_parquet(tmp, index=False)
     except ImportError:
-        return "results.parquet not written: pandas needs pyarrow for parquet (pip install 'hybridsim[parquet]')"
+        tmp.unlink(missing_ok=True)
+        if path.exists():
+            path.unlink()
+            return PARQUET_SKIPPED + " (the earlier results.parquet, now out of date, was removed)"
+        return PARQUET_SKIPPED
+    tmp.replace(path)
     return None

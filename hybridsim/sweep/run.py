@@ -79,21 +79,24 @@ def run_sweep(sweep: Sweep, out_dir: Path, *, workers: Optional[int] = None, ray
     jobs = [Job(c.label, fn, CellTask(c, tuple(sweep.bugs), record_failures), _needs_gpu(c)) for c in todo]
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = perf_counter()
-    with backend_for(workers, ray) as (run, name, start_s):
-        for outcome in run(jobs):
-            cell = by_key[outcome.key]
-            row = _row(cell, outcome)
-            text = row.pop(TRACE_KEY, None)
-            if text is not None:
-                path = out_dir / "failures" / f"{cell.slug}.jsonl"
-                path.parent.mkdir(exist_ok=True)
-                path.write_text(text)
-                row["trace"] = str(path.relative_to(out_dir))
-            results.append(row)
-            if on_row is not None:
-                on_row(row)
-    frame = results.frame()
-    notes = [n for n in [write_parquet(frame, out_dir)] if n]
+    try:
+        with backend_for(workers, ray) as (run, name, start_s):
+            for outcome in run(jobs):
+                cell = by_key[outcome.key]
+                row = _row(cell, outcome)
+                text = row.pop(TRACE_KEY, None)
+                if text is not None:
+                    path = out_dir / "failures" / f"{cell.slug}.jsonl"
+                    path.parent.mkdir(exist_ok=True)
+                    path.write_text(text)
+                    row["trace"] = str(path.relative_to(out_dir))
+                results.append(row)
+                if on_row is not None:
+                    on_row(row)
+    finally:  # (interrupted too: results.parquet holds what results.csv holds)
+        frame = results.frame()
+        note = write_parquet(frame, out_dir) if results.path.exists() else None
+    notes = [note] if note else []
     return SweepResult(frame, len(todo), len(sweep.cells) - len(todo), perf_counter() - t0, name, notes, start_s)
 
 
