@@ -119,6 +119,16 @@ class PartialMixin:
                 pool.remove_keys(b)
             pool.insert_key(b, self.key(req.block_hashes[i]), (i + 1) * self.bs)
 
+    def admit(self, req: Request, hit_row: list[int], hit: int) -> None:
+        """Take the hit (its blocks are touched by the caller); a hit ending inside a block
+        marks that block for a private copy."""
+        idx = req.index
+        self.rows[idx] = list(hit_row)
+        self.num_cached[idx] = len(hit_row)
+        if hit_row and hit % self.bs:
+            self.cow[idx] = (hit // self.bs, hit_row[-1])
+            self.num_cached[idx] = hit // self.bs
+
     def free(self, req: Request) -> None:
         self.num_cached.pop(req.index, None)
         self.cow.pop(req.index, None)
@@ -162,16 +172,6 @@ class AttentionPartialManager(PartialMixin, AttentionManager):
         if idx in self.num_cached:
             return max(need - len(self.rows[idx]), 0)
         return max(need - len(hit_row), 0) + (1 if hit_row and hit % self.bs else 0)
-
-    def admit(self, req: Request, hit_row: list[int], hit: int) -> None:
-        """Take the hit (its blocks are touched by the caller); a hit ending inside a block
-        marks that block for a private copy."""
-        idx = req.index
-        self.rows[idx] = list(hit_row)
-        self.num_cached[idx] = len(hit_row)
-        if hit_row and hit % self.bs:
-            self.cow[idx] = (hit // self.bs, hit_row[-1])
-            self.num_cached[idx] = hit // self.bs
 
     def grow(self, req: Request, total: int) -> list[int]:
         """``allocate_new_blocks``: the private copy first, then blocks up to ``total`` tokens."""
@@ -271,14 +271,6 @@ class MambaPartialManager(PartialMixin, MambaAlignManager):
         if new > 0:
             new = min(new, 1 + partial + (ck is not None) + (0 if idx in self.allocated else S))
         return new
-
-    def admit(self, req: Request, hit_row: list[int], hit: int) -> None:
-        idx = req.index
-        self.rows[idx] = list(hit_row)
-        self.num_cached[idx] = len(hit_row)
-        if hit_row and hit % self.bs:
-            self.cow[idx] = (hit // self.bs, hit_row[-1])
-            self.num_cached[idx] = hit // self.bs
 
     def grow(self, req: Request, total: int) -> list[int]:
         """``allocate_new_blocks`` in align mode: null columns up to the running one (less the
