@@ -19,7 +19,7 @@ from ..engine.transfer import upload
 from ..engine.verdicts import Verdicts
 from .paged_attention import paged_attention_layers
 from .reference import ReferenceKernels
-from .segments import LARGE, bits_differ, rel_errors
+from .segments import LARGE, bits_differ, rel_errors, segment_ids
 
 
 LOW_PRECISION_TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
@@ -80,9 +80,7 @@ class CheckedKernels:
             dev = items[0][1].device
             got = torch.cat([g for _, g, _ in items])
             want = torch.cat([w for _, _, w in items])
-            sizes = [g.numel() for _, g, _ in items]
-            seg = torch.repeat_interleave(upload(list(range(len(items))), dev), upload(sizes, dev),
-                                          output_size=got.numel())
+            seg = segment_ids([g.numel() for _, g, _ in items], dev)
             differs = torch.zeros(len(items), dtype=torch.int64, device=dev).index_add_(
                 0, seg, bits_differ(got, want).to(torch.int64))
             for j, (k, _, _) in enumerate(items):

@@ -29,6 +29,11 @@ def bits_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (torch.nan_to_num(a, 1.0) != torch.nan_to_num(b, 1.0)) | specials_differ(a, b)
 
 
+def segment_ids(sizes: list[int], dev) -> torch.Tensor:
+    """(sum(sizes),) on ``dev``: element j of segment i is i (for segmented reductions)."""
+    return torch.repeat_interleave(upload(list(range(len(sizes))), dev), upload(sizes, dev), output_size=sum(sizes))
+
+
 def rel_errors(got: list[torch.Tensor], want: list[torch.Tensor]) -> torch.Tensor:
     """(n, 3) float64 for n pairs: max |got - want| over finite values, that over max |want|, and
     1.0 where the pair's NaN/inf positions differ (else 0)."""
@@ -67,8 +72,7 @@ def _stacked_errors(got, want, idx: list[int], width: int, dev) -> torch.Tensor:
     if len(idx) == 1:
         per_pair = per_row.amax(0, keepdim=True)
     else:
-        rows = [got[i].numel() // width for i in idx]
-        seg = torch.repeat_interleave(upload(list(range(len(idx))), dev), upload(rows, dev), output_size=g.shape[0])
+        seg = segment_ids([got[i].numel() // width for i in idx], dev)
         per_pair = torch.zeros(len(idx), 3, dtype=torch.float64, device=dev).scatter_reduce_(
             0, seg[:, None].expand(-1, 3), per_row, "amax")
     diff, top, spec = per_pair.unbind(-1)
