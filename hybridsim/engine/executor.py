@@ -32,9 +32,6 @@ from .mla_exec import MLAExecution
 from .verdicts import Verdicts
 
 
-INFERENCE_MODE = True
-
-
 @dataclass
 class GroupInfo:
     group_id: int
@@ -140,12 +137,12 @@ class Executor:
 
     def finish(self) -> None:
         """Tally what is still pending: call after the last step, before reading the checks."""
-        with torch.inference_mode(INFERENCE_MODE):
+        with torch.inference_mode():
             self.verdicts.drain()
 
     # ------------------------------------------------------------------ step
     def step(self, plan: StepPlan, outcome: StepOutcome) -> None:
-        with torch.inference_mode(INFERENCE_MODE):  # (no autograd bookkeeping on any of a step's operations)
+        with torch.inference_mode():  # (no autograd bookkeeping on any of a step's operations)
             self._guarded_step(plan, outcome)
 
     def _guarded_step(self, plan: StepPlan, outcome: StepOutcome) -> None:
