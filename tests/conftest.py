@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import hybridsim  # noqa: F401  (first: it sets OMP_WAIT_POLICY before any test module imports torch)
+import hybridsim  # noqa: F401  (first: it sets GOMP_SPINCOUNT before any test module imports torch)
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data"  # the trace slices and vLLM recordings the repository ships (data/SOURCES.md)
