@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..engine.transfer import upload
+from ..engine.transfer import upload_many
 
 NEG_INF = float("-inf")
 SCORE_ELEMS = 1 << 25  # the reference materialises scores of at most this many elements at once
@@ -75,6 +75,7 @@ def paged_attention_layers(qs: list[torch.Tensor], caches: list[tuple[torch.Tens
     limit = key_limit(torch.tensor(lens, dtype=torch.int64), bs, past_end_bug).tolist()
     order = sorted((r for r in range(B) if qlen[r]), key=lambda r: (qlen[r], limit[r]), reverse=True)
     q_all = torch.stack(qs) if L > 1 else qs[0][None]
+    qsl_h, qlen_h, lens_h, limit_h = (np.asarray(v, dtype=np.int64) for v in (qsl, qlen, lens, limit))
     start = 0
     while start < len(order):  # rows batched with padding, scores within SCORE_ELEMS
         mq, mk = qlen[order[start]], min(max(limit[order[start]], 1), width)
@@ -85,17 +86,14 @@ def paged_attention_layers(qs: list[torch.Tensor], caches: list[tuple[torch.Tens
         rows = np.asarray(order[start:end], dtype=np.int64)
         start = end
         b = len(rows)
-        ql = np.asarray(qlen, dtype=np.int64)[rows]
+        ql = qlen_h[rows]
         t = np.arange(mq)
         valid = t[None, :] < ql[:, None]  # (b, mq)
-        tok = np.asarray(qsl, dtype=np.int64)[rows][:, None] + np.minimum(t[None, :], ql[:, None] - 1)  # padding: the last query
-        kpos = np.arange(mk)
+        tok = qsl_h[rows][:, None] + np.minimum(t[None, :], ql[:, None] - 1)  # padding: the last query
         # one upload: rows, their lengths and limits, the queries' tokens, where valid outputs go
-        packed = upload(np.concatenate([rows, ql, np.asarray(lens, dtype=np.int64)[rows],
-                                        np.asarray(limit, dtype=np.int64)[rows], tok.reshape(-1),
-                                        np.flatnonzero(valid.reshape(-1)), tok[valid]]), dev)
-        r_t, ql_t, sl, lim, tok_t, src, dst = torch.split(packed, [b, b, b, b, b * mq, int(valid.sum()),
-                                                                   int(valid.sum())])
+        r_t, ql_t, sl, lim, tok_t, src, dst = upload_many(
+            [rows, ql, lens_h[rows], limit_h[rows], tok.reshape(-1), np.flatnonzero(valid.reshape(-1)), tok[valid]],
+            dev)
         qq = q_all[:, tok_t].float().view(L, b, mq, K, G, D)
         kpos_t = torch.arange(mk, device=dev)
         blocks = table[r_t][:, kpos_t // bs]  # (b, mk)
