@@ -27,7 +27,7 @@ import torch
 from ..checks import Checks, Failure
 from ..config import Scenario
 from ..kernels.segments import bits_differ, rel_errors
-from ..layers.exact import pages_digest
+from ..layers.exact import pages_digest, prepare_rope
 from ..layers.gqa import GQAProbe, GQAStack
 from ..oracle import GQAOracle
 from ..sched.plan import StepPlan
@@ -66,6 +66,8 @@ class AttentionExecution:
         probes = [GQAProbe(geo, layer, scenario.seed) for layer in range(geo.layers)]
         self.stack = GQAStack(probes, device, torch.float32)  # exact in float32 (layers/gqa.py)
         self.oracle = GQAOracle(probes, device, ORACLE_SCORES)
+        for dtype in {self.stack.emb1.dtype, torch.float64}:  # the executor's projections and the oracle's
+            prepare_rope(geo.head_dim, scenario.scheduler.max_model_len, device, dtype)
         shape = (self.bs, geo.kv_heads, geo.head_dim)
         if arena is not None:  # K then V inside each shared page of the layer's slot
             kv = geo.page_bytes(self.bs) // 2

@@ -23,7 +23,7 @@ import torch
 from ..checks import Checks, Failure
 from ..config import Scenario
 from ..kernels.segments import rel_errors
-from ..layers.exact import pages_digest
+from ..layers.exact import pages_digest, prepare_rope
 from ..layers.mla import MLAProbe
 from ..oracle import MLAOracle
 from ..sched.plan import StepPlan
@@ -72,6 +72,7 @@ class MLAExecution:
         self.tol = TOLERANCE[lg.dtype]
         self.low_precision = lg.dtype in ("bfloat16", "float16")
         self.oracle = MLAOracle(cpu_probes, device)
+        prepare_rope(lg.qk_rope_head_dim, scenario.scheduler.max_model_len, device)  # (float64 projections)
         self.timings = {"mla": 0.0, "mla_oracle": 0.0}
         self.verdicts = Verdicts(0)  # (the executor hands every part its shared one)
 

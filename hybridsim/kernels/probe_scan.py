@@ -15,10 +15,12 @@ It knows tensors, pages and token indices; it does not know requests or columns.
 Two implementations with identical results (the arithmetic is exact):
 
 * ``scan_reference`` — torch, in the chunked matrix form (the same trick as Mamba2's
-  SSD): within a chunk of T tokens, h_t = A_t h_0 + sum_{i<=t} (A_t / A_i) x'_i B_i^T,
-  where the decays are powers of a generator so A_t / A_i is a table lookup of an
-  exponent difference. Matrix products run in float64, exact for residues < 2**11.
-  No loop over tokens: a loop over chunks.
+  SSD): within a chunk of T tokens, h_t = A_t (h_0 + sum_{i<=t} (x'_i / A_i) B_i^T), where
+  the decays are powers of a generator of the multiplicative group mod Q, so the running
+  product A_t and its inverse are table lookups and the recurrence becomes a prefix sum
+  (exact: no division by small numbers as in real arithmetic). The only T x T matrix is
+  C B^T per group. Matrix products run in float64, exact for residues < 2**11. No loop
+  over tokens: a loop over chunks, as long as memory allows.
 * ``scan_triton`` (``probe_scan_triton.py``) — one program per (row, layer, head,
   head-dim tile) walks the row's tokens in order with the state tile in registers.
 
@@ -223,48 +225,68 @@ def _split(tables: StackedTables, z: torch.Tensor, tok: torch.Tensor):
     return x, Bm, Cm
 
 
+@dataclass
+class _Chunk:
+    """What one chunk leaves for reading states at any of its tokens (layouts in comments;
+    G groups of R = H / G heads, a group's heads side by side as R*P columns)."""
+
+    w: torch.Tensor  # (b, L, G, T, R*P) gamma**-E_i x'_i: the inputs brought back to decay 1
+    Bg: torch.Tensor  # (b, L, G, T, N)
+    A: torch.Tensor  # (b, L, T, H) gamma**E_t: the running decay
+    U: torch.Tensor  # (b, L, K-1+T, dim) the conv inputs, starting window first
+
+
 def _chunk(tables: StackedTables, tok: torch.Tensor, window: torch.Tensor, h0: torch.Tensor):
     """One chunk of T tokens for b rows (every row has T tokens here; padding is harmless
-    because token t only ever influences later tokens). Returns what the caller needs to
-    read states at any t: (y, decay matrix, x', B, A, inputs U)."""
+    because token t only ever influences later tokens). Returns y (b, T, L, H, P) and the
+    ``_Chunk`` to read states from.
+
+    Decays are powers of a generator of the multiplicative group mod Q, so the running product
+    A_t = gamma**E_t (E_t the sum of the exponents up to t) has an exact inverse, and
+    h_t = A_t (h0 + sum_{i<=t} w_i B_i^T) with w_i = x'_i / A_i: the recurrence is a prefix sum.
+    The only T x T matrix is C B^T per group (masked causal); every head of the group shares it."""
     b, T = tok.shape
-    L, K, H, G = tables.layers, tables.K, tables.H, tables.G
+    L, K, H, G, P, N = tables.layers, tables.K, tables.H, tables.G, tables.P, tables.N
     R = H // G
     flat = tok.reshape(-1).double()
     u = hash_channels(flat, tables.emb).reshape(L, b, T, -1).transpose(0, 1)  # (b, L, T, dim)
     U = torch.cat([window, u], dim=2)  # (b, L, K-1+T, dim)
-    taps = U.unfold(2, K, 1)  # (b, L, T, dim, K): the conv window of every token
-    z = tables.conv_b.double()[None, :, None, :] + (taps * tables.conv_w.double().transpose(1, 2)[None, :, None]).sum(-1)
+    w_conv = tables.conv_w.double()  # (L, K, dim)
+    z = tables.conv_b.double()[None, :, None, :] + U[:, :, :T] * w_conv[None, :, None, 0]
+    for k in range(1, K):  # tap by tap over contiguous slices (sums < 2**25: exact)
+        z = z + U[:, :, k:k + T] * w_conv[None, :, None, k]
     x, Bm, Cm = _split(tables, _mod(z), tok)
     e, g = head_terms(flat, tables.head)  # (L, bT, H)
-    e = e.reshape(L, b, T, H).permute(1, 0, 3, 2).long()  # (b, L, H, T)
+    E = (torch.cumsum(e.reshape(L, b, T, H).transpose(0, 1), dim=2) % (Q - 1)).long()  # (b, L, T, H)
+    pw = _powers(Q - 1, tok.device)
+    A, A_inv = pw[E], pw[(Q - 1 - E) % (Q - 1)]
     g = g.reshape(L, b, T, H).transpose(0, 1)  # (b, L, T, H)
-    xp = _mod(g[..., None] * x)  # (b, L, T, H, P)
-    E = torch.cumsum(e, dim=-1)  # (b, L, H, T): exponents of the decays' running products
-    powers = _powers(T * (Q - 1), tok.device)
+    w = _mod(_mod(g * A_inv)[..., None] * x)  # (b, L, T, H, P)
+    wg = w.reshape(b, L, T, G, R * P).transpose(2, 3)  # (b, L, G, T, R*P)
+    Bg, Cg = Bm.transpose(2, 3), Cm.transpose(2, 3)  # (b, L, G, T, N)
     causal = torch.ones(T, T, dtype=torch.bool, device=tok.device).tril()
-    diff = (E[..., :, None] - E[..., None, :]).clamp(min=0)  # (b, L, H, T_j, T_i), >= 0 where causal
-    decay = torch.where(causal, powers[diff], 0.0)
-    A = powers[E]  # (b, L, H, T)
-    # y_j = A_j (C_j . h0) + sum_i decay[j,i] (C_j . B_i) x'_i + D x_j
-    Bh = Bm.permute(0, 1, 3, 2, 4)  # (b, L, G, T, N)
-    Ch = Cm.permute(0, 1, 3, 2, 4)
-    CB = _mod(torch.matmul(Ch, Bh.transpose(-1, -2))).repeat_interleave(R, dim=2)  # (b, L, H, T, T)
-    xph = xp.permute(0, 1, 3, 2, 4)  # (b, L, H, T, P)
-    term = _mod(torch.matmul(_mod(decay * CB), xph))  # (b, L, H, T, P)
-    ch0 = _mod(torch.matmul(Ch.repeat_interleave(R, dim=2), h0.transpose(-1, -2)))  # (b, L, H, T, P)
-    xh = x.permute(0, 1, 3, 2, 4)
-    y = _mod(_mod(A[..., None] * ch0) + term + tables.D.double()[None, :, :, None, None] * xh)  # (b, L, H, T, P)
-    return y.permute(0, 3, 1, 2, 4), decay, xph, Bh.repeat_interleave(R, dim=2), A, U
+    CB = torch.where(causal, _mod(torch.matmul(Cg, Bg.transpose(-1, -2))), 0.0)  # (b, L, G, T, T)
+    h0g = h0.reshape(b, L, G, R, P, N).permute(0, 1, 2, 5, 3, 4).reshape(b, L, G, N, R * P)
+    # y_t = A_t (C_t . h0 + sum_{i<=t} (C_t . B_i) w_i) + D x_t; each sum < 2**42, exact in float64
+    s = _mod(torch.matmul(Cg, h0g) + torch.matmul(CB, wg))  # (b, L, G, T, R*P)
+    s = s.transpose(2, 3).reshape(b, L, T, H, P)
+    y = _mod(A[..., None] * s + tables.D.double()[None, :, None, :, None] * x)  # (b, L, T, H, P)
+    return y.transpose(1, 2), _Chunk(wg, Bg, A, U)
 
 
-def _states_at(sel: torch.Tensor, ts: torch.Tensor, decay, xph, Bhh, A, U, h0, K: int):
+def _states_at(sel: torch.Tensor, ts: torch.Tensor, ch: _Chunk, h0, K: int):
     """States after token ts[k] of row sel[k]: windows (k, L, K-1, dim), h (k, L, H, P, N)."""
-    w = decay[sel, :, :, ts, :]  # (k, L, H, T)
-    wx = _mod(w[..., None] * xph[sel])  # (k, L, H, T, P)
-    h = _mod(_mod(torch.matmul(wx.transpose(-1, -2), Bhh[sel])) + _mod(A[sel, :, :, ts][..., None, None] * h0[sel]))
+    k = sel.shape[0]
+    L, G, T = ch.w.shape[1], ch.w.shape[2], ch.w.shape[3]
+    H = ch.A.shape[-1]
+    upto = (torch.arange(T, device=ts.device)[None, :] <= ts[:, None]).to(ch.w.dtype)  # (k, T)
+    wk = ch.w[sel] * upto[:, None, None, :, None]  # (k, L, G, T, R*P)
+    S = torch.matmul(wk.transpose(-1, -2), ch.Bg[sel])  # (k, L, G, R*P, N): sums < 2**42
+    S = S.reshape(k, L, H, -1, S.shape[-1])
+    A = ch.A[sel, :, ts]  # (k, L, H)
+    h = _mod(A[..., None, None] * _mod(h0[sel] + S))
     idx = ts[:, None] + 1 + torch.arange(K - 1, device=ts.device)[None, :]  # U rows t+1 .. t+K-1
-    win = U[sel[:, None], :, idx].permute(0, 2, 1, 3)  # (k, L, K-1, dim)
+    win = ch.U[sel[:, None], :, idx].permute(0, 2, 1, 3)  # (k, L, K-1, dim)
     return win, h
 
 
@@ -310,9 +332,11 @@ def scan_reference(tables: StackedTables, ln: ScanLaunch, chunk: int | None = No
     ``CHUNK_ELEMS`` allows (16 to 256 tokens): fewer, larger operations."""
     dev = ln.tokens.device
     B, L, K = ln.rows, tables.layers, tables.K
-    if chunk is None:
+    n_max = int(ln.row_len.max())
+    if chunk is None:  # as long as the budget allows: fewer, larger operations
         chunk = 16
-        while chunk < 32 and B * L * tables.H * (2 * chunk) ** 2 <= CHUNK_ELEMS:
+        per_token = tables.H * tables.P * 4 + tables.dim * 2
+        while chunk < n_max and B * L * (tables.G * 4 * chunk * chunk + 2 * chunk * per_token) <= CHUNK_ELEMS:
             chunk *= 2
     HP, wsz = tables.H * tables.P, (K - 1) * tables.dim
     lens = ln.row_len.tolist()
@@ -331,7 +355,6 @@ def scan_reference(tables: StackedTables, ln: ScanLaunch, chunk: int | None = No
     if hist is not None:  # a draft row's conv history: rows 1..K-2 of its starting window first
         m = hist >= 0
         ln.state_conv[slot[None, :].expand(B, L)[m], hist[m], 0:K - 2] = window[m][:, 1:].float()
-    n_max = max(lens)
     for c0 in range(0, n_max, chunk):
         rows = [b for b in range(B) if lens[b] > c0]
         T = min(chunk, n_max - c0)
@@ -341,7 +364,7 @@ def scan_reference(tables: StackedTables, ln: ScanLaunch, chunk: int | None = No
         vmask = ar[None, :] < valid[:, None]  # (b', T)
         pos = torch.tensor([starts[b] + c0 for b in rows], device=dev)[:, None] + ar
         tok = ln.tokens[torch.where(vmask, pos, pos[:, :1])]
-        y, decay, xph, Bhh, A, U = _chunk(tables, tok, window[sel], h[sel])
+        y, ch = _chunk(tables, tok, window[sel], h[sel])
         if ln.y_out is not None:
             yidx = (ln.y_start[sel] + c0)[:, None] + ar
             ln.y_out[yidx[vmask]] = y[vmask].reshape(-1, L, HP).to(ln.y_out.dtype)
@@ -379,7 +402,7 @@ def scan_reference(tables: StackedTables, ln: ScanLaunch, chunk: int | None = No
         want_i += list(range(len(rows)))
         want_t += (valid - 1).tolist()
         as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
-        win, hs = _states_at(as_t(want_i), as_t(want_t), decay, xph, Bhh, A, U, h[sel], K)
+        win, hs = _states_at(as_t(want_i), as_t(want_t), ch, h[sel], K)
         if ev_k:
             ki, ei = as_t(ev_k), as_t(ev_i)
             sl = slot[None, :].expand(len(ev_k), L)
@@ -400,6 +423,6 @@ def scan_reference(tables: StackedTables, ln: ScanLaunch, chunk: int | None = No
         if hist is not None:  # the draft rows' inputs of this chunk after the window rows
             hm = (hist[sel] >= 0)[:, :, None] & vmask[:, None, :]  # (b', L, T)
             i_, l_, t_ = hm.nonzero(as_tuple=True)
-            ln.state_conv[slot[l_], hist[sel][i_, l_], K - 2 + c0 + t_] = U[i_, l_, K - 1 + t_].float()
+            ln.state_conv[slot[l_], hist[sel][i_, l_], K - 2 + c0 + t_] = ch.U[i_, l_, K - 1 + t_].float()
         window[sel] = win[carry0:]
         h[sel] = hs[carry0:]

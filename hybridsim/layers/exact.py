@@ -160,6 +160,12 @@ def _rotation(dim: int, n: int, device: torch.device, dtype: torch.dtype) -> tup
     return cached
 
 
+def prepare_rope(dim: int, n_pos: int, device, dtype: torch.dtype = torch.float64) -> None:
+    """Build the rotation tables for ``n_pos`` positions now (a run's set-up), not at the first
+    step that needs them: the decimal trig table alone takes tens of milliseconds."""
+    _rotation(dim, n_pos, torch.device(device), dtype)
+
+
 def rope_exact(x: torch.Tensor, pos: torch.Tensor, n_pos: int | None = None) -> torch.Tensor:
     """Rotate-half RoPE of integer-valued ``x`` (..., d) by positions ``pos`` (broadcastable to
     x.shape[:-1]), returning the rotated values times 1024 as exact integers in x's dtype
@@ -215,4 +221,4 @@ def pages_digest(tensors: list[torch.Tensor], rows: torch.Tensor) -> str:
 
 
 __all__ = ["Q", "MAX_STATE_DIM", "pow_table", "primitive_root", "rng", "residues", "rope_exact", "rope_cos_sin",
-           "trig_table", "rope_phases", "fingerprint_rows", "pages_digest"]
+           "trig_table", "rope_phases", "prepare_rope", "fingerprint_rows", "pages_digest"]
