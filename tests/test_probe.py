@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 
 from hybridsim.kernels.probe_scan import NAN_DIFF, NO_MISMATCH, ScanBuilder, scan_reference  # noqa: E402
 from hybridsim.kernels.probe_scan_triton import scan_triton  # noqa: E402
-from hybridsim.layers.exact import MAX_STATE_DIM, Q, fingerprint_rows, rope_phases, trig_table  # noqa: E402
+from hybridsim.layers.exact import FAST_MOD_MIN, MAX_STATE_DIM, Q, fingerprint_rows, mod_q, rope_phases, trig_table  # noqa: E402
 from hybridsim.layers.mamba import MambaProbe, stack_tables  # noqa: E402
 from hybridsim.layers.mla import MLAProbe, MLAStack, dense_reference  # noqa: E402
 from hybridsim.model import MambaGeometry, MLAGeometry  # noqa: E402
@@ -183,6 +183,21 @@ def test_exact_arithmetic_stays_in_int32():
     assert 2 * (Q - 1) ** 2 < 2 ** 31
     assert MAX_STATE_DIM * (Q - 1) ** 2 + (Q - 1) ** 2 < 2 ** 31
     assert 4 * (Q - 1) ** 2 + Q < 2 ** 31
+
+
+def test_fast_modulo_is_the_integer_modulo():
+    """``mod_q`` (a quotient from a multiplication) against int64 modulo, at the values where a
+    rounded quotient would slip: multiples of Q and their neighbours, up to 2**51, and negatives."""
+    gen = torch.Generator().manual_seed(3)
+    k = torch.cat([torch.randint(0, 1 << 40, (4096,), generator=gen), torch.arange(4096),
+                   torch.tensor([(1 << 51) // Q - 1, (1 << 51) // Q - 2])])
+    x = torch.cat([k * Q + r for r in (0, 1, Q - 1, -1)] + [torch.randint(-(1 << 51) + 1, 1 << 51, (8192,), generator=gen)])
+    x = x[x.abs() < (1 << 51)]
+    assert x.numel() >= FAST_MOD_MIN
+    got = mod_q(x.double())
+    assert torch.equal(got.long(), x % Q) and bool((got >= 0).all() and (got < Q).all())
+    small = x[:7].double()  # (below the size where the fast form is used)
+    assert torch.equal(mod_q(small).long(), x[:7] % Q)
 
 
 def test_rope_and_trig_tables_are_pinned():

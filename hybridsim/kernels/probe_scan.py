@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from ..engine.transfer import upload_many
-from ..layers.exact import Q, pow_table
+from ..layers.exact import Q, mod_q, pow_table
 from ..layers.mamba import StackedTables, hash_channels, head_terms
 
 NO_MISMATCH = 1 << 62  # "first mismatching index" when there is none
@@ -188,22 +188,21 @@ def _residues(t: torch.Tensor) -> torch.Tensor:
 
 
 # The torch form computes in float64 holding exact integers: every value it forms stays below
-# 2**53, where float64 arithmetic is exact, and ``remainder`` then vectorises (int64 modulo is a
-# scalar division per element on a CPU). Decay exponents index an extended power table, so the
-# products of decays need no modulo at all.
+# 2**53, where float64 arithmetic is exact, and the modulo vectorises (``mod_q``: int64 modulo is a
+# scalar division per element on a CPU). Decay exponents are summed, then reduced mod Q - 1
+# (the multiplicative group's order) to index the power table.
 
 
 def _mod(x: torch.Tensor) -> torch.Tensor:
-    return torch.remainder(x, float(Q))
+    return mod_q(x)
 
 
-def _powers(n: int, device) -> torch.Tensor:
-    """gamma**e mod Q for e in [0, n) as float64 (the base table repeated; cached per device)."""
-    key = (str(device), n)
+def _powers(device) -> torch.Tensor:
+    """gamma**e mod Q for e in [0, Q-1) as float64 (cached per device)."""
+    key = str(device)
     t = _POWERS.get(key)
     if t is None:
-        base = pow_table().double().to(device)
-        t = _POWERS[key] = base.repeat(-(-n // base.numel()))[:n]
+        t = _POWERS[key] = pow_table().double().to(device)
     return t
 
 
@@ -220,7 +219,7 @@ def _split(tables: StackedTables, z: torch.Tensor, tok: torch.Tensor):
         Cm = z[..., H * P + G * N: H * P + 2 * G * N].reshape(b, L, T, G, N)
     else:
         x = z.reshape(b, L, T, 1, P)
-        bc = hash_channels(tok.reshape(-1).double(), tables.bc).reshape(L, b, T, 2 * N).transpose(0, 1)  # (b,L,T,2N)
+        bc = hash_channels(tok.reshape(-1).double(), tables.bc, mod_q).reshape(L, b, T, 2 * N).transpose(0, 1)  # (b,L,T,2N)
         Bm, Cm = bc[..., None, :N], bc[..., None, N:]
     return x, Bm, Cm
 
@@ -249,7 +248,7 @@ def _chunk(tables: StackedTables, tok: torch.Tensor, window: torch.Tensor, h0: t
     L, K, H, G, P, N = tables.layers, tables.K, tables.H, tables.G, tables.P, tables.N
     R = H // G
     flat = tok.reshape(-1).double()
-    u = hash_channels(flat, tables.emb).reshape(L, b, T, -1).transpose(0, 1)  # (b, L, T, dim)
+    u = hash_channels(flat, tables.emb, mod_q).reshape(L, b, T, -1).transpose(0, 1)  # (b, L, T, dim)
     U = torch.cat([window, u], dim=2)  # (b, L, K-1+T, dim)
     w_conv = tables.conv_w.double()  # (L, K, dim)
     z = tables.conv_b.double()[None, :, None, :] + U[:, :, :T] * w_conv[None, :, None, 0]
@@ -258,7 +257,7 @@ def _chunk(tables: StackedTables, tok: torch.Tensor, window: torch.Tensor, h0: t
     x, Bm, Cm = _split(tables, _mod(z), tok)
     e, g = head_terms(flat, tables.head)  # (L, bT, H)
     E = (torch.cumsum(e.reshape(L, b, T, H).transpose(0, 1), dim=2) % (Q - 1)).long()  # (b, L, T, H)
-    pw = _powers(Q - 1, tok.device)
+    pw = _powers(tok.device)
     A, A_inv = pw[E], pw[(Q - 1 - E) % (Q - 1)]
     g = g.reshape(L, b, T, H).transpose(0, 1)  # (b, L, T, H)
     w = _mod(_mod(g * A_inv)[..., None] * x)  # (b, L, T, H, P)

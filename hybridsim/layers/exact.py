@@ -29,6 +29,23 @@ Q = 2039  # prime; residues < 2**11, so two products and a residue fit int32 wit
 MAX_STATE_DIM = 512  # sum_n h*C over d_state terms stays below 2**31 (512 * (Q-1)**2 < 2**31)
 
 
+FAST_MOD_MIN = 2048  # elements: below this, one remainder call costs less than four
+
+
+def mod_q(x: torch.Tensor) -> torch.Tensor:
+    """x mod Q, in [0, Q), for float64 tensors holding integers with |x| < 2**51: the same values
+    as ``torch.remainder(x, Q)`` at a third of the cost on a CPU (a remainder is a division).
+
+    k = floor(x / Q + 1/(2Q)) is the exact quotient: x / Q is k + r/Q with r in [0, Q), so the sum
+    lies in [k + 1/(2Q), k + 1 - 1/(2Q)], and the product x * fl(1/Q) is off by less than
+    |x| / Q * 2**-52 < 1/(2Q). Then x - Q k is exact (integers below 2**53)."""
+    if x.dtype != torch.float64 or x.numel() < FAST_MOD_MIN:
+        return torch.remainder(x, float(Q))
+    k = x * (1.0 / Q)
+    k.add_(0.5 / Q).floor_()
+    return x.sub(k, alpha=Q)
+
+
 @functools.lru_cache(maxsize=None)
 def primitive_root(q: int = Q) -> int:
     """The smallest generator of the multiplicative group mod q (q prime)."""
@@ -220,5 +237,5 @@ def pages_digest(tensors: list[torch.Tensor], rows: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-__all__ = ["Q", "MAX_STATE_DIM", "pow_table", "primitive_root", "rng", "residues", "rope_exact", "rope_cos_sin",
+__all__ = ["Q", "MAX_STATE_DIM", "mod_q", "pow_table", "primitive_root", "rng", "residues", "rope_exact", "rope_cos_sin",
            "trig_table", "rope_phases", "prepare_rope", "fingerprint_rows", "pages_digest"]

@@ -70,12 +70,17 @@ def token_parts(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return t % Q, torch.div(t, Q, rounding_mode="floor") % Q
 
 
-def hash_channels(tokens: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-    """(n,) tokens x (..., C, 4) channel keys (any leading layer axes) -> (..., n, C) residues."""
+def _mod_q(x: torch.Tensor) -> torch.Tensor:
+    return x % Q
+
+
+def hash_channels(tokens: torch.Tensor, params: torch.Tensor, mod=_mod_q) -> torch.Tensor:
+    """(n,) tokens x (..., C, 4) channel keys (any leading layer axes) -> (..., n, C) residues.
+    ``mod`` reduces mod Q (the batched scans pass ``exact.mod_q``, the same values, faster)."""
     lo, hi = token_parts(tokens)
     p = params[..., None, :, :]
-    v = (lo[:, None] * p[..., 0] + hi[:, None] * p[..., 1] + p[..., 2]) % Q
-    return (v * v + p[..., 3]) % Q
+    v = mod(lo[:, None] * p[..., 0] + hi[:, None] * p[..., 1] + p[..., 2])
+    return mod(v * v + p[..., 3])
 
 
 def head_terms(tokens: torch.Tensor, head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
