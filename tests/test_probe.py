@@ -242,11 +242,15 @@ def test_mla_oracle_equals_the_unabsorbed_definition():
     for i, (r, (c, k)) in enumerate(zip(rows, qs)):
         tok[i, : len(r)] = r
         qpos[i] = torch.clamp(c + torch.arange(7), max=c + k - 1)
-    out = stack.attend(tok, qpos)
-    for i, (r, (c, k)) in enumerate(zip(rows, qs)):
-        for layer, p in enumerate(probes):
-            want = dense_reference(p, r, torch.arange(c, c + k))
-            assert torch.allclose(out[layer, i, :k], want, rtol=1e-10, atol=1e-12)
+    assert stack.expands(1, 512, 512) and not stack.expands(1, 3, 512)  # long prefill pieces, decode rows
+    for expand in (False, True):  # both associations
+        out = stack.attend(tok, qpos, expand=expand)
+        for i, (r, (c, k)) in enumerate(zip(rows, qs)):
+            for layer, p in enumerate(probes):
+                want = dense_reference(p, r, torch.arange(c, c + k))
+                assert torch.allclose(out[layer, i, :k], want, rtol=1e-10, atol=1e-12)
+    pos = torch.arange(n).expand(3, n)
+    assert torch.equal(stack.latents(tok, n)[1], torch.stack([probes[1].latent64(t, pos[0]) for t in tok]))
 
 
 def test_fingerprints_are_exact_and_order_free():

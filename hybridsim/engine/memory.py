@@ -98,6 +98,7 @@ def plan_memory(s: Scenario, groups, device: torch.device, checked_kernels: bool
     from ..kernels.checked import STAGED_PAGES
     from ..kernels.paged_attention import SCORE_ELEMS as PAGED_SCORES
     from ..kernels.reference import SCORE_ELEMS as DECODE_SCORES
+    from ..layers.mla import TABLE as MLA_TABLE, TABLE2 as MLA_TABLE2
     from ..oracle import MLA_ORACLE_ELEMS
     from .attn_exec import ORACLE_SCORES
     from .mla_exec import SCORE_ELEMS
@@ -169,11 +170,14 @@ def plan_memory(s: Scenario, groups, device: torch.device, checked_kernels: bool
                 + 3 * 4 * min(SCORE_ELEMS, budget * H * max(budget, work)))  # the prefill path's scores
         if checked_kernels:  # the reference decode's scores and partials
             step += 6 * 4 * min(DECODE_SCORES, seqs * (1 + S) * H * s.scheduler.max_model_len)
-        oracle = Ly * out * 8 + 4 * 8 * min(MLA_ORACLE_ELEMS, budget * H * s.scheduler.max_model_len * Ly)
+        # outputs; scores, probabilities and (batches that up-project keys) k_nope and v with their
+        # rearranged copies, each at most one budget; the per-token key tables
+        oracle = (Ly * out * 8 + 5 * 8 * min(MLA_ORACLE_ELEMS, budget * H * s.scheduler.max_model_len * Ly)
+                  + Ly * (MLA_TABLE + MLA_TABLE2) * g.entry_dim() * 8)
         plan.items.append(MemoryItem("MLA step transients (estimate)", int(1.15 * step),
                                      f"largest step of {budget:,} tokens: outputs, queries, up-projections, scores; "
                                      "15% allocator margin"))
-        plan.items.append(MemoryItem("MLA oracle (estimate)", oracle, "float64 expected outputs and scores"))
+        plan.items.append(MemoryItem("MLA oracle (estimate)", oracle, "float64 expected outputs, scores, key tables"))
     plan.available = free_bytes(device)
     return plan
 

@@ -152,44 +152,80 @@ def queries_of(x: torch.Tensor, w_qn: torch.Tensor, w_qr: torch.Tensor, pos: tor
     return q_nope, q_pe
 
 
+EXPANDED_ELEMS = 1 << 27  # float64 elements of up-projected keys (k_nope and v) one oracle batch may hold
+
+
 class MLAStack:
     """Every MLA layer's weights stacked on a leading layer axis, float64, on one device: the
-    oracle evaluates all layers in one set of batched operations."""
+    oracle evaluates all layers in one set of batched operations.
+
+    Keys come from per-token tables: a latent entry is linear in the token's two embedding rows,
+    so [emb1 | emb2] @ [W_DKV | W_KR] is tabulated once (integers: the same values as projecting
+    the hidden state, exactly), and a key costs two row lookups and its rope."""
 
     def __init__(self, probes: list[MLAProbe], device):
         st = lambda name: torch.stack([getattr(p.w, name) for p in probes]).to(device, torch.float64)  # noqa: E731
         self.emb1, self.emb2 = st("emb1"), st("emb2")
         self.w_dkv, self.w_kr, self.w_qn, self.w_qr = st("w_dkv"), st("w_kr"), st("w_qn"), st("w_qr")
         self.w_uk, self.w_uv = st("w_uk"), st("w_uv")
+        w_key = torch.cat([self.w_dkv, self.w_kr], dim=-1)  # (layers, hidden, kv_lora + rope)
+        self.key1, self.key2 = torch.matmul(self.emb1, w_key), torch.matmul(self.emb2, w_key)  # sums < 2**13: exact
         self.scale = probes[0].scale
         self.geo = probes[0].geo
         self.layers = len(probes)
         self.heads = self.geo.heads
-        self.key_elems = self.geo.entry_dim() + self.emb1.shape[-1]  # latent entry and hidden per key
+        self.key_elems = 2 * self.geo.entry_dim()  # a key's two table rows and its entry
 
     def hidden(self, tok: torch.Tensor) -> torch.Tensor:
         """(layers, *tok.shape, hidden)."""
         t = tok.long()
         return self.emb1[:, t % TABLE] + self.emb2[:, (t // TABLE) % TABLE2]
 
-    def attend(self, tok: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
+    def latents(self, tok: torch.Tensor, n_pos: int) -> torch.Tensor:
+        """Cache entries [kv_c | k_pe] of tokens tok (b, n) at positions 0..n-1: (layers, b, n, kv_lora + rope),
+        the values ``latent_of`` gives."""
+        t = tok.long()
+        raw = self.key1[:, t % TABLE] + self.key2[:, (t // TABLE) % TABLE2]
+        Lr = self.geo.kv_lora_rank
+        pos = torch.arange(tok.shape[1], device=tok.device)
+        return torch.cat([raw[..., :Lr] * 2.0 ** -LATENT_SHIFT,
+                          rope_exact(raw[..., Lr:], pos, n_pos) * 2.0 ** -ROPE_SHIFT], dim=-1)
+
+    def expands(self, b: int, q: int, n: int) -> bool:
+        """Whether attending q queries over n keys costs fewer operations with every key up-projected
+        (k_nope, v per key and head) than absorbed (queries into the latent space): long prefill
+        chunks, yes; decode rows, no. Bounded by ``EXPANDED_ELEMS``."""
+        H, Lr, R, N, V = self.heads, self.geo.kv_lora_rank, self.geo.qk_rope_head_dim, \
+            self.geo.qk_nope_head_dim, self.geo.v_head_dim
+        absorbed = q * H * (N * Lr + n * (2 * Lr + R) + Lr * V)
+        expanded = n * H * Lr * (N + V) + q * n * H * (N + R + V)
+        return expanded < absorbed and self.layers * b * n * H * (N + V) <= EXPANDED_ELEMS
+
+    def attend(self, tok: torch.Tensor, qpos: torch.Tensor, expand: bool | None = None) -> torch.Tensor:
         """Causal attention in float64 for b padded rows: tok (b, n) committed tokens, query
         positions qpos (b, q) (each below its row's length). Returns (layers, b, q, H, v).
-        Scores use the absorbed association (q_nope W_UK) . kv_c, equal to q_nope . k_nope in real
-        arithmetic, so the cost is queries x context rather than context x up-projection."""
+        Two associations, equal in real arithmetic: keys up-projected (q_nope . kv_c W_UK and
+        p . kv_c W_UV) or queries absorbed ((q_nope W_UK) . kv_c, then W_UV after the sum); the
+        cheaper one for the batch's shape is taken unless ``expand`` says which."""
         b, n = tok.shape
-        pos = torch.arange(n, device=tok.device)
-        x = self.hidden(tok)  # (Ly, b, n, hidden)
-        lat = latent_of(x, self.w_dkv, self.w_kr, pos, n)
         Lr = self.geo.kv_lora_rank
+        lat = self.latents(tok, n)
         kv, kr = lat[..., :Lr], lat[..., Lr:]
-        xq = x[:, torch.arange(b, device=tok.device)[:, None], qpos]  # (Ly, b, q, hidden)
+        xq = self.hidden(tok.gather(1, qpos))  # (Ly, b, q, hidden)
         q_nope, q_pe = queries_of(xq, self.w_qn, self.w_qr, qpos[..., None], n)
+        pos = torch.arange(n, device=tok.device)
+        # 0 where key <= query (also hides padding past each row), -inf elsewhere: (b, q, 1, n)
+        bias = torch.where(pos[None, None, :] <= qpos[:, :, None], 0.0, float("-inf")).to(kv.dtype)[:, :, None, :]
+        if expand is None:
+            expand = self.expands(b, qpos.shape[1], n)
+        if expand:
+            k_nope = torch.einsum("lbnr,lkdr->lbnkd", kv, self.w_uk)
+            s = torch.einsum("lbqkd,lbnkd->lbqkn", q_nope, k_nope) + torch.einsum("lbqke,lbne->lbqkn", q_pe, kr)
+            p = torch.softmax(s * self.scale + bias, dim=-1)
+            return torch.einsum("lbqkn,lbnkv->lbqkv", p, torch.einsum("lbnr,lkrv->lbnkv", kv, self.w_uv))
         q_lat = torch.einsum("lbqkd,lkdr->lbqkr", q_nope, self.w_uk)
-        s = (torch.einsum("lbqkr,lbnr->lbqkn", q_lat, kv) + torch.einsum("lbqke,lbne->lbqkn", q_pe, kr)) * self.scale
-        mask = pos[None, None, :] <= qpos[:, :, None]  # (b, q, n): also hides padding past each row
-        s = s.masked_fill(~mask[None, :, :, None, :], float("-inf"))
-        o = torch.einsum("lbqkn,lbnr->lbqkr", torch.softmax(s, dim=-1), kv)
+        s = torch.einsum("lbqkr,lbnr->lbqkn", q_lat, kv) + torch.einsum("lbqke,lbne->lbqkn", q_pe, kr)
+        o = torch.einsum("lbqkn,lbnr->lbqkr", torch.softmax(s * self.scale + bias, dim=-1), kv)
         return torch.einsum("lbqkr,lkrv->lbqkv", o, self.w_uv)
 
 
