@@ -33,6 +33,9 @@ from .layers.gqa import GQAProbe, GQAStack
 from .layers.mla import MLAProbe, MLAStack
 
 
+SMALL_BATCH = 1 << 14  # (query, key) pairs of padding any oracle batch may take: one call beats two small ones
+
+
 @dataclass
 class StateCompare:
     """Compare the state at ``position`` with the cache: temporal pages and conv pages (rows
@@ -148,7 +151,7 @@ class DenseOracle:
                 q, n = size(pieces[end])
                 padded = (end - start + 1) * q_max * max(n_max, n)
                 keys = (end - start + 1) * max(n_max, n) * per_k  # every row's keys are projected
-                if padded * per_q + keys > self.budget or padded > 2 * (actual + q * n):
+                if padded * per_q + keys > self.budget or padded > 2 * (actual + q * n) + SMALL_BATCH:
                     break
                 n_max, actual, end = max(n_max, n), actual + q * n, end + 1
             batch = pieces[start:end]
