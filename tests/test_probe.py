@@ -227,6 +227,11 @@ def test_mla_latent_is_exact_and_batch_invariant(dtype):
         assert torch.equal(probe.latent(tok[i:i + 1], pos[i:i + 1])[0], lat32[i])
     perm = torch.randperm(37)
     assert torch.equal(probe.latent(tok[perm], pos[perm]), lat32[perm])
+    far = torch.randint(0, 1 << 17, (37,))  # the executor's float32 projection: the same values
+    lat, q_nope, q_pe = probe.project(tok, far)
+    want_q = probe.queries64(tok, far)
+    assert lat.dtype == torch.float32 and torch.equal(lat.double(), probe.latent64(tok, far))
+    assert torch.equal(q_nope.double(), want_q[0]) and torch.equal(q_pe.double(), want_q[1])
 
 
 def test_mla_oracle_equals_the_unabsorbed_definition():

@@ -72,7 +72,8 @@ class MLAExecution:
         self.tol = TOLERANCE[lg.dtype]
         self.low_precision = lg.dtype in ("bfloat16", "float16")
         self.oracle = MLAOracle(cpu_probes, device)
-        prepare_rope(lg.qk_rope_head_dim, scenario.scheduler.max_model_len, device)  # (float64 projections)
+        for dtype in (torch.float32, torch.float64):  # the executor's projections and the oracle's
+            prepare_rope(lg.qk_rope_head_dim, scenario.scheduler.max_model_len, device, dtype)
         self.timings = {"mla": 0.0, "mla_oracle": 0.0}
         self.verdicts = Verdicts(0)  # (the executor hands every part its shared one)
 

@@ -170,8 +170,9 @@ class ReferenceKernels:
         lat = cache[table[:, kpos // bs], kpos % bs].to(q_lat.dtype)  # (B, n, L+R)
         # keys past a shorter request's end read whatever its padding names (the NaN null page)
         lat = torch.where((kpos[None, :] < lens[:, None])[..., None], lat, torch.zeros((), dtype=lat.dtype, device=dev))
-        kv_c, k_pe = lat[..., :kv_lora_rank], lat[..., kv_lora_rank:]
-        s = (torch.einsum("bqhd,bmd->bqhm", q_lat, kv_c) + torch.einsum("bqhr,bmr->bqhm", q_pe, k_pe)) * scale
+        kv_c = lat[..., :kv_lora_rank]
+        # q_lat . kv_c + q_pe . k_pe as one product over the whole entry
+        s = torch.einsum("bqhd,bmd->bqhm", torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1), lat) * scale
         qpos = lens[:, None] - nq + torch.arange(nq, device=dev)[None, :]  # (B, nq)
         visible = (kpos[None, None, :] <= qpos[:, :, None]) & (kpos[None, None, :] < lens[:, None, None])
         if splits == 1:

@@ -104,13 +104,15 @@ class MLAProbe:
         return q_nope[0], q_pe[0]
 
     def project(self, tokens: torch.Tensor, pos: torch.Tensor, n_pos: int | None = None):
-        """``latent`` and ``queries`` of the same tokens at once (one embedding lookup), float32;
-        ``n_pos`` bounds the positions."""
+        """``latent`` and ``queries`` of the same tokens at once (one embedding lookup), computed in
+        float32 and still exact: the products and sums are integers below 2**13, the rotated ones
+        below 2**23 (even TF32 inputs hold these small integers exactly). ``n_pos`` bounds the positions."""
         w = self.w
-        x = self.hidden_states(tokens)[None]
-        lat = latent_of(x, w.w_dkv[None].double(), w.w_kr[None].double(), pos, n_pos)[0]
-        q_nope, q_pe = queries_of(x, w.w_qn[None].double(), w.w_qr[None].double(), pos[:, None], n_pos)
-        return lat.to(torch.float32), q_nope[0].to(torch.float32), q_pe[0].to(torch.float32)
+        t = tokens.long()
+        x = (w.emb1[t % TABLE] + w.emb2[(t // TABLE) % TABLE2])[None]
+        lat = latent_of(x, w.w_dkv[None], w.w_kr[None], pos, n_pos)[0]
+        q_nope, q_pe = queries_of(x, w.w_qn[None], w.w_qr[None], pos[:, None], n_pos)
+        return lat, q_nope[0], q_pe[0]
 
     def up_project(self, lat: torch.Tensor):
         """Latent (m, L+R) -> k (m, H, nope+rope), v (m, H, v), in float32."""
