@@ -29,6 +29,21 @@ def bench(fn, rep=200):
     return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median") * 1e-3  # seconds
 
 
+def graph_bench(fn, rep=100):
+    """GPU time of fn() replayed as a CUDA graph (triton.testing.do_bench_cudagraph), in seconds.
+
+    do_bench_cudagraph first calls fn() eagerly (warm-up, estimate) on a fresh stream of its
+    own, and that stream does not wait for the default stream. A case's setup is still queued
+    there (gigabytes of randn for the caches, the block table, the launch plan's index upload),
+    so those first calls read block ids, row offsets and lengths from memory the allocator
+    recycled, whatever earlier tensors left in it (the torch reference's float scores, say), and
+    a kernel reading such ids runs far out of its buffers: the "illegal memory access" of
+    bench/RESULTS.md, absent under CUDA_LAUNCH_BLOCKING, which drains every launch. So the
+    device is drained first."""
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median") * 1e-3
+
+
 def ceilings():
     x = torch.empty(2 ** 30, dtype=torch.float32, device="cuda").normal_()  # 4 GiB
     y = torch.empty_like(x)
@@ -119,7 +134,7 @@ def mla_rows(copy_bw, flops, configs, splits_options, impls=("auto",)):
                 call()  # compile outside the capture
                 # GPU time of the whole call (query cast, split kernel, combine) replayed as a CUDA
                 # graph: Python launch overhead is not the kernel's (research/mla.md §3.5)
-                return triton.testing.do_bench_cudagraph(call, rep=100, return_mode="median") * 1e-3
+                return graph_bench(call)
             for impl in impls:
                 for cfg in configs:
                     try:
@@ -154,7 +169,7 @@ def mla_rows(copy_bw, flops, configs, splits_options, impls=("auto",)):
 
 def _gpu_time(call, graph: bool) -> float:
     if graph:
-        return triton.testing.do_bench_cudagraph(call, rep=100, return_mode="median") * 1e-3
+        return graph_bench(call)
     return bench(call, rep=100)
 
 
