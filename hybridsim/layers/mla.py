@@ -154,7 +154,7 @@ def queries_of(x: torch.Tensor, w_qn: torch.Tensor, w_qr: torch.Tensor, pos: tor
     return q_nope, q_pe
 
 
-EXPANDED_ELEMS = 1 << 27  # float64 elements of up-projected keys (k_nope and v) one oracle batch may hold
+EXPANDED_ELEMS = 1 << 27  # float64 elements of up-projected keys (k_nope and v of one layer) an oracle batch may hold
 
 
 class MLAStack:
@@ -201,7 +201,7 @@ class MLAStack:
             self.geo.qk_nope_head_dim, self.geo.v_head_dim
         absorbed = q * H * (N * Lr + n * (2 * Lr + R) + Lr * V)
         expanded = n * H * Lr * (N + V) + q * n * H * (N + R + V)
-        return expanded < absorbed and self.layers * b * n * H * (N + V) <= EXPANDED_ELEMS
+        return expanded < absorbed and b * n * H * (N + V) <= EXPANDED_ELEMS
 
     def attend(self, tok: torch.Tensor, qpos: torch.Tensor, expand: bool | None = None) -> torch.Tensor:
         """Causal attention in float64 for b padded rows: tok (b, n) committed tokens, query
@@ -220,11 +220,14 @@ class MLAStack:
         bias = torch.where(pos[None, None, :] <= qpos[:, :, None], 0.0, float("-inf")).to(kv.dtype)[:, :, None, :]
         if expand is None:
             expand = self.expands(b, qpos.shape[1], n)
-        if expand:
-            k_nope = torch.einsum("lbnr,lkdr->lbnkd", kv, self.w_uk)
-            s = torch.einsum("lbqkd,lbnkd->lbqkn", q_nope, k_nope) + torch.einsum("lbqke,lbne->lbqkn", q_pe, kr)
-            p = torch.softmax(s * self.scale + bias, dim=-1)
-            return torch.einsum("lbqkn,lbnkv->lbqkv", p, torch.einsum("lbnr,lkrv->lbnkv", kv, self.w_uv))
+        if expand:  # a layer at a time: up-projected keys are the large part
+            out = []
+            for l in range(self.layers):
+                k_nope = torch.einsum("bnr,kdr->bnkd", kv[l], self.w_uk[l])
+                s = torch.einsum("bqkd,bnkd->bqkn", q_nope[l], k_nope) + torch.einsum("bqke,bne->bqkn", q_pe[l], kr[l])
+                p = torch.softmax(s * self.scale + bias, dim=-1)
+                out.append(torch.einsum("bqkn,bnkv->bqkv", p, torch.einsum("bnr,krv->bnkv", kv[l], self.w_uv[l])))
+            return torch.stack(out)
         q_lat = torch.einsum("lbqkd,lkdr->lbqkr", q_nope, self.w_uk)
         s = torch.einsum("lbqkr,lbnr->lbqkn", q_lat, kv) + torch.einsum("lbqke,lbne->lbqkn", q_pe, kr)
         o = torch.einsum("lbqkn,lbnr->lbqkr", torch.softmax(s * self.scale + bias, dim=-1), kv)
