@@ -235,7 +235,7 @@ def test_mla_latent_is_exact_and_batch_invariant(dtype):
 
 
 def test_mla_oracle_equals_the_unabsorbed_definition():
-    geo = MLAGeometry(layers=2, heads=4, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+    geo = MLAGeometry(layers=2, heads=4, kv_lora_rank=64, qk_rope_head_dim=8, qk_nope_head_dim=16,
                       v_head_dim=16)
     probes = [MLAProbe(geo, layer, seed=9) for layer in range(2)]
     stack = MLAStack(probes, "cpu")

@@ -235,6 +235,18 @@ class _Chunk:
     U: torch.Tensor  # (b, L, K-1+T, dim) the conv inputs, starting window first
 
 
+_CAUSAL: dict = {}
+
+
+def _causal(T: int, device) -> torch.Tensor:
+    """(T, T) bool, True on and below the diagonal (cached per size and device)."""
+    key = (T, str(device))
+    m = _CAUSAL.get(key)
+    if m is None:
+        m = _CAUSAL[key] = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    return m
+
+
 def _chunk(tables: StackedTables, tok: torch.Tensor, window: torch.Tensor, h0: torch.Tensor):
     """One chunk of T tokens for b rows (every row has T tokens here; padding is harmless
     because token t only ever influences later tokens). Returns y (b, T, L, H, P) and the
@@ -263,7 +275,7 @@ def _chunk(tables: StackedTables, tok: torch.Tensor, window: torch.Tensor, h0: t
     w = _mod(_mod(g * A_inv)[..., None] * x)  # (b, L, T, H, P)
     wg = w.reshape(b, L, T, G, R * P).transpose(2, 3)  # (b, L, G, T, R*P)
     Bg, Cg = Bm.transpose(2, 3), Cm.transpose(2, 3)  # (b, L, G, T, N)
-    causal = torch.ones(T, T, dtype=torch.bool, device=tok.device).tril()
+    causal = _causal(T, tok.device)
     CB = torch.where(causal, _mod(torch.matmul(Cg, Bg.transpose(-1, -2))), 0.0)  # (b, L, G, T, T)
     h0g = h0.reshape(b, L, G, R, P, N).permute(0, 1, 2, 5, 3, 4).reshape(b, L, G, N, R * P)
     # y_t = A_t (C_t . h0 + sum_{i<=t} (C_t . B_i) w_i) + D x_t; each sum < 2**42, exact in float64

@@ -167,9 +167,9 @@ class ReferenceKernels:
         bs = cache.shape[1]
         kpos = torch.arange(n, device=dev)
         table = block_table.to(dev, torch.int64)
-        lat = cache[table[:, kpos // bs], kpos % bs].to(q_lat.dtype)  # (B, n, L+R)
+        lat = cache[table[:, kpos // bs], kpos % bs].to(q_lat.dtype)  # (B, n, L+R), a fresh copy
         # keys past a shorter request's end read whatever its padding names (the NaN null page)
-        lat = torch.where((kpos[None, :] < lens[:, None])[..., None], lat, torch.zeros((), dtype=lat.dtype, device=dev))
+        lat.masked_fill_((kpos[None, :] >= lens[:, None])[..., None], 0.0)
         kv_c = lat[..., :kv_lora_rank]
         # q_lat . kv_c + q_pe . k_pe as one product over the whole entry
         s = torch.einsum("bqhd,bmd->bqhm", torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1), lat) * scale

@@ -201,7 +201,10 @@ class MLAStack:
             self.geo.qk_nope_head_dim, self.geo.v_head_dim
         absorbed = q * H * (N * Lr + n * (2 * Lr + R) + Lr * V)
         expanded = n * H * Lr * (N + V) + q * n * H * (N + R + V)
-        return expanded < absorbed and b * n * H * (N + V) <= EXPANDED_ELEMS
+        # on a CPU the up-projection's copies of every key per head cost about as much as products:
+        # taken there at half the operations (measured at the tiny presets' sizes)
+        factor = 1 if self.emb1.is_cuda else 2
+        return factor * expanded < absorbed and b * n * H * (N + V) <= EXPANDED_ELEMS
 
     def attend(self, tok: torch.Tensor, qpos: torch.Tensor, expand: bool | None = None) -> torch.Tensor:
         """Causal attention in float64 for b padded rows: tok (b, n) committed tokens, query
@@ -211,7 +214,7 @@ class MLAStack:
         cheaper one for the batch's shape is taken unless ``expand`` says which."""
         b, n = tok.shape
         Lr = self.geo.kv_lora_rank
-        lat = self.latents(tok, n)
+        lat = self.latents(tok, n)  # (Ly, b, n, kv_lora + rope)
         kv, kr = lat[..., :Lr], lat[..., Lr:]
         xq = self.hidden(tok.gather(1, qpos))  # (Ly, b, q, hidden)
         q_nope, q_pe = queries_of(xq, self.w_qn, self.w_qr, qpos[..., None], n)
@@ -220,18 +223,21 @@ class MLAStack:
         bias = torch.where(pos[None, None, :] <= qpos[:, :, None], 0.0, float("-inf")).to(kv.dtype)[:, :, None, :]
         if expand is None:
             expand = self.expands(b, qpos.shape[1], n)
+        H = self.heads
         if expand:  # a layer at a time: up-projected keys are the large part
             out = []
             for l in range(self.layers):
-                k_nope = torch.einsum("bnr,kdr->bnkd", kv[l], self.w_uk[l])
-                s = torch.einsum("bqkd,bnkd->bqkn", q_nope[l], k_nope) + torch.einsum("bqke,bne->bqkn", q_pe[l], kr[l])
-                p = torch.softmax(s * self.scale + bias, dim=-1)
+                # scores as one product: [q_nope | q_pe] (scaled) . [kv_c W_UK | k_pe] per head
+                keys = torch.cat([torch.einsum("bnr,kdr->bnkd", kv[l], self.w_uk[l]),
+                                  kr[l][:, :, None, :].expand(-1, -1, H, -1)], dim=-1)
+                q = torch.cat([q_nope[l], q_pe[l]], dim=-1) * self.scale
+                p = torch.softmax(torch.einsum("bqkd,bnkd->bqkn", q, keys).add_(bias), dim=-1)
                 out.append(torch.einsum("bqkn,bnkv->bqkv", p, torch.einsum("bnr,krv->bnkv", kv[l], self.w_uv[l])))
             return torch.stack(out)
-        q_lat = torch.einsum("lbqkd,lkdr->lbqkr", q_nope, self.w_uk)
-        s = torch.einsum("lbqkr,lbnr->lbqkn", q_lat, kv) + torch.einsum("lbqke,lbne->lbqkn", q_pe, kr)
-        o = torch.einsum("lbqkn,lbnr->lbqkr", torch.softmax(s * self.scale + bias, dim=-1), kv)
-        return torch.einsum("lbqkr,lkrv->lbqkv", o, self.w_uv)
+        # scores as one product over the whole latent entry: [q_nope W_UK | q_pe] (scaled) . [kv_c | k_pe]
+        q = torch.cat([torch.einsum("lbqkd,lkdr->lbqkr", q_nope, self.w_uk), q_pe], dim=-1) * self.scale
+        p = torch.softmax(torch.einsum("lbqkr,lbnr->lbqkn", q, lat).add_(bias), dim=-1)
+        return torch.einsum("lbqkr,lkrv->lbqkv", torch.einsum("lbqkn,lbnr->lbqkr", p, kv), self.w_uv)
 
 
 def dense_reference(probe: MLAProbe, tokens: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
