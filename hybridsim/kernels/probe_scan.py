@@ -410,10 +410,13 @@ def scan_reference(tables: StackedTables, ln: ScanLaunch, chunk: int | None = No
                     cmp_k.append(len(want_i)), cmp_i.append(c)
                     want_i.append(i), want_t.append(cmp_t[c] - c0)
         carry0 = len(want_i)
-        want_i += list(range(len(rows)))
-        want_t += (valid - 1).tolist()
+        last = c0 + T >= n_max  # no later chunk: no state to carry
+        if not last:
+            want_i += list(range(len(rows)))
+            want_t += (valid - 1).tolist()
         as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
-        win, hs = _states_at(as_t(want_i), as_t(want_t), ch, h[sel], K)
+        if want_i:
+            win, hs = _states_at(as_t(want_i), as_t(want_t), ch, h[sel], K)
         if ev_k:
             ki, ei = as_t(ev_k), as_t(ev_i)
             sl = slot[None, :].expand(len(ev_k), L)
@@ -435,5 +438,6 @@ def scan_reference(tables: StackedTables, ln: ScanLaunch, chunk: int | None = No
             hm = (hist[sel] >= 0)[:, :, None] & vmask[:, None, :]  # (b', L, T)
             i_, l_, t_ = hm.nonzero(as_tuple=True)
             ln.state_conv[slot[l_], hist[sel][i_, l_], K - 2 + c0 + t_] = ch.U[i_, l_, K - 1 + t_].float()
-        window[sel] = win[carry0:]
-        h[sel] = hs[carry0:]
+        if not last:
+            window[sel] = win[carry0:]
+            h[sel] = hs[carry0:]
