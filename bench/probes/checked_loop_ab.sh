@@ -1,22 +1,37 @@
 #!/usr/bin/env bash
-# The quickstart checked loop of two trees, side by side, alternating (CPU).
+# The quickstart checked loop of two (or more) trees, side by side, alternating (CPU), then each
+# tree's runs sorted with their median.
 #   git worktree add /tmp/old <commit>; bash bench/probes/checked_loop_ab.sh /tmp/old . [rounds]
 # Runs from a neutral folder: started from a repository root, Python would import that tree's
-# package whatever PYTHONPATH says (each run asserts which package it imported).
+# package whatever PYTHONPATH says (each run asserts which package it imported). This machine's
+# speed drifts by 10-25% over minutes: take many rounds.
 set -eu
-old=$(cd "$1" && pwd); new=$(cd "$2" && pwd); rounds=${3:-3}
-py=${PYTHON:-$new/.venv/bin/python}
+rounds=3
+trees=()
+for a in "$@"; do
+  if [[ $a =~ ^[0-9]+$ ]]; then rounds=$a; else trees+=("$(cd "$a" && pwd)"); fi
+done
+py=${PYTHON:-${trees[-1]}/.venv/bin/python}
 cd "$(mktemp -d)"
+declare -A runs
 for i in $(seq "$rounds"); do
-  for tree in "$old" "$new"; do
-    PYTHONPATH=$tree "$py" - "$tree" <<'PY'
+  for tree in "${trees[@]}"; do
+    t=$(PYTHONPATH=$tree "$py" - "$tree" <<'PY'
 import sys
 tree = sys.argv[1]
 import hybridsim
 assert hybridsim.__file__.startswith(tree), hybridsim.__file__
 from hybridsim.config import load_scenario
 from hybridsim.runner import plan_scenario
-print(f"{tree}: whole loop {plan_scenario(load_scenario(tree + '/scenarios/quickstart.yaml')).wall_s:.3f} s")
+print(f"{plan_scenario(load_scenario(tree + '/scenarios/quickstart.yaml')).wall_s:.3f}")
 PY
+)
+    echo "$tree: whole loop $t s"
+    runs[$tree]="${runs[$tree]:-} $t"
   done
+done
+for tree in "${trees[@]}"; do
+  sorted=$(echo ${runs[$tree]} | tr ' ' '\n' | sort -n | tr '\n' ' ')
+  median=$(echo ${runs[$tree]} | tr ' ' '\n' | sort -n | awk '{a[NR]=$1} END {print (NR % 2 ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2)}')
+  echo "$tree: sorted $sorted median $median"
 done
