@@ -14,8 +14,8 @@ where in the cache to *look* when it compares.
   running requests, not by history.
 * MLA and GQA attention: dense causal attention in float64 over the committed prefix,
   recomputed each step from the token ids (K, V and latent entries are exact,
-  ``layers/mla.py``, ``layers/gqa.py``); MLA's weight absorption is applied in float64,
-  exact up to float64 rounding.
+  ``layers/mla.py``, ``layers/gqa.py``); for MLA, queries absorbed or keys up-projected,
+  whichever costs less for a batch (``MLAStack.attend``), equal up to float64 rounding.
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ if not torch.cuda.is_available():
 
 from hybridsim.kernels.probe_scan import NAN_DIFF, NO_MISMATCH, ScanBuilder, scan_reference  # noqa: E402
 from hybridsim.kernels.probe_scan_triton import scan_triton  # noqa: E402
-from hybridsim.layers.exact import FAST_MOD_MIN, MAX_STATE_DIM, Q, fingerprint_rows, mod_q, rope_phases, trig_table  # noqa: E402
+from hybridsim.layers.exact import (FAST_MOD_MIN, MAX_STATE_DIM, Q, fingerprint_rows, mod_q, rope_phases,  # noqa: E402
+                                    trig_table)
 from hybridsim.layers.mamba import MambaProbe, stack_tables  # noqa: E402
 from hybridsim.layers.mla import MLAProbe, MLAStack, dense_reference  # noqa: E402
 from hybridsim.model import MambaGeometry, MLAGeometry  # noqa: E402
@@ -191,7 +192,8 @@ def test_fast_modulo_is_the_integer_modulo():
     gen = torch.Generator().manual_seed(3)
     k = torch.cat([torch.randint(0, 1 << 40, (4096,), generator=gen), torch.arange(4096),
                    torch.tensor([(1 << 51) // Q - 1, (1 << 51) // Q - 2])])
-    x = torch.cat([k * Q + r for r in (0, 1, Q - 1, -1)] + [torch.randint(-(1 << 51) + 1, 1 << 51, (8192,), generator=gen)])
+    x = torch.cat([k * Q + r for r in (0, 1, Q - 1, -1)]
+                  + [torch.randint(-(1 << 51) + 1, 1 << 51, (8192,), generator=gen)])
     x = x[x.abs() < (1 << 51)]
     assert x.numel() >= FAST_MOD_MIN
     got = mod_q(x.double())

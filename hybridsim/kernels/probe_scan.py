@@ -219,7 +219,8 @@ def _split(tables: StackedTables, z: torch.Tensor, tok: torch.Tensor):
         Cm = z[..., H * P + G * N: H * P + 2 * G * N].reshape(b, L, T, G, N)
     else:
         x = z.reshape(b, L, T, 1, P)
-        bc = hash_channels(tok.reshape(-1).double(), tables.bc, mod_q).reshape(L, b, T, 2 * N).transpose(0, 1)  # (b,L,T,2N)
+        bc = hash_channels(tok.reshape(-1).double(), tables.bc, mod_q)
+        bc = bc.reshape(L, b, T, 2 * N).transpose(0, 1)  # (b, L, T, 2N)
         Bm, Cm = bc[..., None, :N], bc[..., None, N:]
     return x, Bm, Cm
 
@@ -334,13 +335,13 @@ def _accumulate(stats: torch.Tensor, rows: torch.Tensor, count, maxd, first) -> 
     stats[rows, :, 2] = torch.minimum(stats[rows, :, 2], first)
 
 
-CHUNK_ELEMS = 1 << 22  # rows x layers x heads x T x T decay-matrix elements a chunk may hold
+CHUNK_ELEMS = 1 << 22  # elements of a chunk's largest tensors: C B^T (rows x layers x groups x T x T), per-token terms
 
 
 def scan_reference(tables: StackedTables, ln: ScanLaunch, chunk: int | None = None) -> None:
     """``ScanLaunch`` in torch (chunked matrix form). Meant for a CPU and small models: it holds
     every row's state (B x L states) and chunk-sized matrices at once. The chunk is as long as
-    ``CHUNK_ELEMS`` allows (16 to 256 tokens): fewer, larger operations."""
+    ``CHUNK_ELEMS`` allows (16 tokens or more; at tiny sizes the whole launch): fewer, larger operations."""
     dev = ln.tokens.device
     B, L, K = ln.rows, tables.layers, tables.K
     n_max = int(ln.row_len.max())

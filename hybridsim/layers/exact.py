@@ -237,5 +237,5 @@ def pages_digest(tensors: list[torch.Tensor], rows: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-__all__ = ["Q", "MAX_STATE_DIM", "mod_q", "pow_table", "primitive_root", "rng", "residues", "rope_exact", "rope_cos_sin",
-           "trig_table", "rope_phases", "prepare_rope", "fingerprint_rows", "pages_digest"]
+__all__ = ["Q", "MAX_STATE_DIM", "mod_q", "pow_table", "primitive_root", "rng", "residues", "rope_exact",
+           "rope_cos_sin", "trig_table", "rope_phases", "prepare_rope", "fingerprint_rows", "pages_digest"]

@@ -70,11 +70,11 @@ def token_parts(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return t % Q, torch.div(t, Q, rounding_mode="floor") % Q
 
 
-def _mod_q(x: torch.Tensor) -> torch.Tensor:
+def _remainder(x: torch.Tensor) -> torch.Tensor:
     return x % Q
 
 
-def hash_channels(tokens: torch.Tensor, params: torch.Tensor, mod=_mod_q) -> torch.Tensor:
+def hash_channels(tokens: torch.Tensor, params: torch.Tensor, mod=_remainder) -> torch.Tensor:
     """(n,) tokens x (..., C, 4) channel keys (any leading layer axes) -> (..., n, C) residues.
     ``mod`` reduces mod Q (the batched scans pass ``exact.mod_q``, the same values, faster)."""
     lo, hi = token_parts(tokens)
