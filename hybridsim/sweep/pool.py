@@ -23,9 +23,9 @@ from typing import Callable, Iterable, Iterator, Optional
 from ..hostmem import tune_malloc
 from .jobs import DIED, Job, Outcome, guarded, set_threads
 
-# torch, the planner and the executor; and the CLI, which a child of the `hybridsim` script imports
-# again as its __main__ (0.04 s a job otherwise)
-PRELOAD = ["hybridsim.sweep.cell", "hybridsim.golden", "hybridsim.cli"]
+# torch, the planner and the executor; the CLI, which a child of the `hybridsim` script imports
+# again as its __main__ (0.04 s a job otherwise); constant tables (sweep/preload.py)
+PRELOAD = ["hybridsim.sweep.cell", "hybridsim.golden", "hybridsim.cli", "hybridsim.sweep.preload"]
 
 
 def default_workers() -> int:
