@@ -251,7 +251,9 @@ def replay(
             if any(r.result in ("died", "error") for r in rows):
                 return 3
             return 0 if update_expected else (1 if any(r.result != "pass" for r in rows) else 0)
-        results = [replay_trace(t, announce=None if quiet else _announce, **kw) for t in trace_files(traces)]
+        files = trace_files(traces)
+        results = [replay_trace(t, announce=None if quiet else _announce, strict_bugs=len(files) == 1, **kw)
+                   for t in files]
         if json_out is not None:
             data = [r.as_dict() for r in results]
             _write_json(json_out, data[0] if len(data) == 1 else {"traces": data})

@@ -66,6 +66,31 @@ def check_bugs(names: list[str]) -> set[str]:
     return set(names)
 
 
+_BUG_LAYERS = {"ssm": "mamba", "mamba": "mamba", "attn": "attention", "mla": "mla"}  # check prefix -> layer kind
+_LAYER_NAMES = {"mamba": "Mamba", "attention": "GQA attention", "mla": "MLA"}
+
+
+def inapplicable_bugs(s: Scenario, bugs: set[str]) -> list[str]:
+    """One sentence per bug in a layer kind the model does not have: such a bug changes nothing."""
+    geo = s.geometry()
+    have = [kind for kind in ("mamba", "attention", "mla") if getattr(geo, kind) is not None]
+    out = []
+    for name in sorted(bugs):
+        kind = _BUG_LAYERS[BUGS[name][1].split(".")[0]]
+        if kind not in have:
+            out.append(f"{name} breaks {_LAYER_NAMES[kind]} layers, and scenario {s.name!r} has none (its layers: "
+                       f"{', '.join(_LAYER_NAMES[k] for k in have)})")
+    return out
+
+
+def check_bugs_apply(s: Scenario, bugs: set[str], where: str = "--inject-bug") -> None:
+    """A bug that could change nothing in this model makes a run that passes and proves nothing:
+    refused (exit 2), naming the kinds of layer the model has."""
+    missing = inapplicable_bugs(s, bugs)
+    if missing:
+        raise InputError(f"{missing[0]}; `hybridsim run --list-bugs` says what each bug breaks", where)
+
+
 def groups_from_specs(groups) -> list[GroupInfo]:
     out = []
     for g in groups:

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from .checks import Checks
 from .config import Scenario
 from .errors import InputError
-from .execute import make_executor
+from .execute import check_bugs_apply, inapplicable_bugs, make_executor
 from .trace import read_trace
 from .vllm_recorded import is_vllm_recording
 
@@ -53,7 +53,9 @@ class ReplayResult:
 
 def replay_trace(path: str | Path, *, check: str = "full", bugs: Optional[set[str]] = None,
                  kernels: str = "reference", device: str = "auto",
-                 announce: Optional[Callable[[list[str]], None]] = None) -> ReplayResult:
+                 announce: Optional[Callable[[list[str]], None]] = None, strict_bugs: bool = True) -> ReplayResult:
+    """``strict_bugs``: a bug in a layer kind this trace's model lacks is bad input (one trace named);
+    else (a folder, a golden gate) a note on this trace."""
     notes: list[str] = []
     if is_vllm_recording(path):  # (``read_trace`` would refuse it: convert it here, in memory)
         from .convert import recording_trace
@@ -72,6 +74,10 @@ def replay_trace(path: str | Path, *, check: str = "full", bugs: Optional[set[st
     if recorded_bugs and not bugs:
         notes.append(f"this trace was recorded with --inject-bug {' '.join(recorded_bugs)}; replay with the same "
                      "flags to reproduce its failure")
+    if bugs and strict_bugs:
+        check_bugs_apply(scenario, bugs)
+    elif bugs:
+        notes += [f"--inject-bug: {m}: it changes nothing in this trace" for m in inapplicable_bugs(scenario, bugs)]
     ex = make_executor(scenario, tr.header["groups"], checks, check, bugs or set(), kernels, device, notes,
                        where=f"{path}:1", announce=announce, digests=True, capacity=_distinct_blocks(tr.steps))
     t0 = perf_counter()

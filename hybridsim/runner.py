@@ -104,7 +104,9 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
     checks = Checks()
     sim = Simulation(s, wl)
     if bugs:
+        from .execute import check_bugs_apply
         from .sched.injected import inject
+        check_bugs_apply(s, bugs)
         inject(sim.kv, bugs)
     notes: list[str] = []
     executor = None

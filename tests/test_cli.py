@@ -195,6 +195,25 @@ def test_list_bugs_and_unknown_bug():
     assert r.returncode == 2 and "gremlins" in r.stderr
 
 
+def test_bug_in_a_layer_kind_the_model_lacks_is_refused(tmp_path):
+    """--inject-bug of a GQA-attention bug on a Mamba + MLA model could change nothing: a run or a
+    single trace's replay is refused (exit 2, naming the model's layers, nothing written); a folder
+    of traces replays with a note on the traces it cannot touch."""
+    out = tmp_path / "r.json"
+    r = hs("run", "scenarios/quickstart.yaml", "--inject-bug", "slot_off_by_one", "--json", out)
+    assert r.returncode == 2 and "slot_off_by_one breaks GQA attention layers" in r.stderr
+    assert "Mamba, MLA" in r.stderr and "Traceback" not in r.stderr and not out.exists()
+    r = hs("replay", "traces/mla_long_context.jsonl", "--inject-bug", "temporal_without_bias", "-q")
+    assert r.returncode == 2 and "temporal_without_bias breaks Mamba layers" in r.stderr
+    d = tmp_path / "two"
+    d.mkdir()
+    for name in ("mla_long_context", "spec_decode"):
+        (d / f"{name}.jsonl").write_bytes((REPO / "traces" / f"{name}.jsonl").read_bytes())
+    r = hs("replay", d, "--inject-bug", "temporal_without_bias")
+    assert r.returncode == 1, r.stdout + r.stderr  # spec_decode's Mamba states break
+    assert "it changes nothing in this trace" in r.stdout
+
+
 def test_cuda_without_gpu_is_environment_error():
     import torch
     if torch.cuda.is_available():

@@ -84,6 +84,9 @@ def test_exclude_and_seeds(tmp_path):
     ("  seed: [1, 2]\n", BASE, "sweep.yaml:5", ["seeds: list"]),
     ("  model.preset: [tiny-hybrid, no-such-model]\n", BASE, "sweep.yaml:5", ["cell 2 (", "model: unknown preset"]),
     ("inject_bug: [no_such_bug]\n", BASE, "sweep.yaml:5", ["inject_bug:"]),
+    # a bug in a layer kind a cell's model lacks would change nothing in that cell
+    ("  model.preset: [tiny-hybrid, tiny-mla]\ninject_bug: [temporal_without_bias]\n", BASE, "sweep.yaml:6",
+     ["preset=tiny-mla", "inject_bug: temporal_without_bias breaks Mamba layers"]),
 ])
 def test_bad_cell_is_refused_with_one_message(tmp_path, extra, base, where, words):
     path = sweep_dir(tmp_path, extra, base)

@@ -175,6 +175,12 @@ def load_sweep(path: str | Path) -> Sweep:
             continue
         for seed in seeds:
             cell = _build_cell(len(cells), values, seed, base_raw, base, base_lines, lines, short)
+            if spec.inject_bug:  # (a bug in a layer kind the cell's model lacks would change nothing)
+                from ..execute import inapplicable_bugs
+                missing = inapplicable_bugs(cell.loaded().scenario, set(spec.inject_bug))
+                if missing:
+                    raise InputError(f"cell {len(cells) + 1} ({cell.label}): inject_bug: {missing[0]}",
+                                     lines.where(("inject_bug",)))
             if cell.label in labels:
                 raise InputError(f"cell {cell.label} appears twice (a value repeats in the grid)",
                                  lines.where(("grid",)))
