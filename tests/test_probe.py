@@ -167,6 +167,16 @@ def test_comparisons_count_exactly_the_differing_elements(provider):
     others = torch.ones_like(st[..., 0], dtype=torch.bool)
     others[first, 1] = others[first, 2] = others[len(tags) + 1, 0] = False
     assert (st[..., 0][others] == 0).all() and (st[..., 2][others] == NO_MISMATCH).all()
+    # only one temporal element off: the conv windows and the outputs all agree
+    temporal = ln.state_temporal.clone()
+    temporal[0, e_tp[0], 1, 0, 3] += 7
+    launch, tags = cb.build(ln.init_window, ln.state_conv.clone(), ln.state_temporal.clone(), torch.arange(L), "cpu",
+                            y_start=ln.y_start + 1, cmp=(ln.state_conv.clone(), temporal, torch.arange(L)),
+                            y_ref=ln.y_out.clone())
+    (scan_reference if provider == "reference" else scan_triton)(tab, launch)
+    st = launch.stats
+    assert st[tags.index((e_row, e_t)), 0].tolist() == [1, 7, (K - 1) * tab.dim + 1 * P_N + 3]
+    assert int(st[..., 0].sum()) == 1
 
 
 def test_every_state_element_depends_on_the_first_token():

@@ -316,11 +316,14 @@ def _temporal_pages(temporal, slot, pages):
 
 def _mismatch(got: torch.Tensor, want: torch.Tensor, mask: torch.Tensor):
     """Page values ``got`` (k, L, ...) against residues ``want``, where ``mask`` (k, L) says the
-    comparison is made: (mismatches, max |diff|, first mismatching element), each (k, L)."""
+    comparison is made: (mismatches, max |diff|, first mismatching element), each (k, L); None
+    when every compared element is equal."""
     k, L = got.shape[:2]
     g = got.reshape(k, L, -1).double()
     w = want.reshape(k, L, -1).double()
     bad = ~(g == w) & mask[..., None]
+    if not bool(bad.any()):  # the usual case: nothing to count or locate (this torch form reads back anyway)
+        return None
     diff = torch.where(torch.isnan(g), torch.full_like(g, float(NAN_DIFF)), (g - w).abs())
     idx = torch.arange(g.shape[-1], device=g.device)
     count = bad.sum(-1)
@@ -388,17 +391,18 @@ def scan_reference(tables: StackedTables, ln: ScanLaunch, chunk: int | None = No
                 ref = ln.y_ref[(ln.y_start[sel][:, None] + jj - yf)[cm]].double()  # (M, L, HP)
                 got = y[cm].reshape(-1, L, HP)
                 bad = got != ref  # (M, L, HP)
-                row_of = torch.arange(len(rows), device=dev)[:, None].expand(-1, T)[cm]
-                tok_of = (jj - yf).expand(len(rows), -1)[cm]
-                per = torch.zeros(len(rows), L, dtype=torch.int64, device=dev)
-                per.index_add_(0, row_of, bad.sum(-1))
-                dmax = torch.zeros(len(rows), L, dtype=torch.int64, device=dev)
-                dmax.scatter_reduce_(0, row_of[:, None].expand(-1, L), torch.where(bad, (got - ref).abs(), zero)
-                                     .amax(-1).to(torch.int64), "amax")
-                first = torch.full((len(rows), L), NO_MISMATCH, dtype=torch.int64, device=dev)
-                cand = torch.where(bad.any(-1), tok_of[:, None], torch.full((), NO_MISMATCH, device=dev))
-                first.scatter_reduce_(0, row_of[:, None].expand(-1, L), cand, "amin")
-                _accumulate(ln.stats, n_cmp + sel, per, dmax, first)
+                if bool(bad.any()):  # (the usual case, none: the stats stay as they are)
+                    row_of = torch.arange(len(rows), device=dev)[:, None].expand(-1, T)[cm]
+                    tok_of = (jj - yf).expand(len(rows), -1)[cm]
+                    per = torch.zeros(len(rows), L, dtype=torch.int64, device=dev)
+                    per.index_add_(0, row_of, bad.sum(-1))
+                    dmax = torch.zeros(len(rows), L, dtype=torch.int64, device=dev)
+                    dmax.scatter_reduce_(0, row_of[:, None].expand(-1, L), torch.where(bad, (got - ref).abs(), zero)
+                                         .amax(-1).to(torch.int64), "amax")
+                    first = torch.full((len(rows), L), NO_MISMATCH, dtype=torch.int64, device=dev)
+                    cand = torch.where(bad.any(-1), tok_of[:, None], torch.full((), NO_MISMATCH, device=dev))
+                    first.scatter_reduce_(0, row_of[:, None].expand(-1, L), cand, "amin")
+                    _accumulate(ln.stats, n_cmp + sel, per, dmax, first)
         # states wanted in this chunk: events, comparisons, and each row's last state of the chunk
         want_i, want_t, ev_k, ev_i, cmp_k, cmp_i = [], [], [], [], [], []
         for i, b in enumerate(rows):
@@ -431,10 +435,13 @@ def scan_reference(tables: StackedTables, ln: ScanLaunch, chunk: int | None = No
             cpg, tpg = ln.cmp_cpage[ci], ln.cmp_tpage[ci]
             cv = _conv_rows(ln.cmp_conv, ln.cmp_slot, cpg, ln.cmp_off[ci], K)
             tv = _temporal_pages(ln.cmp_temporal, ln.cmp_slot, tpg)
-            c_cnt, c_max, c_first = _mismatch(cv, win[ki], cpg >= 0)
-            t_cnt, t_max, t_first = _mismatch(tv, hs[ki], tpg >= 0)
-            t_first = torch.where(t_first == NO_MISMATCH, t_first, t_first + wsz)
-            _accumulate(ln.stats, ci, c_cnt + t_cnt, torch.maximum(c_max, t_max), torch.minimum(c_first, t_first))
+            c_bad, t_bad = _mismatch(cv, win[ki], cpg >= 0), _mismatch(tv, hs[ki], tpg >= 0)
+            if c_bad is not None or t_bad is not None:  # (else the stats stay as they are)
+                clean = torch.zeros(len(cmp_k), L, dtype=torch.int64, device=dev)
+                c_cnt, c_max, c_first = c_bad or (clean, clean, clean + NO_MISMATCH)
+                t_cnt, t_max, t_first = t_bad or (clean, clean, clean + NO_MISMATCH)
+                t_first = torch.where(t_first == NO_MISMATCH, t_first, t_first + wsz)
+                _accumulate(ln.stats, ci, c_cnt + t_cnt, torch.maximum(c_max, t_max), torch.minimum(c_first, t_first))
         if hist is not None:  # the draft rows' inputs of this chunk after the window rows
             hm = (hist[sel] >= 0)[:, :, None] & vmask[:, None, :]  # (b', L, T)
             i_, l_, t_ = hm.nonzero(as_tuple=True)
