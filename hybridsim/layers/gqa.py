@@ -20,7 +20,7 @@ import torch
 
 from ..model import AttentionGeometry
 from .exact import rng, rope_exact
-from .mla import HIDDEN, ROPE_SHIFT, TABLE, TABLE2, torch_dtype
+from .mla import HIDDEN, ROPE_SHIFT, TABLE, TABLE2, token_rows, torch_dtype
 
 V_SHIFT = 7  # v is an integer (|.| <= 4096) times 2**-7; k and q carry RoPE's 2**-17
 
@@ -60,8 +60,7 @@ class GQAStack:
 
     def hidden(self, tok: torch.Tensor) -> torch.Tensor:
         """(layers, *tok.shape, hidden), integer-valued."""
-        t = tok.long()
-        return self.emb1[:, t % TABLE] + self.emb2[:, (t // TABLE) % TABLE2]
+        return token_rows(self.emb1, self.emb2, tok)
 
     def _kv(self, x: torch.Tensor, pos: torch.Tensor, n_pos: int | None):
         """K and V (layers, ..., kv_heads, D) of hidden states x (layers, ..., hidden) at pos (...)."""
