@@ -16,6 +16,18 @@ NEG_INF = float("-inf")
 SCORE_ELEMS = 1 << 27  # mla_decode materialises scores of at most this many elements at once
 
 
+def _softmax_lse(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Probabilities and the natural-log lse over the last axis of scores ``s`` (-inf where masked;
+    overwritten: it becomes the probabilities). A row masked everywhere gives p = 0 and lse = -inf;
+    a row holding a NaN gives p = 0 and lse = NaN (an unwritten input stays visible downstream)."""
+    m = s.amax(-1, keepdim=True)
+    finite = torch.isfinite(m)
+    s.sub_(torch.where(finite, m, 0.0)).exp_()
+    total = s.sum(-1, keepdim=True)
+    lse = torch.where(finite, m + torch.log(total), m).squeeze(-1)
+    return s.div_(torch.where(finite, total, 1.0)).masked_fill_(~finite, 0.0), lse
+
+
 class ReferenceKernels:
     name = "reference"
 
@@ -134,11 +146,8 @@ class ReferenceKernels:
         else:
             s = torch.einsum("nhd,mhd->nhm", q, k) * scale
         if mask is not None:
-            s = s.masked_fill(~mask[:, None, :], NEG_INF)
-        lse = torch.logsumexp(s, dim=-1)
-        finite = torch.isfinite(lse)
-        p = torch.exp(s - torch.where(finite, lse, torch.zeros_like(lse))[..., None])
-        p = torch.where(finite[..., None], p, torch.zeros_like(p))
+            s.masked_fill_(~mask[:, None, :], NEG_INF)
+        p, lse = _softmax_lse(s)
         out = torch.einsum("nhm,mhd->nhd", p, v) if v.dim() == 3 else torch.einsum("nhm,md->nhd", p, v)
         return out, lse
 
@@ -176,10 +185,7 @@ class ReferenceKernels:
         qpos = lens[:, None] - nq + torch.arange(nq, device=dev)[None, :]  # (B, nq)
         visible = (kpos[None, None, :] <= qpos[:, :, None]) & (kpos[None, None, :] < lens[:, None, None])
         if splits == 1:
-            sm = s.masked_fill(~visible[:, :, None, :], NEG_INF)
-            lse = torch.logsumexp(sm, dim=-1)
-            finite = torch.isfinite(lse)
-            p = torch.exp(sm - torch.where(finite, lse, 0.0)[..., None]).masked_fill(~finite[..., None], 0.0)
+            p, lse = _softmax_lse(s.masked_fill_(~visible[:, :, None, :], NEG_INF))
             return torch.einsum("bqhm,bmd->bqhd", p, kv_c), lse
         per = torch.div(lens + splits - 1, splits, rounding_mode="floor").clamp_min(1)  # (B,)
         part = kpos[None, :] // per[:, None]  # (B, n): which split each key falls in
