@@ -99,14 +99,15 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
     s = loaded.scenario
     check = check or s.execution.check
     execute = (check != "off") if execute is None else execute
+    if bugs:
+        from .execute import check_bugs_apply
+        check_bugs_apply(s, bugs)
     wl = build_workload(loaded)
     check_workload_fits(loaded, wl)
     checks = Checks()
     sim = Simulation(s, wl)
     if bugs:
-        from .execute import check_bugs_apply
         from .sched.injected import inject
-        check_bugs_apply(s, bugs)
         inject(sim.kv, bugs)
     notes: list[str] = []
     executor = None

@@ -82,10 +82,14 @@ class MLAProbe:
         twin.w = MLAWeights(**{k: v.to(device) for k, v in self.w.__dict__.items()})
         return twin
 
+    def hidden32(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Integer-valued float32 (..., hidden): the token's two embedding rows, summed."""
+        t = tokens.long()
+        return self.w.emb1[t % TABLE] + self.w.emb2[(t // TABLE) % TABLE2]
+
     def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
         """Integer-valued float64 (..., hidden)."""
-        t = tokens.long()
-        return (self.w.emb1[t % TABLE] + self.w.emb2[(t // TABLE) % TABLE2]).double()
+        return self.hidden32(tokens).double()
 
     def latent64(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Cache entries [kv_c | k_pe] (n, kv_lora + rope), exact, float64."""
@@ -108,8 +112,7 @@ class MLAProbe:
         float32 and still exact: the products and sums are integers below 2**13, the rotated ones
         below 2**23 (even TF32 inputs hold these small integers exactly). ``n_pos`` bounds the positions."""
         w = self.w
-        t = tokens.long()
-        x = (w.emb1[t % TABLE] + w.emb2[(t // TABLE) % TABLE2])[None]
+        x = self.hidden32(tokens)[None]
         lat = latent_of(x, w.w_dkv[None], w.w_kr[None], pos, n_pos)[0]
         q_nope, q_pe = queries_of(x, w.w_qn[None], w.w_qr[None], pos[:, None], n_pos)
         return lat, q_nope[0], q_pe[0]
