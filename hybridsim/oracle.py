@@ -34,6 +34,10 @@ from .layers.mla import MLAProbe, MLAStack
 
 
 SMALL_BATCH = 1 << 14  # (query, key) pairs of padding any oracle batch may take: one call beats two small ones
+# On a CPU (measured with the tiny presets' MLA layer): a call costs about 0.38 ms plus 7.7 ns per
+# float64 score element, up to 2**18 of them (2 MiB, one core's L2); past that, about twice as much each
+CPU_BATCH_ELEMS = 1 << 18
+CPU_CALL_ELEMS = 3 << 14  # the elements one call's fixed cost pays for
 
 
 @dataclass
@@ -122,12 +126,19 @@ class DenseOracle:
     """Expected attention outputs (float64, on the run's device) of committed query positions,
     every layer at once, rows batched with padding up to ``budget_elems`` elements a batch
     (scores, and each row's projected keys: for a decode row the keys are the larger part). ``stack`` is a layer kind's stacked probe (``MLAStack``, ``GQAStack``): its
-    ``attend`` recomputes everything from token ids."""
+    ``attend`` recomputes everything from token ids.
 
-    def __init__(self, stack, device: torch.device, budget_elems: int = 1 << 27):
+    On a GPU a batch may take padding up to twice its real work (``SMALL_BATCH`` more): calls
+    are what cost there. A CPU computes every padded element at full price and slows down
+    once a batch's scores leave its cache, so there batches stay within ``CPU_BATCH_ELEMS``
+    and merge only where one call costs less than two (``CPU_CALL_ELEMS``)."""
+
+    def __init__(self, stack, device: torch.device, budget_elems: int = 1 << 27, work_bound: bool | None = None):
         self.stack = stack
         self.device = device
-        self.budget = budget_elems
+        # batching for a machine where the work, not the calls, is the cost (default: a CPU)
+        self.work_bound = torch.device(device).type == "cpu" if work_bound is None else work_bound
+        self.budget = min(budget_elems, CPU_BATCH_ELEMS) if self.work_bound else budget_elems
 
     def expected(self, rows: list[tuple[np.ndarray, int, int]]) -> list[torch.Tensor]:
         """rows: (committed tokens, c, k). Returns per row (layers, k, H, v): attention of positions
@@ -141,19 +152,25 @@ class DenseOracle:
         # (queries, keys): a piece's last query sees c + q1 keys (causal), so earlier pieces of a
         # long prefill chunk need fewer keys than the row has
         size = lambda p: (p[2] - p[1], rows[p[0]][1] + p[2])  # noqa: E731
+        elems = lambda b, q, n: b * n * (q * per_q + per_k)  # noqa: E731
         pieces.sort(key=lambda p: size(p), reverse=True)
         out: list[list[tuple[int, torch.Tensor]]] = [[] for _ in rows]
         start = 0
-        while start < len(pieces):  # batches padded to their largest piece: within budget, at most 2x waste
+        while start < len(pieces):  # batches padded to their largest piece
             q_max, n_max = size(pieces[start])
             end, actual = start + 1, q_max * n_max
             while end < len(pieces):
                 q, n = size(pieces[end])
-                padded = (end - start + 1) * q_max * max(n_max, n)
-                keys = (end - start + 1) * max(n_max, n) * per_k  # every row's keys are projected
-                if padded * per_q + keys > self.budget or padded > 2 * (actual + q * n) + SMALL_BATCH:
+                b, n2 = end - start + 1, max(n_max, n)
+                merged = elems(b, q_max, n2)
+                if merged > self.budget:
                     break
-                n_max, actual, end = max(n_max, n), actual + q * n, end + 1
+                if self.work_bound:  # one call only where it costs less than two
+                    if merged > elems(b - 1, q_max, n_max) + elems(1, q, n) + CPU_CALL_ELEMS:
+                        break
+                elif b * q_max * n2 > 2 * (actual + q * n) + SMALL_BATCH:
+                    break
+                n_max, actual, end = n2, actual + q * n, end + 1
             batch = pieces[start:end]
             tok = np.zeros((len(batch), n_max), dtype=np.int64)
             qpos = np.zeros((len(batch), q_max), dtype=np.int64)
@@ -171,11 +188,13 @@ class DenseOracle:
 MLA_ORACLE_ELEMS = 1 << 28  # float64 elements of one MLA oracle batch: scores and latent keys
 
 
-def MLAOracle(probes: list[MLAProbe], device: torch.device, budget_elems: int = MLA_ORACLE_ELEMS) -> DenseOracle:
+def MLAOracle(probes: list[MLAProbe], device: torch.device, budget_elems: int = MLA_ORACLE_ELEMS,
+              work_bound: bool | None = None) -> DenseOracle:
     """Dense float64 attention over the committed tokens of every MLA layer."""
-    return DenseOracle(MLAStack(probes, device), device, budget_elems)
+    return DenseOracle(MLAStack(probes, device), device, budget_elems, work_bound)
 
 
-def GQAOracle(probes: list[GQAProbe], device: torch.device, budget_elems: int = 1 << 26) -> DenseOracle:
+def GQAOracle(probes: list[GQAProbe], device: torch.device, budget_elems: int = 1 << 26,
+              work_bound: bool | None = None) -> DenseOracle:
     """Dense float64 causal attention over the committed tokens of every GQA layer."""
-    return DenseOracle(GQAStack(probes, device), device, budget_elems)
+    return DenseOracle(GQAStack(probes, device), device, budget_elems, work_bound)

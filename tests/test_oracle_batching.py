@@ -30,15 +30,39 @@ MLA = (lambda: MLAGeometry(layers=2, heads=4, kv_lora_rank=32, qk_rope_head_dim=
                            v_head_dim=16), MLAProbe, mla_dense, MLAOracle, 1e-10)
 
 
+@pytest.mark.parametrize("work_bound", [False, True], ids=["gpu-rule", "cpu-rule"])
 @pytest.mark.parametrize("kind,budget", [(GQA, 1 << 26), (GQA, 40_000), (GQA, 6_000), (MLA, 1 << 28), (MLA, 60_000)],
                          ids=["gqa-one-batch", "gqa-several", "gqa-few-queries-a-piece", "mla-one-batch", "mla-several"])
-def test_oracle_batches_equal_the_definition(kind, budget):
+def test_oracle_batches_equal_the_definition(kind, budget, work_bound):
     geometry, probe_kind, dense, oracle, rtol = kind
     geo = geometry()
     probes = [probe_kind(geo, layer, seed=3) for layer in range(2)]
     rows = _rows(1)
-    got = oracle(probes, torch.device("cpu"), budget).expected(rows)
+    got = oracle(probes, torch.device("cpu"), budget, work_bound).expected(rows)
     for (toks, c, k), out in zip(rows, got):
         for layer, p in enumerate(probes):
             want = dense(p, torch.from_numpy(toks), torch.arange(c, c + k))
             assert torch.allclose(out[layer], want, rtol=rtol, atol=1e-12)
+
+
+@pytest.mark.parametrize("work_bound", [False, True], ids=["gpu-rule", "cpu-rule"])
+def test_cpu_batches_do_not_pad_decodes_to_a_prefill(monkeypatch, work_bound):
+    """Where work is the cost (a CPU), a decode row is not padded to a prefill chunk's queries and
+    keys (on a GPU one call is cheaper than two): the batches the oracle forms, by shape."""
+    geo = MLA[0]()
+    probes = [MLAProbe(geo, layer, seed=3) for layer in range(2)]
+    oracle = MLAOracle(probes, torch.device("cpu"), work_bound=work_bound)
+    shapes = []
+    attend = oracle.stack.attend
+    monkeypatch.setattr(oracle.stack, "attend", lambda tok, qpos: shapes.append((*tok.shape, qpos.shape[1]))
+                        or attend(tok, qpos))
+    g = np.random.default_rng(5)
+    rows = [(g.integers(0, 60_000, size=c + k).astype(np.int64), c, k) for c, k in [(112, 112), (259, 4), (250, 3)]]
+    got = oracle.expected(rows)
+    if work_bound:
+        assert shapes == [(1, 224, 112), (2, 263, 4)]
+    else:
+        assert shapes == [(2, 263, 112), (1, 253, 3)]  # the decode row padded to 112 queries
+    for (toks, c, k), out in zip(rows, got):
+        want = mla_dense(probes[1], torch.from_numpy(toks), torch.arange(c, c + k))
+        assert torch.allclose(out[1], want, rtol=1e-10, atol=1e-12)
