@@ -284,9 +284,6 @@ def sweep(
     """Run a grid of scenario variants x seeds in parallel; one row per cell in DIR/results.csv."""
 
     def body() -> int:
-        from .sweep import load_sweep, run_sweep
-        from .sweep.report import failing_table, outcome_table, slowest_table
-
         if ray is not None and workers is not None:
             raise InputError("give --workers (local pool) or --ray (Ray decides), not both", "--workers")
         if ray is not None and not ray.strip():
@@ -295,7 +292,10 @@ def sweep(
             raise InputError(f"{out_dir} exists and is not a folder", "--out")
         if ray is None:
             from .sweep.pool import warm_up
-            warm_up()  # (the workers' imports overlap validation)
+            warm_up()  # (the workers' imports overlap this process's own, and validation)
+        from .sweep import load_sweep, run_sweep
+        from .sweep.report import failing_table, outcome_table, slowest_table
+
         sw = load_sweep(sweep_file)  # every cell built and validated before anything runs
         progress = None
         if not quiet and out.is_terminal:

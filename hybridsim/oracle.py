@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from .engine.transfer import upload
+from .kernels.batching import CPU_CALL_ELEMS, worth_merging
 from .kernels.probe_scan import ScanBuilder, ScanLaunch
 from .layers.mamba import StackedTables
 from .layers.gqa import GQAProbe, GQAStack
@@ -34,10 +35,6 @@ from .layers.mla import MLAProbe, MLAStack
 
 
 SMALL_BATCH = 1 << 14  # (query, key) pairs of padding any oracle batch may take: one call beats two small ones
-# On a CPU (measured with the tiny presets' MLA layer): a call costs about 0.38 ms plus 7.7 ns per
-# float64 score element, up to 2**18 of them (2 MiB, one core's L2); past that, about twice as much each
-CPU_BATCH_ELEMS = 1 << 18
-CPU_CALL_ELEMS = 3 << 14  # the elements one call's fixed cost pays for
 
 
 @dataclass
@@ -129,24 +126,46 @@ class DenseOracle:
     ``attend`` recomputes everything from token ids.
 
     On a GPU a batch may take padding up to twice its real work (``SMALL_BATCH`` more): calls
-    are what cost there. A CPU computes every padded element at full price and slows down
-    once a batch's scores leave its cache, so there batches stay within ``CPU_BATCH_ELEMS``
-    and merge only where one call costs less than two (``CPU_CALL_ELEMS``)."""
+    are what cost there. A CPU computes every padded element (scores and keys) at full price
+    and slows down once a batch's scores leave its cache, so there pieces merge only where one
+    call costs less than two and the scores stay in the cache (``kernels/batching.py``).
+    Where keys cost projections (``GQAStack``) and ``memo_bytes`` allows, a CPU keeps each
+    request's projected keys (``KeyMemo``): a long row then attends alone over them."""
 
-    def __init__(self, stack, device: torch.device, budget_elems: int = 1 << 27, work_bound: bool | None = None):
+    def __init__(self, stack, device: torch.device, budget_elems: int = 1 << 27, work_bound: bool | None = None,
+                 memo_bytes: int = 0):
         self.stack = stack
         self.device = device
         # batching for a machine where the work, not the calls, is the cost (default: a CPU)
         self.work_bound = torch.device(device).type == "cpu" if work_bound is None else work_bound
-        self.budget = min(budget_elems, CPU_BATCH_ELEMS) if self.work_bound else budget_elems
+        self.budget = budget_elems
+        self.memo = KeyMemo(stack, memo_bytes) if memo_bytes and self.work_bound and hasattr(stack, "keys") else None
 
-    def expected(self, rows: list[tuple[np.ndarray, int, int]]) -> list[torch.Tensor]:
+    def forget(self, key) -> None:
+        """A request that left (finished, preempted): its kept keys go."""
+        if self.memo is not None:
+            self.memo.forget(key)
+
+    def expected(self, rows: list[tuple[np.ndarray, int, int]], keys: list | None = None) -> list[torch.Tensor]:
         """rows: (committed tokens, c, k). Returns per row (layers, k, H, v): attention of positions
-        c..c+k-1 over the tokens [0, c+k)."""
+        c..c+k-1 over the tokens [0, c+k). ``keys``: each row's request (for the key memo)."""
         per_q = self.stack.layers * self.stack.heads  # score elements per query and key
         per_k = self.stack.layers * self.stack.key_elems  # K/V (or latent) elements per key and row
+        out: list[list[tuple[int, torch.Tensor]]] = [[] for _ in rows]
         pieces = []  # (row, q0, q1): a row's queries split so one piece fits the budget
-        for i, (_, c, k) in enumerate(rows):
+        for i, (toks, c, k) in enumerate(rows):
+            kv = None
+            if self.memo is not None and keys is not None and (c + k) * per_k >= CPU_CALL_ELEMS:
+                kv = self.memo.get(keys[i], toks, c + k)  # (None: the memo is full)
+            if kv is not None:  # a long row: alone, over its kept keys, its queries in pieces
+                step = max(1, (self.budget // (c + k)) // per_q)
+                for q0 in range(0, k, step):
+                    q1 = min(k, q0 + step)
+                    qtok = upload(toks[c + q0: c + q1], self.device)
+                    qpos = torch.arange(c + q0, c + q1, device=self.device)
+                    res = self.stack.attend_keys(kv[0][:, : c + q1], kv[1][:, : c + q1], qtok, qpos)
+                    out[i].append((q0, res[:, 0]))
+                continue
             step = max(1, (self.budget // (c + k) - per_k) // per_q)
             pieces += [(i, q0, min(k, q0 + step)) for q0 in range(0, k, step)]
         # (queries, keys): a piece's last query sees c + q1 keys (causal), so earlier pieces of a
@@ -154,7 +173,6 @@ class DenseOracle:
         size = lambda p: (p[2] - p[1], rows[p[0]][1] + p[2])  # noqa: E731
         elems = lambda b, q, n: b * n * (q * per_q + per_k)  # noqa: E731
         pieces.sort(key=lambda p: size(p), reverse=True)
-        out: list[list[tuple[int, torch.Tensor]]] = [[] for _ in rows]
         start = 0
         while start < len(pieces):  # batches padded to their largest piece
             q_max, n_max = size(pieces[start])
@@ -165,8 +183,8 @@ class DenseOracle:
                 merged = elems(b, q_max, n2)
                 if merged > self.budget:
                     break
-                if self.work_bound:  # one call only where it costs less than two
-                    if merged > elems(b - 1, q_max, n_max) + elems(1, q, n) + CPU_CALL_ELEMS:
+                if self.work_bound:  # (a piece alone may pass the cache bound: split, it projects its keys again)
+                    if not worth_merging(merged, elems(b - 1, q_max, n_max) + elems(1, q, n), b * q_max * n2 * per_q):
                         break
                 elif b * q_max * n2 > 2 * (actual + q * n) + SMALL_BATCH:
                     break
@@ -185,6 +203,57 @@ class DenseOracle:
         return [torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])], dim=1) for parts in out]
 
 
+class KeyMemo:
+    """The K and V a CPU oracle projected for each live request's committed tokens (float64, exact),
+    so a step projects only the tokens new to it. Without it a decode row over 2,000 tokens
+    projects all 2,000 again each step: the vLLM-recorded golden traces spent most of their replay
+    there. Committed tokens never change, but each use checks the kept prefix against the row's
+    tokens all the same. At most ``budget_bytes`` in all: a request that would pass it is not kept."""
+
+    def __init__(self, stack, budget_bytes: int):
+        self.stack = stack
+        self.budget = budget_bytes
+        self.used = 0
+        self.rows: dict = {}  # key -> [tokens (n,) int64, K, V (layers, capacity, K, D), n]
+
+    def forget(self, key) -> None:
+        row = self.rows.pop(key, None)
+        if row is not None:
+            self.used -= 2 * row[1].numel() * row[1].element_size()
+
+    def get(self, key, tokens: np.ndarray, n: int):
+        """K, V (layers, >= n, K, D) whose first n rows are tokens[:n]'s (a row may see more
+        tokens kept than it needs: a preempted request computing its prefix again), or None."""
+        row = self.rows.get(key)
+        if row is not None and (row[3] > len(tokens) or not np.array_equal(row[0], tokens[: row[3]])):
+            self.forget(key)
+            row = None
+        have = row[3] if row is not None else 0
+        if have < n:
+            k, v = self.stack.keys(upload(tokens[have:n], self.stack.emb1.device),
+                                   torch.arange(have, n, device=self.stack.emb1.device), n)
+            if row is None or row[1].shape[1] < n:  # room for twice as many tokens
+                cap = max(64, 2 * n)
+                grown = [torch.empty((k.shape[0], cap, *k.shape[2:]), dtype=k.dtype, device=k.device) for _ in (k, v)]
+                add = 2 * grown[0].numel() * grown[0].element_size() - (
+                    2 * row[1].numel() * row[1].element_size() if row is not None else 0)
+                if self.used + add > self.budget:
+                    return None if row is None else self._without(key, k, v, row, have, n)
+                if row is not None:
+                    grown[0][:, :have], grown[1][:, :have] = row[1][:, :have], row[2][:, :have]
+                self.used += add
+                row = self.rows[key] = [None, grown[0], grown[1], have]
+            row[1][:, have:n], row[2][:, have:n] = k, v
+            row[0], row[3] = np.array(tokens[:n]), n
+        return row[1], row[2]
+
+    def _without(self, key, k, v, row, have: int, n: int):
+        """The memo is full: this request's keys once more, whole, and it is kept no longer."""
+        whole = (torch.cat([row[1][:, :have], k], dim=1), torch.cat([row[2][:, :have], v], dim=1))
+        self.forget(key)
+        return whole
+
+
 MLA_ORACLE_ELEMS = 1 << 28  # float64 elements of one MLA oracle batch: scores and latent keys
 
 
@@ -195,6 +264,6 @@ def MLAOracle(probes: list[MLAProbe], device: torch.device, budget_elems: int = 
 
 
 def GQAOracle(probes: list[GQAProbe], device: torch.device, budget_elems: int = 1 << 26,
-              work_bound: bool | None = None) -> DenseOracle:
+              work_bound: bool | None = None, memo_bytes: int = 0) -> DenseOracle:
     """Dense float64 causal attention over the committed tokens of every GQA layer."""
-    return DenseOracle(GQAStack(probes, device), device, budget_elems, work_bound)
+    return DenseOracle(GQAStack(probes, device), device, budget_elems, work_bound, memo_bytes)

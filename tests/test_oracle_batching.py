@@ -66,3 +66,39 @@ def test_cpu_batches_do_not_pad_decodes_to_a_prefill(monkeypatch, work_bound):
     for (toks, c, k), out in zip(rows, got):
         want = mla_dense(probes[1], torch.from_numpy(toks), torch.arange(c, c + k))
         assert torch.allclose(out[1], want, rtol=1e-10, atol=1e-12)
+
+
+def _gqa_long():
+    geo = AttentionGeometry(layers=2, heads=4, kv_heads=2, head_dim=16, dtype="float32")
+    return [GQAProbe(geo, layer, seed=3) for layer in range(2)]
+
+
+@pytest.mark.parametrize("memo_bytes", [1 << 30, 700_000, 40_000], ids=["kept", "memo-fills", "memo-full"])
+def test_key_memo_gives_the_definition_as_requests_grow(memo_bytes):
+    """A CPU oracle keeping each request's projected keys (``KeyMemo``) over steps: a request
+    prefilled in chunks then decoded, one preempted and computing its prefix again (the memo
+    holds more than the row needs), a key reused for other tokens (dropped, projected anew), and
+    a memo too small for everything (rows projected whole): always the one-row definition."""
+    probes = _gqa_long()
+    oracle = GQAOracle(probes, torch.device("cpu"), work_bound=True, memo_bytes=memo_bytes)
+    g = np.random.default_rng(9)
+    a, b = g.integers(0, 60_000, size=700), g.integers(0, 60_000, size=500)
+    steps = [  # (key, tokens committed so far, c, k) per row
+        [("a", a[:300], 0, 300), ("b", b[:200], 0, 200)],
+        [("a", a[:600], 300, 300), ("b", b[:203], 200, 3)],
+        [("a", a[:602], 600, 2), ("b", b[:203], 0, 200)],  # b preempted: its prefix again
+        [("a", a[:605], 602, 3), ("b", a[:420], 400, 20)],  # the key b now names other tokens
+    ]
+    memo = oracle.memo
+    for rows in steps:
+        got = oracle.expected([(t, c, k) for _, t, c, k in rows], [key for key, *_ in rows])
+        for (_, toks, c, k), out in zip(rows, got):
+            for layer, p in enumerate(probes):
+                want = gqa_dense(p, torch.from_numpy(toks), torch.arange(c, c + k))
+                assert torch.allclose(out[layer], want, rtol=1e-12, atol=1e-12)
+        assert memo.used <= memo_bytes
+    if memo_bytes > 1 << 20:
+        assert set(memo.rows) == {"a", "b"} and memo.rows["b"][3] == 420
+    oracle.forget("a")
+    oracle.forget("b")
+    assert memo.used == 0 and not memo.rows

@@ -39,6 +39,17 @@ from .transfer import to_device, upload
 
 
 ORACLE_SCORES = 1 << 26  # float64 elements (scores, projected keys) the oracle materialises at once
+ORACLE_MEMO = 1 << 30  # bytes of projected keys a CPU oracle keeps for the live requests (oracle.KeyMemo)
+
+
+def oracle_memo_bytes(s: Scenario, device: torch.device) -> int:
+    """What the oracle's key memo may hold: on a CPU, every live request's float64 K and V up to
+    the model length, within ``ORACLE_MEMO``; nothing on a GPU (projecting again is cheap there)."""
+    a = s.geometry().attention
+    if torch.device(device).type != "cpu" or a is None:
+        return 0
+    per_token = a.layers * 2 * a.kv_heads * a.head_dim * 8
+    return min(ORACLE_MEMO, 2 * s.scheduler.max_num_seqs * s.scheduler.max_model_len * per_token)
 
 
 @dataclass
@@ -65,7 +76,7 @@ class AttentionExecution:
         self.bs = self.groups[0].block_size
         probes = [GQAProbe(geo, layer, scenario.seed) for layer in range(geo.layers)]
         self.stack = GQAStack(probes, device, torch.float32)  # exact in float32 (layers/gqa.py)
-        self.oracle = GQAOracle(probes, device, ORACLE_SCORES)
+        self.oracle = GQAOracle(probes, device, ORACLE_SCORES, memo_bytes=oracle_memo_bytes(scenario, device))
         for dtype in {self.stack.emb1.dtype, torch.float64}:  # the executor's projections and the oracle's
             prepare_rope(geo.head_dim, scenario.scheduler.max_model_len, device, dtype)
         shape = (self.bs, geo.kv_heads, geo.head_dim)
@@ -96,6 +107,7 @@ class AttentionExecution:
                         if not held:
                             del self.holders[b]
         self.rejected.pop(rid, None)
+        self.oracle.forget(rid)
 
     def _hold(self, plan: StepPlan, reqs) -> None:
         for s, r in zip(plan.scheduled, reqs):
@@ -201,7 +213,7 @@ class AttentionExecution:
         t0 = perf_counter()
         rows = [i for i, k in enumerate(committed) if k > 0]
         expected = self.oracle.expected([(reqs[i].tokens.view(), plan.scheduled[i].num_computed_tokens,
-                                          committed[i]) for i in rows])
+                                          committed[i]) for i in rows], [reqs[i].rid for i in rows])
         L = len(self.caches)
         got = [fwd.outs[layer][int(fwd.starts[i]):int(fwd.starts[i]) + committed[i]] for i in rows for layer in range(L)]
         want = [exp[layer] for exp in expected for layer in range(L)]

@@ -100,7 +100,7 @@ def plan_memory(s: Scenario, groups, device: torch.device, checked_kernels: bool
     from ..kernels.reference import SCORE_ELEMS as DECODE_SCORES
     from ..layers.mla import TABLE as MLA_TABLE, TABLE2 as MLA_TABLE2
     from ..oracle import MLA_ORACLE_ELEMS
-    from .attn_exec import ORACLE_SCORES
+    from .attn_exec import ORACLE_SCORES, oracle_memo_bytes
     from .mla_exec import SCORE_ELEMS
 
     geo = s.geometry()
@@ -136,6 +136,10 @@ def plan_memory(s: Scenario, groups, device: torch.device, checked_kernels: bool
         plan.items.append(MemoryItem("attention step transients (estimate)", step,
                                      f"largest step of {budget:,} tokens: projections, outputs, reference scores"))
         plan.items.append(MemoryItem("attention oracle (estimate)", oracle, "float64 K/V, scores and outputs"))
+        memo = oracle_memo_bytes(s, device)
+        if memo:
+            plan.items.append(MemoryItem("attention oracle key memo (at most)", memo,
+                                         f"float64 K/V of up to {s.scheduler.max_num_seqs} live requests' tokens"))
     if geo.mamba is not None:
         m = geo.mamba
         conv_rows, dim, (H, P, N) = mamba_page(s)

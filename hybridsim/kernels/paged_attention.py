@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..engine.transfer import upload_many
+from .batching import worth_merging
 
 NEG_INF = float("-inf")
 SCORE_ELEMS = 1 << 25  # the reference materialises scores of at most this many elements at once
@@ -56,7 +57,9 @@ def paged_attention_layers(qs: list[torch.Tensor], caches: list[tuple[torch.Tens
                            scale: float, past_end_bug: bool = False) -> list[torch.Tensor]:
     """``paged_attention`` of several layers that share the rows and the block table (the layers
     of one KV-cache group in a step): layer l's queries ``qs[l]`` over its caches ``caches[l]``.
-    Every index is built once on the host and the layers go through each product together."""
+    Every index is built once on the host and the layers go through each product together. Rows
+    share a padded batch within ``SCORE_ELEMS``; on a CPU only where that costs less than apart
+    (``kernels/batching.py``)."""
     L = len(qs)
     T, H, D = qs[0].shape
     K = caches[0][0].shape[2]
@@ -76,12 +79,21 @@ def paged_attention_layers(qs: list[torch.Tensor], caches: list[tuple[torch.Tens
     order = sorted((r for r in range(B) if qlen[r]), key=lambda r: (qlen[r], limit[r]), reverse=True)
     q_all = torch.stack(qs) if L > 1 else qs[0][None]
     qsl_h, qlen_h, lens_h, limit_h = (np.asarray(v, dtype=np.int64) for v in (qsl, qlen, lens, limit))
+    work_bound = dev.type == "cpu"
+    elems = lambda b, q, n: b * n * L * (q * H + 2 * K * D)  # noqa: E731  (scores, and each row's K and V)
     start = 0
     while start < len(order):  # rows batched with padding, scores within SCORE_ELEMS
         mq, mk = qlen[order[start]], min(max(limit[order[start]], 1), width)
         end = start + 1
-        while end < len(order) and L * (end - start + 1) * mq * H * max(mk, min(limit[order[end]], width)) <= SCORE_ELEMS:
-            mk = max(mk, min(limit[order[end]], width))
+        while end < len(order):
+            q2, k2 = qlen[order[end]], min(max(limit[order[end]], 1), width)
+            b, mk2 = end - start + 1, max(mk, k2)
+            if L * b * mq * H * mk2 > SCORE_ELEMS:
+                break
+            if work_bound and not worth_merging(elems(b, mq, mk2), elems(b - 1, mq, mk) + elems(1, q2, k2),
+                                                L * b * mq * H * mk2):
+                break
+            mk = mk2
             end += 1
         rows = np.asarray(order[start:end], dtype=np.int64)
         start = end

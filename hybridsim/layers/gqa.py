@@ -82,17 +82,35 @@ class GQAStack:
         """Causal attention in float64 for b padded rows: tok (b, n) committed tokens, query
         positions qpos (b, q) (each below its row's length). Returns (layers, b, q, heads, D)."""
         b, n = tok.shape
-        Ly, K, D = self.layers, self.geo.kv_heads, self.geo.head_dim
         pos = torch.arange(n, device=tok.device)
         x = self.hidden(tok)  # (Ly, b, n, hidden)
         k, v = self._kv(x, pos, n)  # (Ly, b, n, K, D)
         xq = x[:, torch.arange(b, device=tok.device)[:, None], qpos]  # (Ly, b, q, hidden)
-        q = self._q(xq, qpos, n).view(Ly, b, qpos.shape[1], K, self.geo.group, D)
+        return self._attention(self._q(xq, qpos, n), k, v, qpos)
+
+    def keys(self, tok: torch.Tensor, pos: torch.Tensor, n_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V (layers, n, K, D), float64, of tokens tok (n,) at positions pos (n,) below n_pos."""
+        return self._kv(self.hidden(tok), pos, n_pos)
+
+    def attend_keys(self, k: torch.Tensor, v: torch.Tensor, qtok: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
+        """One row's causal attention over keys it already has (``keys`` of its tokens 0..n-1):
+        k, v (layers, n, K, D), queries of tokens qtok at positions qpos (q,) below n.
+        Returns (layers, 1, q, heads, D), the values ``attend`` gives."""
+        n = k.shape[1]
+        q = self._q(self.hidden(qtok[None]), qpos[None], n)
+        return self._attention(q, k[:, None], v[:, None], qpos[None])
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
+        """q (Ly, b, q, H, D), k and v (Ly, b, n, K, D), qpos (b, q) -> (Ly, b, q, H, D)."""
+        Ly, b, nq = q.shape[:3]
+        K, D = self.geo.kv_heads, self.geo.head_dim
+        q = q.view(Ly, b, nq, K, self.geo.group, D)
         s = torch.einsum("lbqkgd,lbnkd->lbqkgn", q, k) * self.scale
+        pos = torch.arange(k.shape[2], device=k.device)
         mask = pos[None, None, :] <= qpos[:, :, None]  # (b, q, n): also hides padding past each row
         s = s.masked_fill(~mask[None, :, :, None, None, :], float("-inf"))
         o = torch.einsum("lbqkgn,lbnkd->lbqkgd", torch.softmax(s, dim=-1), v)
-        return o.reshape(Ly, b, qpos.shape[1], self.heads, D)
+        return o.reshape(Ly, b, nq, self.heads, D)
 
 
 def dense_reference(probe: GQAProbe, tokens: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
