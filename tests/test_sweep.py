@@ -191,6 +191,44 @@ def test_ray_gives_the_local_rows(ray_instance, local_rows, tmp_path):
     pd.testing.assert_frame_equal(measured(res.frame), measured(local_rows[1].frame))
 
 
+def test_a_ray_instance_the_sweep_starts_gives_the_local_rows(local_rows, tmp_path):
+    """``--ray auto`` with no Ray running: the sweep starts a local instance whose workers inherit
+    this source tree's import path (no runtime_env: the workers Ray starts with it serve at once),
+    from a folder where nothing else would find the package."""
+    import subprocess
+    import sys
+
+    path = sweep_dir(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS")}
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from hybridsim.cli import main; "
+            "sys.argv = ['hybridsim'] + sys.argv[2:]; main()")
+    r = subprocess.run([sys.executable, "-c", code, str(REPO), "sweep", str(path), "--out", str(tmp_path / "out"),
+                        "--ray", "auto"], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = pd.read_csv(tmp_path / "out" / "results.csv")
+    want = pd.read_csv(local_rows[0].parent / "out" / "results.csv")
+    pd.testing.assert_frame_equal(measured(got), measured(want))
+
+
+def test_a_local_ray_instance_started_here_hands_its_workers_the_import_path(tmp_path):
+    """The workers of an instance the backend starts see this source tree through PYTHONPATH,
+    inherited (an instance it joins gets it as a runtime_env instead)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS")}
+    code = ("import os, sys; sys.path.insert(0, sys.argv[1])\n"
+            "from hybridsim.sweep.ray_pool import RayBackend\n"
+            "from hybridsim.sweep.jobs import Job\n"
+            "b = RayBackend(None)\n"
+            "[o] = list(b.run([Job('0', os.getenv, 'PYTHONPATH')]))\n"
+            "print(b.inherited, b._runtime_env(), o.kind, o.value)\n"
+            "b.close()\n")
+    r = subprocess.run([sys.executable, "-c", code, str(REPO)], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split()[:4] == ["True", "None", "ok", str(REPO)], r.stdout
+
+
 def test_resume_runs_only_the_missing_cells(local_rows, tmp_path):
     path = sweep_dir(tmp_path)
     out = tmp_path / "out"

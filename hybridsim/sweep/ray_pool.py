@@ -35,6 +35,12 @@ def _task(job: Job) -> tuple[str, Any]:
     return guarded(job.fn, job.arg)
 
 
+def _import_path() -> str:
+    """This source tree first, then whatever PYTHONPATH already says."""
+    root = str(Path(__file__).resolve().parents[2])
+    return os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+
+
 class RayBackend:
     """Start or join Ray (``address`` None: a local instance; else a cluster's address)."""
 
@@ -43,14 +49,26 @@ class RayBackend:
         self.address = address
         self.started = False
         self.start_s = 0.0
+        self.inherited = False  # a local instance started here: its workers inherit the import path
         if not self.ray.is_initialized():
             t0 = perf_counter()
+            saved = os.environ.get("PYTHONPATH")
+            if address is None and "RAY_ADDRESS" not in os.environ:
+                # the workers Ray starts with the instance then serve the tasks at once (a task with a
+                # runtime_env waits for workers started for that environment: seconds on 2 cores)
+                os.environ["PYTHONPATH"] = _import_path()
+                self.inherited = True
             try:
                 self.ray.init(address=address, include_dashboard=False, log_to_driver=False,
                               logging_level=logging.ERROR, configure_logging=True)
             except (ConnectionError, RuntimeError, ValueError) as e:
                 where = address or "a local instance"
                 raise EnvironmentProblem(f"cannot start or join Ray at {where}: {e}") from None
+            finally:
+                if saved is None:
+                    os.environ.pop("PYTHONPATH", None)
+                else:
+                    os.environ["PYTHONPATH"] = saved
             self.start_s = perf_counter() - t0
             self.started = True
         self.gpus = float(self.ray.cluster_resources().get("GPU", 0))
@@ -58,11 +76,9 @@ class RayBackend:
     def _runtime_env(self) -> Optional[dict]:
         """A local instance's workers import this very package (a source tree need not be installed);
         a cluster's nodes have hybridsim installed (README: Sweeps)."""
-        if self.address not in (None, "auto", "local"):
+        if self.address not in (None, "auto", "local") or self.inherited:
             return None
-        root = str(Path(__file__).resolve().parents[2])
-        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-        return {"env_vars": {"PYTHONPATH": path}}
+        return {"env_vars": {"PYTHONPATH": _import_path()}}
 
     def run(self, jobs: Iterable[Job]) -> Iterator[Outcome]:
         ray = self.ray
