@@ -130,7 +130,8 @@ class DenseOracle:
     and slows down once a batch's scores leave its cache, so there pieces merge only where one
     call costs less than two and the scores stay in the cache (``kernels/batching.py``).
     Where keys cost projections (``GQAStack``) and ``memo_bytes`` allows, a CPU keeps each
-    request's projected keys (``KeyMemo``): a long row then attends alone over them."""
+    request's projected keys (``KeyMemo``): a long row then attends alone over them. A row too
+    long for one piece (a long prefill chunk) has its keys projected once for all its pieces."""
 
     def __init__(self, stack, device: torch.device, budget_elems: int = 1 << 27, work_bound: bool | None = None,
                  memo_bytes: int = 0):
@@ -155,9 +156,14 @@ class DenseOracle:
         pieces = []  # (row, q0, q1): a row's queries split so one piece fits the budget
         for i, (toks, c, k) in enumerate(rows):
             kv = None
+            step = max(1, (self.budget // (c + k) - per_k) // per_q)
             if self.memo is not None and keys is not None and (c + k) * per_k >= CPU_CALL_ELEMS:
                 kv = self.memo.get(keys[i], toks, c + k)  # (None: the memo is full)
-            if kv is not None:  # a long row: alone, over its kept keys, its queries in pieces
+            if kv is None and step < k and hasattr(self.stack, "keys"):
+                # a row whose queries take several pieces: its keys once, not once a piece
+                n = c + k
+                kv = self.stack.keys(upload(toks[:n], self.device), torch.arange(n, device=self.device), n)
+            if kv is not None:  # alone, over keys it has, its queries in pieces
                 step = max(1, (self.budget // (c + k)) // per_q)
                 for q0 in range(0, k, step):
                     q1 = min(k, q0 + step)
@@ -166,7 +172,6 @@ class DenseOracle:
                     res = self.stack.attend_keys(kv[0][:, : c + q1], kv[1][:, : c + q1], qtok, qpos)
                     out[i].append((q0, res[:, 0]))
                 continue
-            step = max(1, (self.budget // (c + k) - per_k) // per_q)
             pieces += [(i, q0, min(k, q0 + step)) for q0 in range(0, k, step)]
         # (queries, keys): a piece's last query sees c + q1 keys (causal), so earlier pieces of a
         # long prefill chunk need fewer keys than the row has

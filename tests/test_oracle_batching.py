@@ -102,3 +102,31 @@ def test_key_memo_gives_the_definition_as_requests_grow(memo_bytes):
     oracle.forget("a")
     oracle.forget("b")
     assert memo.used == 0 and not memo.rows
+
+
+@pytest.mark.parametrize("work_bound", [False, True], ids=["gpu-rule", "cpu-rule"])
+def test_a_row_in_several_pieces_projects_its_keys_once(monkeypatch, work_bound):
+    """A long prefill chunk whose queries take several pieces: its K and V are projected once and
+    every piece attends over them (they were projected again for each piece); the definition's values."""
+    probes = _gqa_long()
+    oracle = GQAOracle(probes, torch.device("cpu"), 40_000, work_bound)
+    stack, calls = oracle.stack, {"keys": 0, "pieces": 0, "batched": 0}
+    assert stack.key_elems == 2 * 2 * 16 + 64  # K and V (2 KV heads of 16) and the hidden state (64) a key
+    keys, attend_keys, attend = stack.keys, stack.attend_keys, stack.attend
+
+    def count(name, fn):
+        def wrapped(*a):
+            calls[name] += 1
+            return fn(*a)
+        return wrapped
+    monkeypatch.setattr(stack, "keys", count("keys", keys))
+    monkeypatch.setattr(stack, "attend_keys", count("pieces", attend_keys))
+    monkeypatch.setattr(stack, "attend", count("batched", attend))
+    g = np.random.default_rng(4)
+    rows = [(g.integers(0, 60_000, size=c + k).astype(np.int64), c, k) for c, k in [(20, 100), (30, 2)]]
+    got = oracle.expected(rows)
+    assert calls == {"keys": 1, "pieces": 3, "batched": 1}  # 40,000 // 120 // 8 = 41 queries a piece
+    for (toks, c, k), out in zip(rows, got):
+        for layer, p in enumerate(probes):
+            want = gqa_dense(p, torch.from_numpy(toks), torch.arange(c, c + k))
+            assert torch.allclose(out[layer], want, rtol=1e-12, atol=1e-12)

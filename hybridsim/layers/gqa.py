@@ -54,7 +54,7 @@ class GQAStack:
         self.geo = probes[0].geo
         self.layers = len(probes)
         self.heads = self.geo.heads
-        self.key_elems = 2 * self.geo.kv_heads * self.geo.head_dim + self.emb1.shape[1]  # K, V, hidden per key
+        self.key_elems = 2 * self.geo.kv_heads * self.geo.head_dim + self.emb1.shape[-1]  # K, V, hidden per key
         self.scale = self.geo.scale()
         self.dtype = torch_dtype(self.geo.dtype)  # the cache's
 
