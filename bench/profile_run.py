@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import pstats
 import sys
 from pathlib import Path
@@ -26,6 +27,10 @@ from hybridsim.runner import plan_scenario  # noqa: E402
 
 
 def once(path: str, max_steps, kernels: str, device: str):
+    # the previous run's caches go back to the device first: a real-scale run's memory plan must see them free
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     loaded = load_scenario(path)
     if max_steps:
         s = loaded.scenario
