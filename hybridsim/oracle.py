@@ -208,6 +208,23 @@ class DenseOracle:
         return [torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])], dim=1) for parts in out]
 
 
+@dataclass
+class _Kept:
+    """One request's kept keys: its first ``len(tokens)`` tokens' K and V, in tensors with room for more."""
+
+    tokens: np.ndarray  # (n,) int64
+    k: torch.Tensor  # (layers, capacity, K, D)
+    v: torch.Tensor
+
+    @property
+    def n(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def bytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
 class KeyMemo:
     """The K and V a CPU oracle projected for each live request's committed tokens (float64, exact),
     so a step projects only the tokens new to it. Without it a decode row over 2,000 tokens
@@ -219,42 +236,43 @@ class KeyMemo:
         self.stack = stack
         self.budget = budget_bytes
         self.used = 0
-        self.rows: dict = {}  # key -> [tokens (n,) int64, K, V (layers, capacity, K, D), n]
+        self.rows: dict[object, _Kept] = {}
 
     def forget(self, key) -> None:
         row = self.rows.pop(key, None)
         if row is not None:
-            self.used -= 2 * row[1].numel() * row[1].element_size()
+            self.used -= row.bytes
 
     def get(self, key, tokens: np.ndarray, n: int):
         """K, V (layers, >= n, K, D) whose first n rows are tokens[:n]'s (a row may see more
         tokens kept than it needs: a preempted request computing its prefix again), or None."""
         row = self.rows.get(key)
-        if row is not None and (row[3] > len(tokens) or not np.array_equal(row[0], tokens[: row[3]])):
+        if row is not None and (row.n > len(tokens) or not np.array_equal(row.tokens, tokens[: row.n])):
             self.forget(key)
             row = None
-        have = row[3] if row is not None else 0
+        have = row.n if row is not None else 0
         if have < n:
-            k, v = self.stack.keys(upload(tokens[have:n], self.stack.emb1.device),
-                                   torch.arange(have, n, device=self.stack.emb1.device), n)
-            if row is None or row[1].shape[1] < n:  # room for twice as many tokens
+            dev = self.stack.emb1.device
+            k, v = self.stack.keys(upload(tokens[have:n], dev), torch.arange(have, n, device=dev), n)
+            if row is None or row.k.shape[1] < n:  # room for twice as many tokens
                 cap = max(64, 2 * n)
-                grown = [torch.empty((k.shape[0], cap, *k.shape[2:]), dtype=k.dtype, device=k.device) for _ in (k, v)]
-                add = 2 * grown[0].numel() * grown[0].element_size() - (
-                    2 * row[1].numel() * row[1].element_size() if row is not None else 0)
+                grown = _Kept(row.tokens if row is not None else tokens[:0],
+                              *(torch.empty((k.shape[0], cap, *k.shape[2:]), dtype=k.dtype, device=k.device)
+                                for _ in (k, v)))
+                add = grown.bytes - (row.bytes if row is not None else 0)
                 if self.used + add > self.budget:
-                    return None if row is None else self._without(key, k, v, row, have, n)
+                    return None if row is None else self._without(key, k, v, row)
                 if row is not None:
-                    grown[0][:, :have], grown[1][:, :have] = row[1][:, :have], row[2][:, :have]
+                    grown.k[:, :have], grown.v[:, :have] = row.k[:, :have], row.v[:, :have]
                 self.used += add
-                row = self.rows[key] = [None, grown[0], grown[1], have]
-            row[1][:, have:n], row[2][:, have:n] = k, v
-            row[0], row[3] = np.array(tokens[:n]), n
-        return row[1], row[2]
+                row = self.rows[key] = grown
+            row.k[:, have:n], row.v[:, have:n] = k, v
+            row.tokens = np.array(tokens[:n])
+        return row.k, row.v
 
-    def _without(self, key, k, v, row, have: int, n: int):
+    def _without(self, key, k, v, row: _Kept):
         """The memo is full: this request's keys once more, whole, and it is kept no longer."""
-        whole = (torch.cat([row[1][:, :have], k], dim=1), torch.cat([row[2][:, :have], v], dim=1))
+        whole = (torch.cat([row.k[:, :row.n], k], dim=1), torch.cat([row.v[:, :row.n], v], dim=1))
         self.forget(key)
         return whole
 

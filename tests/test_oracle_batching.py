@@ -98,7 +98,7 @@ def test_key_memo_gives_the_definition_as_requests_grow(memo_bytes):
                 assert torch.allclose(out[layer], want, rtol=1e-12, atol=1e-12)
         assert memo.used <= memo_bytes
     if memo_bytes > 1 << 20:
-        assert set(memo.rows) == {"a", "b"} and memo.rows["b"][3] == 420
+        assert set(memo.rows) == {"a", "b"} and memo.rows["b"].n == 420
     oracle.forget("a")
     oracle.forget("b")
     assert memo.used == 0 and not memo.rows
