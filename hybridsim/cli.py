@@ -10,7 +10,7 @@ import json
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional
 
 import typer
 from rich.console import Console
@@ -18,6 +18,10 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .errors import EnvironmentProblem, InputError
+
+if TYPE_CHECKING:
+    from .sweep.ray_pool import RayBackend
+    from .sweep.spec import Sweep
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Simulate and replay LLM-serving schedules for hybrid (Mamba + attention) and MLA models.")
@@ -218,6 +222,9 @@ def replay(
     """Execute recorded step traces exactly as recorded, with every check; with --check, gate on golden files."""
 
     def body() -> int:
+        if (jobs > 1 or ray is not None) and (golden or update_expected):
+            from .sweep.jobs import exit_on_sigterm
+            exit_on_sigterm()  # (workers stopped, exit 143)
         if jobs > 1 and ray is None and (golden or update_expected):
             from .sweep.pool import warm_up
             warm_up()  # (the workers' imports overlap this process's own)
@@ -290,13 +297,28 @@ def sweep(
             raise InputError("give auto or a cluster address", "--ray")
         if out_dir.exists() and not out_dir.is_dir():
             raise InputError(f"{out_dir} exists and is not a folder", "--out")
+        from .sweep.jobs import exit_on_sigterm
+        exit_on_sigterm()  # (workers stopped, results.parquet written, exit 143)
         if ray is None:
             from .sweep.pool import warm_up
             warm_up()  # (the workers' imports overlap this process's own, and validation)
-        from .sweep import load_sweep, run_sweep
-        from .sweep.report import failing_table, outcome_table, slowest_table
+        from .sweep import load_sweep
 
         sw = load_sweep(sweep_file)  # every cell built and validated before anything runs
+        backend = None
+        if ray is not None:  # (Ray starts while this process imports and sets up the rest)
+            from .sweep.ray_pool import start_ray
+            backend = start_ray(ray, background=True)
+        try:
+            return _run_sweep(sw, backend)
+        finally:
+            if backend is not None:
+                backend.close()
+
+    def _run_sweep(sw: Sweep, backend: Optional[RayBackend]) -> int:
+        from .sweep import run_sweep
+        from .sweep.report import failing_table, outcome_table, slowest_table
+
         progress = None
         if not quiet and out.is_terminal:
             progress = Progress(TextColumn("cells"), BarColumn(), MofNCompleteColumn(),
@@ -322,8 +344,8 @@ def sweep(
                 progress.update(task, advance=1, failed=failed)
 
         try:
-            res = run_sweep(sw, out_dir, workers=workers, ray=ray, resume=resume, record_failures=record_failures,
-                            on_start=started, on_row=row_done)
+            res = run_sweep(sw, out_dir, workers=workers, ray=backend, resume=resume,
+                            record_failures=record_failures, on_start=started, on_row=row_done)
         finally:
             if progress is not None:
                 progress.stop()

@@ -212,21 +212,144 @@ def test_a_ray_instance_the_sweep_starts_gives_the_local_rows(local_rows, tmp_pa
 
 def test_a_local_ray_instance_started_here_hands_its_workers_the_import_path(tmp_path):
     """The workers of an instance the backend starts see this source tree through PYTHONPATH,
-    inherited (an instance it joins gets it as a runtime_env instead)."""
+    inherited (an instance it joins gets it as a runtime_env instead). Started in the background
+    (the caller's thread goes on), it runs jobs and stops cleanly: its autoscaler monitor first,
+    while the GCS still answers (Ray's own order costs a second), then every process it started."""
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS")}
     code = ("import os, sys; sys.path.insert(0, sys.argv[1])\n"
-            "from hybridsim.sweep.ray_pool import RayBackend\n"
+            "import ray\n"
+            "from hybridsim.sweep.ray_pool import RayBackend, _stop_autoscaler_monitor\n"
             "from hybridsim.sweep.jobs import Job\n"
-            "b = RayBackend(None)\n"
+            "b = RayBackend(None, background=True)\n"
             "[o] = list(b.run([Job('0', os.getenv, 'PYTHONPATH')]))\n"
-            "print(b.inherited, b._runtime_env(), o.kind, o.value)\n"
-            "b.close()\n")
+            "node = ray._private.worker._global_node\n"
+            "procs = {t: [i.process for i in infos] for t, infos in node.all_processes.items()}\n"
+            "_stop_autoscaler_monitor(ray)\n"
+            "monitor_gone = all(p.poll() is not None for p in procs['monitor'])\n"
+            "gcs_alive = all(p.poll() is None for p in procs['gcs_server'])\n"
+            "b.close()\n"
+            "left = [t for t, ps in procs.items() for p in ps if p.poll() is None]\n"
+            "print(b.inherited, b._runtime_env(), o.kind, o.value, monitor_gone, gcs_alive, left, ray.is_initialized())\n")
     r = subprocess.run([sys.executable, "-c", code, str(REPO)], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.split()[:4] == ["True", "None", "ok", str(REPO)], r.stdout
+    assert r.stdout.split() == ["True", "None", "ok", str(REPO), "True", "True", "[]", "False"], r.stdout
+
+
+def test_the_sweep_driver_never_imports_torch():
+    """The driver names cells to its workers and writes rows; torch (a second of imports on the dev
+    machine) loads only where cells run, so Ray's start-up and the first results come sooner."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import hybridsim.cli, hybridsim.sweep.run, hybridsim.sweep.ray_pool, hybridsim.sweep.report\n"
+            "from hybridsim.sweep import load_sweep\n"
+            "from hybridsim.sweep.cell import CellTask, run_cell\n"
+            "sw = load_sweep('scenarios/sweeps/tiny_grid.yaml')\n"
+            "import pickle; pickle.dumps((run_cell, [CellTask(c) for c in sw.cells]))\n"
+            "print(sorted(m for m in ('torch', 'hybridsim.execute', 'hybridsim.kernels') if m in sys.modules))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == "[]", r.stdout
+
+
+def _ray_since(t0: float) -> tuple[list[str], list[str]]:
+    """The Ray sessions started after ``t0``, and the command lines of running processes of theirs."""
+    from datetime import datetime
+
+    root = Path("/tmp/ray")
+    sessions = []
+    for d in root.glob("session_2*") if root.exists() else []:  # session_2026-11-26_20-01-04_032830_7547
+        try:
+            started = datetime.strptime(d.name[len("session_"):].rsplit("_", 1)[0], "%Y-%m-%d_%H-%M-%S_%f")
+        except ValueError:
+            continue
+        if started.timestamp() >= t0:
+            sessions.append(d.name)
+    found = []
+    for p in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if any(s in cmd for s in sessions):
+            found.append(cmd[:200])
+    return sessions, found
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (workers, a forkserver, Ray's processes and their workers)."""
+    parent = {}
+    for p in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (p / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if stat[0] != "Z":
+            parent[int(p.name)] = int(stat[1])
+    found, grew = {pid}, True
+    while grew:
+        new = {c for c, pp in parent.items() if pp in found and c not in found}
+        found |= new
+        grew = bool(new)
+    return found - {pid}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def test_cli_bad_input_after_ray_started_says_so_and_stops_ray(tmp_path):
+    """Ray starts in the background once the cells are valid; a refusal after that (an existing
+    results.csv without --resume) is still one message, exit 2, and no Ray process is left."""
+    import time
+
+    path = sweep_dir(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.csv").write_text("earlier,rows\n")
+    t0 = time.time() - 1
+    r = hs("sweep", path, "--out", out, "--ray", "auto")
+    assert r.returncode == 2 and r.stderr.count("error:") == 1 and "--resume" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and (out / "results.csv").read_text() == "earlier,rows\n"
+    time.sleep(0.5)  # (a killed process leaves /proc a moment later)
+    sessions, left = _ray_since(t0)
+    assert len(sessions) == 1 and left == []  # (Ray had started, and stopped)
+
+
+@pytest.mark.parametrize("backend", [["--workers", "2"], ["--ray", "auto"]], ids=["pool", "ray"])
+def test_cli_sweep_stopped_by_sigterm_keeps_its_rows_and_stops_its_workers(tmp_path, backend):
+    """SIGTERM mid-sweep (a scheduler's time limit): the rows written so far stay, results.parquet
+    holds them too, no worker or Ray process outlives the sweep, and the exit status says why."""
+    import subprocess
+    import sys
+    import time
+
+    path = sweep_dir(tmp_path, "seeds: [0, 1, 2, 3]\n")
+    out = tmp_path / "out"
+    t0 = time.time() - 1
+    p = subprocess.Popen([sys.executable, "-m", "hybridsim.cli", "sweep", str(path), "--out", str(out), *backend, "-q"],
+                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    csv = out / "results.csv"
+    while p.poll() is None and not (csv.exists() and len(csv.read_text().splitlines()) >= 2):
+        time.sleep(0.05)
+    assert p.poll() is None, p.communicate()[1][-3000:]  # (16 cells: still running after the first row)
+    below = _descendants(p.pid)
+    assert below  # (its workers, and Ray's processes)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err[-3000:]
+    rows = pd.read_csv(csv)
+    assert 1 <= len(rows) < 16 and set(rows["outcome"]) == {"pass"}
+    parquet_matches_csv(out)
+    time.sleep(0.5)
+    assert _ray_since(t0)[1] == [] and [q for q in below if _alive(q)] == []
 
 
 def test_resume_runs_only_the_missing_cells(local_rows, tmp_path):

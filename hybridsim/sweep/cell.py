@@ -1,7 +1,10 @@
 """One cell, run where a worker runs it: plan, execute, check; a row of plain values back.
 
-Imported by the forkserver before any job (torch and the engine load once). A row holds only
-values that are the same on every run of the cell, except the timing columns (``TIMINGS``).
+The driver imports this module only to name ``run_cell`` to its workers (pickled by reference), so
+it stays light: torch and the engine load where a cell runs (the forkserver preloads them once,
+``pool.PRELOAD``; a Ray worker on its first cell). A driver that never imports torch reaches Ray's
+start-up, or its first result, about a second sooner. A row holds only values that are the same on
+every run of the cell, except the timing columns (``TIMINGS``).
 """
 
 from __future__ import annotations
@@ -10,13 +13,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import torch  # noqa: F401  (loaded here so that forked workers share it)
-
-from .. import execute as _execute  # noqa: F401
-from ..runner import RunResult, plan_scenario
 from .spec import Cell
+
+if TYPE_CHECKING:
+    from ..runner import RunResult
 
 TIMINGS = ("plan_s", "wall_s", "kernel_medians_us")  # differ run to run; every other column does not
 TRACE_KEY = "_trace"  # a failing cell's recorded trace text (the driver writes it)
@@ -48,6 +50,8 @@ def _kernel_medians(res: RunResult) -> str:
 
 def run_cell(task: CellTask) -> dict[str, Any]:
     """Run a cell; the row's measured columns (its grid columns are the driver's)."""
+    from ..runner import plan_scenario
+
     t0 = perf_counter()
     trace: Optional[Path] = None
     tmp = None

@@ -8,6 +8,8 @@ worker that died (killed, segfault, node lost), which is the only thing a backen
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -60,3 +62,16 @@ def set_threads(threads: Optional[int]) -> None:
         import torch
 
         torch.set_num_threads(threads)
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM (a batch scheduler's time limit, ``kill``) unwind this process like an exception,
+    so that the rows written so far get their results.parquet, workers are stopped and a Ray instance
+    started here shuts down; exit status 143 (128 + SIGTERM). Only from the main thread, and only where
+    nobody chose another handler."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _raise_exit)
+
+
+def _raise_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)

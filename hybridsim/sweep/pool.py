@@ -23,9 +23,11 @@ from typing import Callable, Iterable, Iterator, Optional
 from ..hostmem import tune_malloc
 from .jobs import DIED, Job, Outcome, guarded, set_threads
 
-# torch, the planner and the executor; the CLI, which a child of the `hybridsim` script imports
-# again as its __main__ (0.04 s a job otherwise); constant tables (sweep/preload.py)
-PRELOAD = ["hybridsim.sweep.cell", "hybridsim.golden", "hybridsim.cli", "hybridsim.sweep.preload"]
+# torch, the planner and the executor (what a cell and a golden trace run; sweep/cell.py itself is
+# light); the CLI, which a child of the `hybridsim` script imports again as its __main__ (0.04 s a
+# job otherwise); constant tables (sweep/preload.py)
+PRELOAD = ["hybridsim.runner", "hybridsim.execute", "hybridsim.golden", "hybridsim.sweep.cell", "hybridsim.cli",
+           "hybridsim.sweep.preload"]
 
 
 def default_workers() -> int:

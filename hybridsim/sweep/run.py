@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from time import perf_counter
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import pandas as pd
 
@@ -18,6 +18,9 @@ from .jobs import DIED, ENVIRONMENT, ERROR, INPUT, OK, Job, Outcome
 from .pool import default_workers, run_local
 from .results import ResultsFile, write_parquet
 from .spec import Cell, Sweep
+
+if TYPE_CHECKING:
+    from .ray_pool import RayBackend
 
 # a cell that did not finish: its outcome word and exit code
 _NOT_RUN = {INPUT: ("bad input", 2), ENVIRONMENT: ("environment", 3), ERROR: ("error", 3), DIED: ("died", 3)}
@@ -47,26 +50,29 @@ def _needs_gpu(cell: Cell) -> bool:
 
 
 @contextmanager
-def backend_for(workers: Optional[int], ray: Optional[str]) -> Iterator[tuple[Backend, str, float]]:
-    """The local process pool, or Ray (``ray`` = "auto" for a local instance, else a cluster address)."""
+def backend_for(workers: Optional[int], ray: Optional[str | RayBackend]) -> Iterator[tuple[Backend, str, float]]:
+    """The local process pool, or Ray: ``ray`` = "auto" for a local instance, a cluster address, or
+    a ``RayBackend`` already starting (``ray_pool.start_ray``), which this closes when done."""
     if ray is None:
         n = workers or default_workers()
         yield (lambda jobs: run_local(jobs, n)), f"local pool, {n} worker{'s' if n > 1 else ''}", 0.0
         return
-    from .ray_pool import RayBackend
+    from .ray_pool import start_ray
 
-    rb = RayBackend(None if ray == "auto" else ray)
+    rb = start_ray(ray) if isinstance(ray, str) else ray
     try:
+        rb.ready()
         yield rb.run, f"Ray ({'local instance' if rb.address is None else rb.address})", rb.start_s
     finally:
         rb.close()
 
 
-def run_sweep(sweep: Sweep, out_dir: Path, *, workers: Optional[int] = None, ray: Optional[str] = None,
-              resume: bool = False, record_failures: bool = False,
+def run_sweep(sweep: Sweep, out_dir: Path, *, workers: Optional[int] = None,
+              ray: Optional[str | RayBackend] = None, resume: bool = False, record_failures: bool = False,
               on_start: Optional[Callable[[int, int], None]] = None,
               on_row: Optional[Callable[[dict], None]] = None, cell_fn: Optional[Callable] = None) -> SweepResult:
-    """Run every cell not already in DIR/results.csv; ``cell_fn`` replaces ``run_cell`` (tests)."""
+    """Run every cell not already in DIR/results.csv; ``cell_fn`` replaces ``run_cell`` (tests). ``ray``:
+    see ``backend_for``."""
     from .cell import TRACE_KEY, CellTask, run_cell
 
     results = ResultsFile(out_dir, sweep.keys, resume)
