@@ -142,7 +142,7 @@ def run(
     def body() -> int:
         from .config import load_scenario
         from .report import checks_table, kernel_timings_table, print_tables, summary_table, timings_table
-        from .execute import check_bugs
+        from .bugs import check_bugs
         from .runner import plan_scenario
 
         bugs = check_bugs(inject_bug)
@@ -228,8 +228,7 @@ def replay(
         if jobs > 1 and ray is None and (golden or update_expected):
             from .sweep.pool import warm_up
             warm_up()  # (the workers' imports overlap this process's own)
-        from .execute import check_bugs
-        from .replay import replay_trace
+        from .bugs import check_bugs
         from .report import golden_table, kernel_timings_table, replay_table
 
         bugs = check_bugs(inject_bug)
@@ -250,7 +249,7 @@ def replay(
             raise InputError("fans out golden checks: use it with --check or --update-expected", fanned[0])
         if ray is not None and jobs > 1:
             raise InputError("give -j (local processes) or --ray (Ray decides), not both", "-j")
-        if golden or update_expected:
+        if golden or update_expected:  # (fanned out, this process never loads the engine: its workers do)
             rows = check_traces(traces, update=update_expected, jobs=jobs, ray=ray, **kw)
             out.print(golden_table(rows, update_expected))
             if json_out is not None:
@@ -258,6 +257,8 @@ def replay(
             if any(r.result in ("died", "error") for r in rows):
                 return 3
             return 0 if update_expected else (1 if any(r.result != "pass" for r in rows) else 0)
+        from .replay import replay_trace
+
         files = trace_files(traces)
         results = [replay_trace(t, announce=None if quiet else _announce, strict_bugs=len(files) == 1, **kw)
                    for t in files]
@@ -380,7 +381,7 @@ def bugs_table():
     """The injectable bugs with what each breaks and the check that catches it (``run --list-bugs``)."""
     from rich.table import Table
 
-    from .execute import BUGS
+    from .bugs import BUGS
 
     t = Table(title="injectable bugs (--inject-bug NAME)", title_justify="left")
     t.add_column("name", no_wrap=True)  # (names whole at 80 columns: the description wraps)
@@ -402,7 +403,7 @@ def shrink(
     """Delta-debug a failing trace down to the smallest one that still fails the same check."""
 
     def body() -> int:
-        from .execute import check_bugs
+        from .bugs import check_bugs
         from .shrink import shrink_trace
 
         bugs = check_bugs(inject_bug) if inject_bug else None

@@ -18,7 +18,8 @@ from pydantic import ValidationError
 from .checks import Checks
 from .config import Scenario
 from .errors import InputError
-from .execute import check_bugs_apply, inapplicable_bugs, make_executor
+from .bugs import check_bugs_apply, inapplicable_bugs
+from .execute import make_executor
 from .trace import read_trace
 from .vllm_recorded import is_vllm_recording
 

@@ -100,7 +100,7 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
     check = check or s.execution.check
     execute = (check != "off") if execute is None else execute
     if bugs:
-        from .execute import check_bugs_apply
+        from .bugs import check_bugs_apply
         check_bugs_apply(s, bugs)
     wl = build_workload(loaded)
     check_workload_fits(loaded, wl)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hybridsim.config import load_scenario, parse_scenario
-from hybridsim.execute import BUGS
+from hybridsim.bugs import BUGS
 from hybridsim.runner import plan_scenario
 
 from .conftest import REPO, SCENARIOS, tiny_scenario

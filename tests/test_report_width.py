@@ -9,7 +9,7 @@ from rich.console import Console
 from hybridsim import report
 from hybridsim.cli import bugs_table
 from hybridsim.config import load_scenario
-from hybridsim.execute import BUGS
+from hybridsim.bugs import BUGS
 from hybridsim.fidelity import FidelityReport, StepDiff, run_fidelity
 from hybridsim.golden import GoldenRow
 from hybridsim.presets import PRESETS, build_preset

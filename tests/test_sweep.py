@@ -238,20 +238,27 @@ def test_a_local_ray_instance_started_here_hands_its_workers_the_import_path(tmp
     assert r.stdout.split() == ["True", "None", "ok", str(REPO), "True", "True", "[]", "False"], r.stdout
 
 
-def test_the_sweep_driver_never_imports_torch():
-    """The driver names cells to its workers and writes rows; torch (a second of imports on the dev
-    machine) loads only where cells run, so Ray's start-up and the first results come sooner."""
+def test_the_driver_of_a_sweep_or_fanned_out_replay_never_imports_torch(tmp_path):
+    """The driver names cells (or golden traces) to its workers and writes rows; torch (a second of
+    imports on the dev machine) loads only where they run, so the workers' own start-up, or Ray's,
+    is not slowed by it and the first results come sooner. Bugs to inject validate without it too."""
     import subprocess
     import sys
 
+    path = sweep_dir(tmp_path, "inject_bug: [rejected_state_kept]\n")
     code = ("import sys\n"
             "import hybridsim.cli, hybridsim.sweep.run, hybridsim.sweep.ray_pool, hybridsim.sweep.report\n"
+            "import hybridsim.report\n"
             "from hybridsim.sweep import load_sweep\n"
             "from hybridsim.sweep.cell import CellTask, run_cell\n"
-            "sw = load_sweep('scenarios/sweeps/tiny_grid.yaml')\n"
-            "import pickle; pickle.dumps((run_cell, [CellTask(c) for c in sw.cells]))\n"
+            "from hybridsim.golden import GoldenTask, check_one, trace_files\n"
+            "from hybridsim.bugs import check_bugs\n"
+            "sw = load_sweep(sys.argv[1])\n"
+            "assert sw.bugs and check_bugs(['lse_base2'])\n"
+            "golden = [GoldenTask(t, False, {}) for t in trace_files([__import__('pathlib').Path('traces')])]\n"
+            "import pickle; pickle.dumps((run_cell, [CellTask(c) for c in sw.cells], check_one, golden))\n"
             "print(sorted(m for m in ('torch', 'hybridsim.execute', 'hybridsim.kernels') if m in sys.modules))\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip() == "[]", r.stdout
 
@@ -350,6 +357,26 @@ def test_cli_sweep_stopped_by_sigterm_keeps_its_rows_and_stops_its_workers(tmp_p
     parquet_matches_csv(out)
     time.sleep(0.5)
     assert _ray_since(t0)[1] == [] and [q for q in below if _alive(q)] == []
+
+
+def test_replay_fanned_out_and_stopped_by_sigterm_stops_its_workers():
+    import subprocess
+    import sys
+    import time
+
+    p = subprocess.Popen([sys.executable, "-m", "hybridsim.cli", "replay", "traces/", "--check", "-j", "2", "-q"],
+                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    below: set[int] = set()
+    t0 = time.monotonic()
+    while p.poll() is None and len(below) < 3 and time.monotonic() - t0 < 60:  # (a forkserver, two replays)
+        below = _descendants(p.pid)
+        time.sleep(0.05)
+    assert p.poll() is None and len(below) >= 3, p.communicate()[1][-3000:]
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err[-3000:]
+    time.sleep(0.5)
+    assert [q for q in below if _alive(q)] == []
 
 
 def test_resume_runs_only_the_missing_cells(local_rows, tmp_path):

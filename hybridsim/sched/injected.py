@@ -1,7 +1,7 @@
 """Known-wrong variants of the block bookkeeping, switched on by ``run --inject-bug``.
 
 They exist to prove that the executor's checks notice a scheduler that hands the
-worker wrong blocks (``execute.BUGS`` lists every injectable bug and the check that
+worker wrong blocks (``bugs.BUGS`` lists every injectable bug and the check that
 catches it). Each keeps the pool's own accounting from crashing, so a run with one
 reports failed checks rather than a traceback.
 """

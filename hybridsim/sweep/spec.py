@@ -155,7 +155,7 @@ def load_sweep(path: str | Path) -> Sweep:
     if not isinstance(base_raw, dict):
         raise InputError("a scenario is a YAML mapping (name, model, cache, workload, ...)", str(base))
     if spec.inject_bug:
-        from ..execute import check_bugs
+        from ..bugs import check_bugs
         try:
             check_bugs(spec.inject_bug)
         except InputError as e:
@@ -176,7 +176,7 @@ def load_sweep(path: str | Path) -> Sweep:
         for seed in seeds:
             cell = _build_cell(len(cells), values, seed, base_raw, base, base_lines, lines, short)
             if spec.inject_bug:  # (a bug in a layer kind the cell's model lacks would change nothing)
-                from ..execute import inapplicable_bugs
+                from ..bugs import inapplicable_bugs
                 missing = inapplicable_bugs(cell.loaded().scenario, set(spec.inject_bug))
                 if missing:
                     raise InputError(f"cell {len(cells) + 1} ({cell.label}): inject_bug: {missing[0]}",
