@@ -225,9 +225,9 @@ def replay(
         if (jobs > 1 or ray is not None) and (golden or update_expected):
             from .sweep.jobs import exit_on_sigterm
             exit_on_sigterm()  # (workers stopped, exit 143)
-        if jobs > 1 and ray is None and (golden or update_expected):
-            from .sweep.pool import warm_up
-            warm_up()  # (the workers' imports overlap this process's own)
+            if ray is None:
+                from .sweep.pool import warm_up
+                warm_up()  # (the workers' imports overlap this process's own)
         from .bugs import check_bugs
         from .report import golden_table, kernel_timings_table, replay_table
 

@@ -195,4 +195,3 @@ def _stop_autoscaler_monitor(ray: Any) -> None:
             node.kill_monitor(check_alive=False)
     except Exception:  # (another Ray version's internals)
         pass
-
