@@ -7,6 +7,7 @@ trace, flags), 3 environment problem. Every error is one message, no traceback.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from enum import Enum
 from pathlib import Path
@@ -25,8 +26,22 @@ if TYPE_CHECKING:
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Simulate and replay LLM-serving schedules for hybrid (Mamba + attention) and MLA models.")
-out = Console()
-err = Console(stderr=True)
+
+class _Console(Console):
+    """Rich's console, but a reader that went away (``hybridsim ... | head``) ends the command with
+    141, as a shell reports a process ended by SIGPIPE; Rich's own choice, 1, is our "a check failed".
+    What the command wrote to files is kept (sweeps write their parquet on the way out)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        stream = sys.stderr if self.stderr else sys.stdout
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())  # (what is still buffered for the closed pipe goes nowhere)
+        raise SystemExit(128 + 13)
+
+
+out = _Console()
+err = _Console(stderr=True)
 
 
 def _version() -> str:
@@ -249,8 +264,19 @@ def replay(
             raise InputError("fans out golden checks: use it with --check or --update-expected", fanned[0])
         if ray is not None and jobs > 1:
             raise InputError("give -j (local processes) or --ray (Ray decides), not both", "-j")
+        if ray is not None and not ray.strip():
+            raise InputError("give auto or a cluster address", "--ray")
         if golden or update_expected:  # (fanned out, this process never loads the engine: its workers do)
-            rows = check_traces(traces, update=update_expected, jobs=jobs, ray=ray, **kw)
+            backend = None
+            if ray is not None:  # (Ray starts while the traces are listed and the replay engine named)
+                trace_files(traces)  # (a missing trace is refused before Ray starts)
+                from .sweep.ray_pool import start_ray
+                backend = start_ray(ray, background=True)
+            try:
+                rows = check_traces(traces, update=update_expected, jobs=jobs, ray=backend, **kw)
+            finally:
+                if backend is not None:
+                    backend.close()
             out.print(golden_table(rows, update_expected))
             if json_out is not None:
                 _write_json(json_out, {"traces": [r.__dict__ for r in rows]})

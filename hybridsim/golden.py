@@ -16,6 +16,7 @@ from .errors import InputError, not_json, read_text
 
 if TYPE_CHECKING:
     from .replay import ReplayResult
+    from .sweep.ray_pool import RayBackend
 
 
 def expected_of(res: ReplayResult) -> dict:
@@ -79,10 +80,11 @@ def _read_expected(path: Path) -> dict:
         raise not_json(e, f"{path}:{e.lineno}") from None
 
 
-def check_traces(paths: list[Path], update: bool = False, jobs: int = 1, ray: str | None = None,
+def check_traces(paths: list[Path], update: bool = False, jobs: int = 1, ray: str | RayBackend | None = None,
                  **replay_kw) -> list[GoldenRow]:
     """Replay each trace (files, or folders of them) and compare it with its NAME.expected.json;
-    with ``jobs`` > 1 or ``ray``, the traces fan out over processes or Ray tasks (rows in trace order)."""
+    with ``jobs`` > 1 or ``ray``, the traces fan out over processes or Ray tasks (rows in trace order).
+    ``ray``: see ``sweep.run.backend_for``."""
     traces = trace_files(paths)
     if jobs <= 1 and ray is None:
         return [check_one(GoldenTask(t, update, replay_kw)) for t in traces]
@@ -130,7 +132,8 @@ def _cost(trace: Path) -> int:
         return 0
 
 
-def _fan_out(traces: list[Path], update: bool, jobs: int, ray: str | None, replay_kw: dict) -> list[GoldenRow]:
+def _fan_out(traces: list[Path], update: bool, jobs: int, ray: str | RayBackend | None,
+             replay_kw: dict) -> list[GoldenRow]:
     """The traces as jobs of the sweep backends: a bad trace is the same one message (exit 2) as
     serially; a trace whose worker died twice is a row of its own (``died``, exit 3)."""
     from .errors import EnvironmentProblem

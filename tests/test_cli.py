@@ -12,7 +12,7 @@ from .conftest import DATA, RECORDINGS, REPO, SCENARIOS
 
 
 def hs(*args, cwd=REPO):
-    return subprocess.run([sys.executable, "-m", "hybridsim.cli", *map(str, args)], cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "hybridsim", *map(str, args)], cwd=cwd,
                           capture_output=True, text=True)
 
 
@@ -317,3 +317,13 @@ def test_validate_tells_what_can_be_planned_but_not_executed(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "mamba_cache_mode all with speculative decoding is not" in " ".join((r.stdout + r.stderr).split())
     assert hs("run", f, "--check", "off").returncode == 0
+
+
+def test_a_reader_that_goes_away_ends_the_command_with_141_not_1():
+    """`hybridsim ... | head`: the closed pipe ends the command the way a shell reports SIGPIPE, not
+    with 1 (which says a check failed) and not with a traceback."""
+    p = subprocess.Popen([sys.executable, "-m", "hybridsim", "run", "--list-bugs"], cwd=REPO, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    p.stdout.close()  # (before the command writes: its first write meets a closed pipe)
+    err = p.stderr.read()
+    assert p.wait(timeout=60) == 141 and "Traceback" not in err and "Exception" not in err, err

@@ -238,6 +238,67 @@ def test_a_local_ray_instance_started_here_hands_its_workers_the_import_path(tmp
     assert r.stdout.split() == ["True", "None", "ok", str(REPO), "True", "True", "[]", "False"], r.stdout
 
 
+def test_ray_auto_joining_an_instance_left_by_ray_start_hands_tasks_the_import_path(tmp_path):
+    """`--ray auto` joins a local instance started earlier with `ray start --head`. Its workers were
+    started by `ray start`, not by us, so they get this source tree as a runtime_env; closing the
+    backend disconnects and leaves that instance running (it is not ours to stop)."""
+    import subprocess
+    import sys
+    import time
+
+    if Path("/tmp/ray/ray_current_cluster").exists():
+        pytest.skip("a Ray instance started with `ray start` runs on this machine: this test would join it")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS")}
+    t0 = time.time() - 1
+    up = subprocess.run([str(Path(sys.executable).with_name("ray")), "start", "--head", "--num-cpus", "1",
+                         "--include-dashboard=false"], capture_output=True, text=True, cwd=tmp_path, env=env,
+                        timeout=120)
+    try:
+        assert up.returncode == 0, up.stderr[-3000:]
+        code = ("import os, sys; sys.path.insert(0, sys.argv[1])\n"
+                "import ray\n"
+                "from hybridsim.sweep.ray_pool import RayBackend\n"
+                "from hybridsim.sweep.jobs import Job\n"
+                "b = RayBackend(None)\n"
+                "[o] = list(b.run([Job('0', os.getenv, 'PYTHONPATH')]))\n"
+                "print(b.own, b.inherited, o.kind, o.value)\n"
+                "b.close()\n"
+                "ray.init(address='auto', log_to_driver=False)\n"  # (still there: this joins it again)
+                "print(ray.cluster_resources().get('CPU'))\n")
+        r = subprocess.run([sys.executable, "-c", code, str(REPO)], capture_output=True, text=True, cwd=tmp_path,
+                           env=env, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.stdout.split() == ["False", "False", "ok", str(REPO), "1.0"], r.stdout
+    finally:  # (not `ray stop`: that stops every Ray instance on the machine)
+        _stop_ray_sessions(_ray_since(t0)[0])
+        Path("/tmp/ray/ray_current_cluster").unlink(missing_ok=True)
+
+
+def _stop_ray_sessions(sessions: list[str]) -> None:
+    """Stop the processes of these Ray sessions: those naming the session (GCS, raylet, monitor) and
+    every process below them (agents and workers, which rename themselves `ray::...`)."""
+    import time
+
+    named = set()
+    for p in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (p / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if sessions and any(s in cmd for s in sessions):
+            named.add(int(p.name))
+    pids = set().union(named, *(_descendants(p) for p in named))
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        t0 = time.monotonic()
+        while any(_alive(p) for p in pids) and time.monotonic() - t0 < 5:
+            time.sleep(0.1)
+
+
 def test_the_driver_of_a_sweep_or_fanned_out_replay_never_imports_torch(tmp_path):
     """The driver names cells (or golden traces) to its workers and writes rows; torch (a second of
     imports on the dev machine) loads only where they run, so the workers' own start-up, or Ray's,
@@ -330,10 +391,14 @@ def test_cli_bad_input_after_ray_started_says_so_and_stops_ray(tmp_path):
     assert len(sessions) == 1 and left == []  # (Ray had started, and stopped)
 
 
-@pytest.mark.parametrize("backend", [["--workers", "2"], ["--ray", "auto"]], ids=["pool", "ray"])
-def test_cli_sweep_stopped_by_sigterm_keeps_its_rows_and_stops_its_workers(tmp_path, backend):
-    """SIGTERM mid-sweep (a scheduler's time limit): the rows written so far stay, results.parquet
-    holds them too, no worker or Ray process outlives the sweep, and the exit status says why."""
+@pytest.mark.parametrize("backend, sig", [(["--workers", "2"], "SIGTERM"), (["--ray", "auto"], "SIGTERM"),
+                                          (["--workers", "2"], "SIGINT")], ids=["pool", "ray", "pool-ctrl-c"])
+def test_cli_sweep_stopped_by_a_signal_keeps_its_rows_and_stops_its_workers(tmp_path, backend, sig):
+    """SIGTERM mid-sweep (a scheduler's time limit), or Ctrl-C (SIGINT to the whole process group,
+    workers included): the rows written so far stay, results.parquet holds them too, no worker or Ray
+    process outlives the sweep, no worker prints a traceback, and the exit status says why. The
+    signal comes as a row lands, when the driver starts the next worker (a worker started but not
+    yet recorded used to outlive it and die on a broken pipe: 4 times in 8)."""
     import subprocess
     import sys
     import time
@@ -341,17 +406,21 @@ def test_cli_sweep_stopped_by_sigterm_keeps_its_rows_and_stops_its_workers(tmp_p
     path = sweep_dir(tmp_path, "seeds: [0, 1, 2, 3]\n")
     out = tmp_path / "out"
     t0 = time.time() - 1
-    p = subprocess.Popen([sys.executable, "-m", "hybridsim.cli", "sweep", str(path), "--out", str(out), *backend, "-q"],
-                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-m", "hybridsim", "sweep", str(path), "--out", str(out), *backend, "-q"],
+                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     csv = out / "results.csv"
     while p.poll() is None and not (csv.exists() and len(csv.read_text().splitlines()) >= 2):
-        time.sleep(0.05)
+        time.sleep(0.002)
     assert p.poll() is None, p.communicate()[1][-3000:]  # (16 cells: still running after the first row)
     below = _descendants(p.pid)
     assert below  # (its workers, and Ray's processes)
-    p.send_signal(signal.SIGTERM)
+    signum = getattr(signal, sig)
+    if signum == signal.SIGINT:
+        os.killpg(p.pid, signum)  # (what a terminal does)
+    else:
+        p.send_signal(signum)
     _, err = p.communicate(timeout=60)
-    assert p.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err[-3000:]
+    assert p.returncode == 128 + signum and "Traceback" not in err, err[-3000:]
     rows = pd.read_csv(csv)
     assert 1 <= len(rows) < 16 and set(rows["outcome"]) == {"pass"}
     parquet_matches_csv(out)
@@ -359,12 +428,85 @@ def test_cli_sweep_stopped_by_sigterm_keeps_its_rows_and_stops_its_workers(tmp_p
     assert _ray_since(t0)[1] == [] and [q for q in below if _alive(q)] == []
 
 
+def test_sigterm_while_a_worker_starts_still_stops_that_worker(monkeypatch):
+    """The exact race: SIGTERM lands just after a worker process started, before the driver has
+    recorded it. The exit waits until it has, so the driver's clean-up stops that worker too."""
+    import multiprocessing.process as mpp
+    import time
+
+    from hybridsim.sweep import jobs
+
+    started = []
+    real_start = mpp.BaseProcess.start
+
+    def start_then_sigterm(self):
+        real_start(self)
+        started.append(self)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(mpp.BaseProcess, "start", start_then_sigterm)
+    before = signal.signal(signal.SIGTERM, jobs._raise_exit)
+    try:
+        with pytest.raises(SystemExit) as e:
+            list(run_local([Job("slow", time.sleep, 60)], workers=1))
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert e.value.code == 128 + signal.SIGTERM
+    assert len(started) == 1 and not started[0].is_alive() and started[0].exitcode == -signal.SIGKILL
+
+
+def test_held_sigterm_is_raised_when_the_section_ends(monkeypatch):
+    from hybridsim.sweep import jobs
+
+    before = signal.signal(signal.SIGTERM, jobs._raise_exit)
+    try:
+        with pytest.raises(SystemExit) as e:
+            with jobs.sigterm_held():
+                with jobs.sigterm_held():  # (nested: only the outermost end raises)
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    for _ in range(1000):  # (the handler has run by now, and only noted it)
+                        pass
+                reached = True
+        assert reached and e.value.code == 143
+        with jobs.sigterm_held():  # (a section without a signal ends quietly)
+            pass
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_a_driver_killed_outright_leaves_no_job_running():
+    """SIGKILL (or the kernel's out-of-memory killer) gives the driver no chance to stop its jobs:
+    they die with the forkserver, which exits when the driver does."""
+    import subprocess
+    import sys
+    import time
+
+    script = ("import time\n"
+              "from hybridsim.sweep.jobs import Job\n"
+              "from hybridsim.sweep.pool import run_local\n"
+              "print(list(run_local([Job(str(i), time.sleep, 120) for i in range(2)], workers=2)))\n")
+    p = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    below: set[int] = set()
+    t0 = time.monotonic()
+    while p.poll() is None and len(below) < 3 and time.monotonic() - t0 < 60:  # (a forkserver, two jobs)
+        below = _descendants(p.pid)
+        time.sleep(0.05)
+    assert p.poll() is None and len(below) >= 3, p.communicate()[1][-3000:]
+    p.kill()
+    p.communicate(timeout=60)
+    t0 = time.monotonic()
+    while [q for q in below if _alive(q)] and time.monotonic() - t0 < 10:
+        time.sleep(0.1)
+    assert [q for q in below if _alive(q)] == []  # (within seconds, not the jobs' 120 s)
+
+
 def test_replay_fanned_out_and_stopped_by_sigterm_stops_its_workers():
     import subprocess
     import sys
     import time
 
-    p = subprocess.Popen([sys.executable, "-m", "hybridsim.cli", "replay", "traces/", "--check", "-j", "2", "-q"],
+    p = subprocess.Popen([sys.executable, "-m", "hybridsim", "replay", "traces/", "--check", "-j", "2", "-q"],
                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     below: set[int] = set()
     t0 = time.monotonic()
@@ -534,6 +676,26 @@ def test_replay_check_fans_out_with_the_same_rows(tmp_path):
     assert [r.result for r in fanned] == ["FAIL", "pass"] and fanned[0].differences == ["steps: 36 -> 35"]
     r = hs("replay", d / "spec_padding.jsonl", "-j", "2")
     assert r.returncode == 2 and "--check" in r.stderr
+
+
+def test_cli_replay_on_ray_starts_it_after_the_traces_are_found_and_stops_it(tmp_path):
+    """`replay --check --ray auto`: Ray starts in the background once the traces are listed (a missing
+    one is refused first, and no Ray starts), the rows are the serial ones, nothing of Ray is left."""
+    import time
+
+    d = tmp_path / "golden"
+    d.mkdir()
+    for suffix in (".jsonl", ".expected.json"):
+        shutil.copy(REPO / "traces" / f"spec_padding{suffix}", d / f"spec_padding{suffix}")
+    t0 = time.time() - 1
+    r = hs("replay", tmp_path / "missing.jsonl", "--check", "--ray", "auto")
+    assert r.returncode == 2 and "missing.jsonl" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert _ray_since(t0)[0] == []
+    r = hs("replay", d, "--check", "--ray", "auto")
+    assert r.returncode == 0 and "spec_padding.jsonl" in r.stdout and "pass" in r.stdout, r.stderr[-3000:]
+    time.sleep(0.5)
+    sessions, left = _ray_since(t0)
+    assert len(sessions) == 1 and left == []
 
 
 # ----------------------------------------------------------------------------- results.parquet

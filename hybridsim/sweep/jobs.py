@@ -11,8 +11,9 @@ import os
 import signal
 import threading
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 # outcome kinds
 OK, INPUT, ENVIRONMENT, ERROR, DIED = "ok", "input", "environment", "error", "died"
@@ -73,5 +74,29 @@ def exit_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, _raise_exit)
 
 
+_held = 0  # (inside ``sigterm_held``: SIGTERM is noted, and raised when the section ends)
+_noted: Optional[int] = None
+
+
 def _raise_exit(signum: int, frame: Any) -> None:
+    global _noted
+    if _held:
+        _noted = 128 + signum
+        return
     raise SystemExit(128 + signum)
+
+
+@contextmanager
+def sigterm_held() -> Iterator[None]:
+    """Hold a SIGTERM exit until the section ends: starting a worker and recording it is one step, so
+    a worker is never started without the driver knowing it must be stopped. (A signal mask would not
+    do: Python runs handlers in the main thread whichever thread the signal reached.)"""
+    global _held, _noted
+    _held += 1
+    try:
+        yield
+    finally:
+        _held -= 1
+        if not _held and _noted is not None:
+            code, _noted = _noted, None
+            raise SystemExit(code)

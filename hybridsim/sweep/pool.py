@@ -21,7 +21,7 @@ from time import perf_counter
 from typing import Callable, Iterable, Iterator, Optional
 
 from ..hostmem import tune_malloc
-from .jobs import DIED, Job, Outcome, guarded, set_threads
+from .jobs import DIED, Job, Outcome, guarded, set_threads, sigterm_held
 
 # torch, the planner and the executor (what a cell and a golden trace run; sweep/cell.py itself is
 # light); the CLI, which a child of the `hybridsim` script imports again as its __main__ (0.04 s a
@@ -38,19 +38,28 @@ def default_workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _child(job: Job, conn: Connection, threads: Optional[int], more: Optional[Connection] = None) -> None:
+def _child(job: Job, conn: Connection, threads: Optional[int], more: Connection) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (Ctrl-C reaches the whole group: the driver stops jobs)
     tune_malloc()
     set_threads(threads)
-    if more is not None:
-        _take_more_threads(more)
-    conn.send(guarded(job.fn, job.arg))
-    conn.close()
+    sent = threading.Event()
+    _listen_to_driver(more, sent)
+    result = guarded(job.fn, job.arg)
+    sent.set()  # (from here a closed pipe is the driver's normal goodbye)
+    try:
+        conn.send(result)
+        conn.close()
+    except OSError:  # (the driver is gone: nobody wants the result, and there is nobody to tell)
+        os._exit(1)
 
 
-def _take_more_threads(more: Connection) -> None:
-    """Raise this job's torch threads when the driver says cores came free (``run_local``). A helper
-    thread waits for the number; the main thread sets it (torch's thread count is the calling
-    thread's), in a signal handler that Python runs between two of the job's operations."""
+def _listen_to_driver(more: Connection, sent: threading.Event) -> None:
+    """A helper thread takes what the driver says on ``more``. A number: cores came free, raise this
+    job's torch threads (``run_local``); the main thread sets it (torch's thread count is the calling
+    thread's), in a signal handler that Python runs between two of the job's operations. The pipe
+    closing before the result is sent: the driver is gone (SIGKILL, out of memory) or gave the job up,
+    so the job ends at once rather than running on for nobody. (A forkserver child holds the
+    forkserver's lifeline pipe itself, so the forkserver cannot outlive it, nor end it.)"""
     want = [0]
 
     def apply(signum, frame) -> None:
@@ -64,10 +73,11 @@ def _take_more_threads(more: Connection) -> None:
             while True:
                 want[0] = int(more.recv())
                 _thread.interrupt_main(signal.SIGUSR1)  # (no signal is sent: the handler is just run)
-        except (EOFError, OSError, ValueError):
-            pass
+        except (EOFError, OSError):
+            if not sent.is_set():
+                os._exit(1)
 
-    threading.Thread(target=listen, name="hybridsim-threads", daemon=True).start()
+    threading.Thread(target=listen, name="hybridsim-driver", daemon=True).start()
 
 
 def _context() -> mp.context.BaseContext:
@@ -113,13 +123,14 @@ def run_local(jobs: Iterable[Job], workers: int, retries: int = 1) -> Iterator[O
         while pending or running:
             while pending and len(running) < workers:
                 job, attempt = pending.popleft()
-                recv, send = ctx.Pipe(duplex=False)
-                more_r, more_w = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=_child, args=(job, send, threads, more_r), daemon=True)
-                proc.start()
-                send.close()  # (the child holds the only write end: its death is EOF here)
-                more_r.close()
-                running[recv] = _Running(job, attempt, proc, more_w, perf_counter(), threads)
+                with sigterm_held():  # (a child started is a child in `running`, which `finally` stops)
+                    recv, send = ctx.Pipe(duplex=False)
+                    more_r, more_w = ctx.Pipe(duplex=False)
+                    proc = ctx.Process(target=_child, args=(job, send, threads, more_r), daemon=True)
+                    proc.start()
+                    send.close()  # (the child holds the only write end: its death is EOF here)
+                    more_r.close()
+                    running[recv] = _Running(job, attempt, proc, more_w, perf_counter(), threads)
             _share_cores(running, pending, cores)
             for conn in wait(list(running)):
                 r = running.pop(conn)

@@ -53,9 +53,10 @@ class RayBackend:
 
     def __init__(self, address: Optional[str] = None, background: bool = False):
         self.address = address
-        self.started = False
+        self.started = False  # ray.init called here: close() calls ray.shutdown()
+        self.own = False  # ... and it started a new local instance (not one started with `ray start`)
         self.start_s = 0.0
-        self.inherited = False  # a local instance started here: its workers inherit the import path
+        self.inherited = False  # that instance's workers inherit the import path
         self.gpus = 0.0
         self._ready = False
         self._error: Optional[BaseException] = None
@@ -85,11 +86,11 @@ class RayBackend:
             return
         t0 = perf_counter()
         saved = os.environ.get("PYTHONPATH")
-        if self.address is None and "RAY_ADDRESS" not in os.environ:
+        local = self.address is None and "RAY_ADDRESS" not in os.environ
+        if local:
             # the workers Ray starts with the instance then serve the tasks at once (a task with a
             # runtime_env waits for workers started for that environment: seconds on 2 cores)
             os.environ["PYTHONPATH"] = _import_path()
-            self.inherited = True
         try:
             self.ray.init(address=self.address, include_dashboard=False, log_to_driver=False,
                           logging_level=logging.ERROR, configure_logging=True)
@@ -103,6 +104,8 @@ class RayBackend:
                 os.environ["PYTHONPATH"] = saved
         self.start_s = perf_counter() - t0
         self.started = True
+        self.own = _started_an_instance(self.ray)  # (auto joins an instance `ray start` left running)
+        self.inherited = local and self.own
 
     def ready(self) -> "RayBackend":
         """Wait until Ray has started or been joined; raise what starting it raised."""
@@ -144,7 +147,7 @@ class RayBackend:
             # interrupted: on a cluster this joined, cancel what is left; an instance started here is
             # shut down whole by close() (cancelling first races with tasks that are just finishing:
             # Ray 2.60's driver then aborts on "Tried to complete task that was not pending")
-            if not self.started:
+            if not self.own:
                 for ref in refs:
                     ray.cancel(ref, force=True)
 
@@ -167,8 +170,9 @@ class RayBackend:
             self._up.wait()
         if self.started:
             self.started = False
-            _stop_autoscaler_monitor(self.ray)
-            self.ray.shutdown()
+            if self.own:
+                _stop_autoscaler_monitor(self.ray)
+            self.ray.shutdown()  # (stops an instance started here; leaves one it joined)
         if self._thread is not None:
             self._done.set()
             self._thread.join()
@@ -179,6 +183,17 @@ def start_ray(ray: str, background: bool = False) -> RayBackend:
     """Start or join Ray for ``--ray`` (auto: a local instance, started or joined; else a cluster
     address). In the background, the caller's own work overlaps Ray's start-up."""
     return RayBackend(None if ray == "auto" else ray, background=background)
+
+
+def _started_an_instance(ray: Any) -> bool:
+    """Whether ``ray.init`` started a new local instance rather than joining a running one: this
+    driver then holds the head node. Ray's internals again; where they differ, the answer is
+    "joined", the safe one (tasks get the import path explicitly; an interrupt cancels them)."""
+    try:
+        node = ray._private.worker._global_node
+        return bool(node is not None and node.is_head())
+    except Exception:  # (another Ray version's internals)
+        return False
 
 
 def _stop_autoscaler_monitor(ray: Any) -> None:
