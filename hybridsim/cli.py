@@ -232,6 +232,8 @@ def replay(
                                                              "each in its own process"),
     ray: Optional[str] = typer.Option(None, "--ray", help="with --check: replay the traces as Ray tasks "
                                                            "(auto, or a cluster ADDRESS)"),
+    per_gpu: int = typer.Option(1, "--per-gpu", min=1, help="with -j or --ray: traces replayed on one GPU at a "
+                                                            "time, each in a worker that keeps its CUDA context"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no tables, only errors"),
 ) -> None:
     """Execute recorded step traces exactly as recorded, with every check; with --check, gate on golden files."""
@@ -262,6 +264,8 @@ def replay(
         fanned = [flag for flag, on in (("-j", jobs > 1), ("--ray", ray is not None)) if on]
         if fanned and not (golden or update_expected):
             raise InputError("fans out golden checks: use it with --check or --update-expected", fanned[0])
+        if per_gpu > 1 and not fanned:
+            raise InputError("shares GPUs among traces replayed at once: use it with -j or --ray", "--per-gpu")
         if ray is not None and jobs > 1:
             raise InputError("give -j (local processes) or --ray (Ray decides), not both", "-j")
         if ray is not None and not ray.strip():
@@ -273,7 +277,7 @@ def replay(
                 from .sweep.ray_pool import start_ray
                 backend = start_ray(ray, background=True)
             try:
-                rows = check_traces(traces, update=update_expected, jobs=jobs, ray=backend, **kw)
+                rows = check_traces(traces, update=update_expected, jobs=jobs, ray=backend, per_gpu=per_gpu, **kw)
             finally:
                 if backend is not None:
                     backend.close()
@@ -310,6 +314,9 @@ def sweep(
     workers: Optional[int] = typer.Option(None, "--workers", "-j", min=1, help="local processes (default: the cores)"),
     ray: Optional[str] = typer.Option(None, "--ray", help="run cells as Ray tasks: auto (start or join a local "
                                                            "instance) or a cluster ADDRESS"),
+    per_gpu: int = typer.Option(1, "--per-gpu", min=1, help="cells run on one GPU at a time, each in a worker "
+                                                            "that keeps its CUDA context (each plans its memory on "
+                                                            "the whole card: raise it for small cells only)"),
     resume: bool = typer.Option(False, "--resume", help="skip the cells already in results.csv"),
     record_failures: bool = typer.Option(False, "--record-failures",
                                          help="write each failing cell's trace to DIR/failures/ (for shrink)"),
@@ -371,7 +378,7 @@ def sweep(
                 progress.update(task, advance=1, failed=failed)
 
         try:
-            res = run_sweep(sw, out_dir, workers=workers, ray=backend, resume=resume,
+            res = run_sweep(sw, out_dir, workers=workers, ray=backend, per_gpu=per_gpu, resume=resume,
                             record_failures=record_failures, on_start=started, on_row=row_done)
         finally:
             if progress is not None:

@@ -81,14 +81,14 @@ def _read_expected(path: Path) -> dict:
 
 
 def check_traces(paths: list[Path], update: bool = False, jobs: int = 1, ray: str | RayBackend | None = None,
-                 **replay_kw) -> list[GoldenRow]:
+                 per_gpu: int = 1, **replay_kw) -> list[GoldenRow]:
     """Replay each trace (files, or folders of them) and compare it with its NAME.expected.json;
     with ``jobs`` > 1 or ``ray``, the traces fan out over processes or Ray tasks (rows in trace order).
-    ``ray``: see ``sweep.run.backend_for``."""
+    ``ray``, ``per_gpu``: see ``sweep.run.backend_for``."""
     traces = trace_files(paths)
     if jobs <= 1 and ray is None:
         return [check_one(GoldenTask(t, update, replay_kw)) for t in traces]
-    return _fan_out(traces, update, jobs, ray, replay_kw)
+    return _fan_out(traces, update, jobs, ray, per_gpu, replay_kw)
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ def _cost(trace: Path) -> int:
         return 0
 
 
-def _fan_out(traces: list[Path], update: bool, jobs: int, ray: str | RayBackend | None,
+def _fan_out(traces: list[Path], update: bool, jobs: int, ray: str | RayBackend | None, per_gpu: int,
              replay_kw: dict) -> list[GoldenRow]:
     """The traces as jobs of the sweep backends: a bad trace is the same one message (exit 2) as
     serially; a trace whose worker died twice is a row of its own (``died``, exit 3)."""
@@ -140,10 +140,11 @@ def _fan_out(traces: list[Path], update: bool, jobs: int, ray: str | RayBackend 
     from .sweep.jobs import DIED, ENVIRONMENT, INPUT, OK, Job
     from .sweep.run import backend_for
 
-    todo = [Job(str(i), check_one, GoldenTask(t, update, replay_kw)) for i, t in enumerate(traces)]
+    gpu = replay_kw.get("device", "auto") in ("cuda", "auto") and replay_kw.get("check", "full") != "off"
+    todo = [Job(str(i), check_one, GoldenTask(t, update, replay_kw), gpu) for i, t in enumerate(traces)]
     todo.sort(key=lambda j: -_cost(traces[int(j.key)]))  # longest first: the last to finish is a short one
     rows: dict[int, GoldenRow] = {}
-    with backend_for(jobs, ray) as (run, _, _):
+    with backend_for(jobs, ray, per_gpu) as (run, _, _):
         for o in run(todo):
             i = int(o.key)
             if o.kind == OK:

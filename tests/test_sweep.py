@@ -455,28 +455,31 @@ def test_sigterm_while_a_worker_starts_still_stops_that_worker(monkeypatch):
     assert len(started) == 1 and not started[0].is_alive() and started[0].exitcode == -signal.SIGKILL
 
 
-def test_held_sigterm_is_raised_when_the_section_ends(monkeypatch):
+@pytest.mark.parametrize("sig, raised", [("SIGTERM", SystemExit), ("SIGINT", KeyboardInterrupt)])
+def test_a_held_signal_is_raised_when_the_section_ends(sig, raised):
     from hybridsim.sweep import jobs
 
-    before = signal.signal(signal.SIGTERM, jobs._raise_exit)
+    signum = getattr(signal, sig)
+    before = signal.signal(signum, jobs._raise_exit)
+    reached = False
     try:
-        with pytest.raises(SystemExit) as e:
+        with pytest.raises(raised) as e:
             with jobs.sigterm_held():
                 with jobs.sigterm_held():  # (nested: only the outermost end raises)
-                    os.kill(os.getpid(), signal.SIGTERM)
+                    os.kill(os.getpid(), signum)
                     for _ in range(1000):  # (the handler has run by now, and only noted it)
                         pass
                 reached = True
-        assert reached and e.value.code == 143
+        assert reached and (raised is KeyboardInterrupt or e.value.code == 143)
         with jobs.sigterm_held():  # (a section without a signal ends quietly)
             pass
     finally:
-        signal.signal(signal.SIGTERM, before)
+        signal.signal(signum, before)
 
 
 def test_a_driver_killed_outright_leaves_no_job_running():
     """SIGKILL (or the kernel's out-of-memory killer) gives the driver no chance to stop its jobs:
-    they die with the forkserver, which exits when the driver does."""
+    each ends when its pipe from the driver closes."""
     import subprocess
     import sys
     import time
@@ -536,6 +539,69 @@ def test_resume_runs_only_the_missing_cells(local_rows, tmp_path):
     assert len(parquet_matches_csv(out)) == 4  # the resumed rows and the new ones
     res = run_sweep(load_sweep(path), out, workers=2, resume=True)
     assert res.ran == 0 and len(res.frame) == 4
+
+
+def _gpu_seen(arg: tuple[float, str]) -> tuple:
+    """A job: the GPU it was given, its process, and when it ran; with a marker path, its first
+    attempt kills its worker."""
+    import time
+
+    seconds, marker = arg
+    if marker and not os.path.exists(marker):
+        Path(marker).touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.time()
+    time.sleep(seconds)
+    return os.environ.get("CUDA_VISIBLE_DEVICES"), os.getpid(), t0, time.time()
+
+
+def test_local_pool_runs_gpu_jobs_one_per_gpu_in_a_worker_that_keeps_the_gpu(monkeypatch, tmp_path):
+    """Jobs that run kernels on a GPU get one GPU each, as their only visible device, never two at
+    once on one GPU (each would plan its memory on the whole card), and run one after another in
+    that GPU's own worker process (CUDA's context and the loaded kernels are kept). Jobs that need
+    no GPU go ahead of GPU jobs waiting for one, each in a fresh process, and see the driver's
+    devices. A GPU worker that dies costs its job one retry, in a fresh worker; the rest go on."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    dies = str(tmp_path / "died-once")
+    jobs = ([Job(f"g{i}", _gpu_seen, (0.4, dies if i == 2 else ""), gpu=True) for i in range(6)]
+            + [Job(f"c{i}", _gpu_seen, (0.4, "")) for i in range(2)])
+    outcomes = {o.key: o for o in run_local(jobs, workers=4, gpus=["3", "7"])}
+    got = {k: o.value for k, o in outcomes.items()}
+    assert all(o.kind == "ok" for o in outcomes.values())
+    assert outcomes["g2"].attempts == 2 and all(o.attempts == 1 for k, o in outcomes.items() if k != "g2")
+    cpu = [got[f"c{i}"] for i in range(2)]
+    assert all(gpu is None for gpu, *_ in cpu) and len({pid for _, pid, _, _ in cpu}) == 2
+    spans = sorted((got[f"g{i}"] for i in range(6)), key=lambda v: v[2])
+    assert {gpu for gpu, *_ in spans} == {"3", "7"}
+    for gpu in ("3", "7"):
+        mine = [(a, b) for g, _, a, b in spans if g == gpu]
+        assert all(b1 <= a2 for (_, b1), (a2, _) in zip(mine, mine[1:])), mine  # one at a time
+    pids = {pid for _, pid, _, _ in spans}
+    assert len(pids) == 3 and not pids & {pid for _, pid, _, _ in cpu}  # (two workers, one replaced once)
+    first_gpu_end = min(b for *_, b in spans)
+    assert all(c[2] < first_gpu_end for c in cpu)  # (they did not wait behind GPU jobs)
+    assert [q for q in pids if _alive(q)] == []
+
+
+def test_per_gpu_lets_that_many_gpu_jobs_share_a_gpu(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    jobs = [Job(f"g{i}", _gpu_seen, (0.5, ""), gpu=True) for i in range(6)]
+    got = [o.value for o in run_local(jobs, workers=4, gpus=["5"], per_gpu=2)]
+    assert {gpu for gpu, *_ in got} == {"5"} and len({pid for _, pid, _, _ in got}) == 2
+    edges = sorted([(a, 1) for *_, a, _ in got] + [(b, -1) for *_, b in got])
+    at_once = max(sum(d for _, d in edges[: i + 1]) for i in range(len(edges)))
+    assert at_once == 2
+
+
+def test_visible_gpus_reads_cuda_visible_devices_as_cuda_does(monkeypatch):
+    from hybridsim.sweep.pool import visible_gpus
+
+    for env, want in (("0,1", ["0", "1"]), ("", []), ("2, -1, 3", ["2"]), ("GPU-8f1c,GPU-77aa", ["GPU-8f1c", "GPU-77aa"])):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", env)
+        assert visible_gpus() == want, env
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    listed = Path("/proc/driver/nvidia/gpus")
+    assert visible_gpus() == [str(i) for i in range(len(os.listdir(listed)) if listed.is_dir() else 0)]
 
 
 def _kill_self_on_seed_1(task: CellTask) -> dict:

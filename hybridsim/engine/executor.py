@@ -90,6 +90,8 @@ class Executor:
         self.check = check
         self.bugs = Bugs(bugs or set())
         self.device = torch.device(device)
+        if self.device.type == "cuda":  # (the peak reported is this run's, not an earlier one's in this process)
+            torch.cuda.reset_peak_memory_stats(self.device)
         self.reqs: dict[str, ExecRequest] = {}
         self.blocks = BlockMap(capacity or scenario.cache.num_blocks)
         self.kernel_timer = None  # a TimedKernels on a GPU: per-kernel CUDA-event timings

@@ -76,8 +76,9 @@ def arena_layout(s: Scenario, groups) -> Optional[tuple[int, int]]:
 
 
 def free_bytes(device: torch.device) -> Optional[int]:
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "cuda":  # (what torch's allocator holds unused, left by an earlier run here, is ours too)
+        idle = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(torch.cuda.mem_get_info(device)[0]) + idle
     try:
         with open("/proc/meminfo") as f:
             for line in f:

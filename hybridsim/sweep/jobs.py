@@ -68,29 +68,36 @@ def set_threads(threads: Optional[int]) -> None:
 def exit_on_sigterm() -> None:
     """Make SIGTERM (a batch scheduler's time limit, ``kill``) unwind this process like an exception,
     so that the rows written so far get their results.parquet, workers are stopped and a Ray instance
-    started here shuts down; exit status 143 (128 + SIGTERM). Only from the main thread, and only where
-    nobody chose another handler."""
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+    started here shuts down; exit status 143 (128 + SIGTERM). Ctrl-C (SIGINT) still raises
+    KeyboardInterrupt, but both wait for a ``sigterm_held`` section to end. Only from the main thread,
+    and only where nobody chose other handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _raise_exit)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _raise_exit)
 
 
-_held = 0  # (inside ``sigterm_held``: SIGTERM is noted, and raised when the section ends)
-_noted: Optional[int] = None
+_held = 0  # (inside ``sigterm_held``: a signal is noted, and raised when the section ends)
+_noted: Optional[BaseException] = None
 
 
 def _raise_exit(signum: int, frame: Any) -> None:
     global _noted
+    exc = KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + signum)
     if _held:
-        _noted = 128 + signum
+        _noted = _noted or exc
         return
-    raise SystemExit(128 + signum)
+    raise exc
 
 
 @contextmanager
 def sigterm_held() -> Iterator[None]:
-    """Hold a SIGTERM exit until the section ends: starting a worker and recording it is one step, so
-    a worker is never started without the driver knowing it must be stopped. (A signal mask would not
-    do: Python runs handlers in the main thread whichever thread the signal reached.)"""
+    """Hold SIGTERM's exit (and Ctrl-C's) until the section ends: starting a worker and recording it
+    is one step, so a worker is never started without the driver knowing it must be stopped, nor
+    left reading half of its job. (A signal mask would not do: Python runs handlers in the main
+    thread whichever thread the signal reached.)"""
     global _held, _noted
     _held += 1
     try:
@@ -98,5 +105,5 @@ def sigterm_held() -> Iterator[None]:
     finally:
         _held -= 1
         if not _held and _noted is not None:
-            code, _noted = _noted, None
-            raise SystemExit(code)
+            exc, _noted = _noted, None
+            raise exc

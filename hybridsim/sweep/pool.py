@@ -5,6 +5,11 @@ still pending in it. Here each job has its own process and pipe; a process that 
 without sending its result died, its job is retried once, and the other jobs never notice.
 Processes fork from a ``forkserver`` that has imported torch and the engine once, so a job
 costs a fork, not an interpreter start (about 2 s of imports on the dev machine).
+
+Jobs that run kernels on a GPU are the exception: a process per GPU (``per_gpu`` of them) runs
+them one after another, so CUDA's context and the loaded Triton kernels are paid for once, not per job (a
+fresh process took 7-10 s for a tiny checked cell on an H200, a warm one 0.8-2.5 s). One that
+dies takes only its job with it (retried once, in a fresh process).
 """
 
 from __future__ import annotations
@@ -53,7 +58,26 @@ def _child(job: Job, conn: Connection, threads: Optional[int], more: Connection)
         os._exit(1)
 
 
-def _listen_to_driver(more: Connection, sent: threading.Event) -> None:
+def _gpu_worker(conn: Connection, more: Connection, gpu: str) -> None:
+    """Run the jobs sent on ``conn`` one after another on one GPU, keeping its CUDA context."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = gpu  # (before anything initialises CUDA)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    tune_malloc()
+    _listen_to_driver(more, None)
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, OSError):  # (the driver has no more jobs)
+            return
+        set_threads(1)  # (a previous job's share of cores is not this one's)
+        result = guarded(job.fn, job.arg)
+        try:
+            conn.send(result)
+        except OSError:
+            os._exit(1)
+
+
+def _listen_to_driver(more: Connection, sent: Optional[threading.Event]) -> None:
     """A helper thread takes what the driver says on ``more``. A number: cores came free, raise this
     job's torch threads (``run_local``); the main thread sets it (torch's thread count is the calling
     thread's), in a signal handler that Python runs between two of the job's operations. The pipe
@@ -74,7 +98,7 @@ def _listen_to_driver(more: Connection, sent: threading.Event) -> None:
                 want[0] = int(more.recv())
                 _thread.interrupt_main(signal.SIGUSR1)  # (no signal is sent: the handler is just run)
         except (EOFError, OSError):
-            if not sent.is_set():
+            if sent is None or not sent.is_set():  # (a GPU worker: the driver is done with it)
                 os._exit(1)
 
     threading.Thread(target=listen, name="hybridsim-driver", daemon=True).start()
@@ -98,6 +122,27 @@ def warm_up() -> None:
         forkserver.ensure_running()
 
 
+def visible_gpus() -> list[str]:
+    """The GPUs jobs may be given, found without loading torch or CUDA here: the entries of
+    CUDA_VISIBLE_DEVICES where it is set (up to the first invalid one, as CUDA reads it), else one
+    per GPU the NVIDIA driver lists (/proc/driver/nvidia/gpus); none where there is no NVIDIA GPU."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        ids = []
+        for part in (p.strip() for p in env.split(",")):
+            if not part or part.startswith("-"):
+                break
+            ids.append(part)
+        return ids
+    try:
+        return [str(i) for i in range(len(os.listdir("/proc/driver/nvidia/gpus")))]
+    except OSError:
+        return []
+
+
+Slot = tuple[str, int]  # (a GPU, which of its per_gpu workers)
+
+
 @dataclass
 class _Running:
     job: Job
@@ -106,31 +151,99 @@ class _Running:
     more: Connection  # (the driver's end: a larger torch thread count for the job)
     t0: float
     threads: int
+    slot: Optional[Slot]  # (the job runs in that GPU worker)
 
 
-def run_local(jobs: Iterable[Job], workers: int, retries: int = 1) -> Iterator[Outcome]:
+@dataclass
+class _GpuWorker:
+    proc: mp.process.BaseProcess
+    conn: Connection  # jobs out, results back
+    more: Connection  # thread counts; its closing tells the worker the driver is gone
+
+
+class _GpuWorkers:
+    """The driver's side of the GPU workers, ``per_gpu`` per GPU: each started on its slot's first
+    job, replaced when it dies."""
+
+    def __init__(self, ctx: mp.context.BaseContext):
+        self.ctx = ctx
+        self.by_slot: dict[Slot, _GpuWorker] = {}
+
+    def send(self, slot: Slot, job: Job) -> _GpuWorker:
+        w = self.by_slot.get(slot)
+        if w is not None:
+            try:
+                w.conn.send(job)
+                return w
+            except OSError:  # (it died while idle)
+                self.drop(slot)
+        w = self._start(slot)
+        w.conn.send(job)
+        return w
+
+    def _start(self, slot: Slot) -> _GpuWorker:
+        ours, theirs = self.ctx.Pipe()
+        more_r, more_w = self.ctx.Pipe(duplex=False)
+        proc = self.ctx.Process(target=_gpu_worker, args=(theirs, more_r, slot[0]), daemon=True)
+        proc.start()
+        theirs.close()  # (the worker holds the only other end: its death is EOF here)
+        more_r.close()
+        self.by_slot[slot] = w = _GpuWorker(proc, ours, more_w)
+        return w
+
+    def drop(self, slot: Slot) -> None:
+        """Forget a worker that died (or stop one), and reap it."""
+        w = self.by_slot.pop(slot)
+        w.conn.close()
+        w.more.close()
+        w.proc.join(10)
+        if w.proc.is_alive():
+            w.proc.kill()
+            w.proc.join()
+
+    def close(self) -> None:
+        """No more jobs: idle workers exit on EOF, a busy one (interrupted) when its lifeline closes."""
+        for slot in list(self.by_slot):
+            self.drop(slot)
+
+
+def run_local(jobs: Iterable[Job], workers: int, retries: int = 1,
+              gpus: Optional[list[str]] = None, per_gpu: int = 1) -> Iterator[Outcome]:
     """Run jobs in separate processes, yielding each outcome as it finishes (not in order).
 
     Each job starts with one torch thread (``set_threads``). Once no job is waiting, the cores of
     the finished ones go to those still running (with -j 2, the last job gets two threads), so a
-    long job at the end does not run on one core while the other idles."""
+    long job at the end does not run on one core while the other idles.
+
+    A job that runs kernels on a GPU (``Job.gpu``) gets one of ``gpus`` (default: ``visible_gpus()``)
+    as its only visible device and runs in one of that GPU's ``per_gpu`` worker processes; it waits
+    for one to come free while jobs behind it that need none go ahead. One job per GPU by default:
+    a checked run plans its memory on the whole card, so two large ones at once would not fit.
+    Without GPUs here, such a job runs as any other (its scenario then says what a missing GPU means)."""
     ctx = _context()
     threads = 1  # (see set_threads)
     cores = max(1, min(workers, default_workers()))
+    free_slots: deque[Slot] = deque((g, k) for k in range(per_gpu) for g in (visible_gpus() if gpus is None else gpus))
+    by_gpu = bool(free_slots)
     pending: deque[tuple[Job, int]] = deque((j, 1) for j in jobs)
     running: dict[Connection, _Running] = {}
+    on_gpus = _GpuWorkers(ctx)
     try:
         while pending or running:
-            while pending and len(running) < workers:
-                job, attempt = pending.popleft()
+            while len(running) < workers and (nxt := _next_job(pending, free_slots, by_gpu)) is not None:
+                job, attempt, slot = nxt
                 with sigterm_held():  # (a child started is a child in `running`, which `finally` stops)
+                    if slot is not None:
+                        w = on_gpus.send(slot, job)
+                        running[w.conn] = _Running(job, attempt, w.proc, w.more, perf_counter(), threads, slot)
+                        continue
                     recv, send = ctx.Pipe(duplex=False)
                     more_r, more_w = ctx.Pipe(duplex=False)
                     proc = ctx.Process(target=_child, args=(job, send, threads, more_r), daemon=True)
                     proc.start()
                     send.close()  # (the child holds the only write end: its death is EOF here)
                     more_r.close()
-                    running[recv] = _Running(job, attempt, proc, more_w, perf_counter(), threads)
+                    running[recv] = _Running(job, attempt, proc, more_w, perf_counter(), threads, None)
             _share_cores(running, pending, cores)
             for conn in wait(list(running)):
                 r = running.pop(conn)
@@ -139,9 +252,14 @@ def run_local(jobs: Iterable[Job], workers: int, retries: int = 1) -> Iterator[O
                     kind, value = conn.recv()
                 except (EOFError, OSError):
                     kind, value = DIED, None
-                conn.close()
-                r.more.close()
-                proc.join()
+                if r.slot is None:
+                    conn.close()
+                    r.more.close()
+                    proc.join()
+                else:
+                    if kind == DIED:
+                        on_gpus.drop(r.slot)  # (the slot's next job starts a fresh worker)
+                    free_slots.append(r.slot)
                 if kind == DIED:
                     if attempt <= retries:
                         pending.appendleft((job, attempt + 1))
@@ -153,9 +271,24 @@ def run_local(jobs: Iterable[Job], workers: int, retries: int = 1) -> Iterator[O
                               "" if kind == "ok" else str(value), attempt, perf_counter() - t0)
     finally:
         for r in running.values():  # (interrupted: leave no orphans)
-            r.proc.kill()
-            r.proc.join()
-            r.more.close()
+            if r.slot is None:
+                r.proc.kill()
+                r.proc.join()
+                r.more.close()
+        on_gpus.close()
+
+
+def _next_job(pending: deque, free_slots: deque, by_gpu: bool) -> Optional[tuple[Job, int, Optional[Slot]]]:
+    """The first waiting job that can start now, with the GPU worker it gets (None: it needs none)."""
+    for i, (job, attempt) in enumerate(pending):
+        if job.gpu and by_gpu:
+            if not free_slots:
+                continue
+            del pending[i]
+            return job, attempt, free_slots.popleft()
+        del pending[i]
+        return job, attempt, None
+    return None
 
 
 def _share_cores(running: dict[Connection, _Running], pending: deque, cores: int) -> None:

@@ -125,14 +125,15 @@ class RayBackend:
             return None
         return {"env_vars": {"PYTHONPATH": _import_path()}}
 
-    def run(self, jobs: Iterable[Job]) -> Iterator[Outcome]:
+    def run(self, jobs: Iterable[Job], per_gpu: int = 1) -> Iterator[Outcome]:
+        """Each job a task; one that runs kernels on a GPU asks for 1/``per_gpu`` of one."""
         ray = self.ready().ray
         task = ray.remote(_task)
         env = self._runtime_env()
         refs: dict[Any, tuple[Job, float]] = {}
         for job in jobs:
             gpu = job.gpu and self.gpus > 0
-            opts: dict[str, Any] = {"num_cpus": 0 if gpu else 1, "num_gpus": 1 if gpu else 0,
+            opts: dict[str, Any] = {"num_cpus": 0 if gpu else 1, "num_gpus": 1 / per_gpu if gpu else 0,
                                     "max_retries": 1, "retry_exceptions": False}
             if env is not None:
                 opts["runtime_env"] = env

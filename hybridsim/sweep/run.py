@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 import pandas as pd
 
 from .jobs import DIED, ENVIRONMENT, ERROR, INPUT, OK, Job, Outcome
-from .pool import default_workers, run_local
+from .pool import default_workers, run_local, visible_gpus
 from .results import ResultsFile, write_parquet
 from .spec import Cell, Sweep
 
@@ -50,29 +50,37 @@ def _needs_gpu(cell: Cell) -> bool:
 
 
 @contextmanager
-def backend_for(workers: Optional[int], ray: Optional[str | RayBackend]) -> Iterator[tuple[Backend, str, float]]:
+def backend_for(workers: Optional[int], ray: Optional[str | RayBackend],
+                per_gpu: int = 1) -> Iterator[tuple[Backend, str, float]]:
     """The local process pool, or Ray: ``ray`` = "auto" for a local instance, a cluster address, or
-    a ``RayBackend`` already starting (``ray_pool.start_ray``), which this closes when done."""
+    a ``RayBackend`` already starting (``ray_pool.start_ray``), which this closes when done.
+    ``per_gpu``: jobs that run kernels on a GPU share each GPU this many at a time."""
     if ray is None:
         n = workers or default_workers()
-        yield (lambda jobs: run_local(jobs, n)), f"local pool, {n} worker{'s' if n > 1 else ''}", 0.0
+        gpus = visible_gpus()
+        on = (f", {len(gpus)} GPU{'s' if len(gpus) > 1 else ''} ({per_gpu} checked cell{'s' if per_gpu > 1 else ''} "
+              "each at a time)") if gpus else ""
+        yield (lambda jobs: run_local(jobs, n, gpus=gpus, per_gpu=per_gpu)), \
+            f"local pool, {n} worker{'s' if n > 1 else ''}{on}", 0.0
         return
     from .ray_pool import start_ray
 
     rb = start_ray(ray) if isinstance(ray, str) else ray
     try:
         rb.ready()
-        yield rb.run, f"Ray ({'local instance' if rb.address is None else rb.address})", rb.start_s
+        yield (lambda jobs: rb.run(jobs, per_gpu)), f"Ray ({'local instance' if rb.address is None else rb.address})", \
+            rb.start_s
     finally:
         rb.close()
 
 
 def run_sweep(sweep: Sweep, out_dir: Path, *, workers: Optional[int] = None,
-              ray: Optional[str | RayBackend] = None, resume: bool = False, record_failures: bool = False,
+              ray: Optional[str | RayBackend] = None, per_gpu: int = 1, resume: bool = False,
+              record_failures: bool = False,
               on_start: Optional[Callable[[int, int], None]] = None,
               on_row: Optional[Callable[[dict], None]] = None, cell_fn: Optional[Callable] = None) -> SweepResult:
-    """Run every cell not already in DIR/results.csv; ``cell_fn`` replaces ``run_cell`` (tests). ``ray``:
-    see ``backend_for``."""
+    """Run every cell not already in DIR/results.csv; ``cell_fn`` replaces ``run_cell`` (tests). ``ray``,
+    ``per_gpu``: see ``backend_for``."""
     from .cell import TRACE_KEY, CellTask, run_cell
 
     results = ResultsFile(out_dir, sweep.keys, resume)
@@ -86,7 +94,7 @@ def run_sweep(sweep: Sweep, out_dir: Path, *, workers: Optional[int] = None,
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = perf_counter()
     try:
-        with backend_for(workers, ray) as (run, name, start_s):
+        with backend_for(workers, ray, per_gpu) as (run, name, start_s):
             for outcome in run(jobs):
                 cell = by_key[outcome.key]
                 row = _row(cell, outcome)
