@@ -8,7 +8,7 @@ costs a fork, not an interpreter start (about 2 s of imports on the dev machine)
 
 Jobs that run kernels on a GPU are the exception: a process per GPU (``per_gpu`` of them) runs
 them one after another, so CUDA's context and the loaded Triton kernels are paid for once, not per job (a
-fresh process took 7-10 s for a tiny checked cell on an H200, a warm one 0.8-2.5 s). One that
+fresh process took 7-10 s for a tiny checked cell on an H200, a warm one 0.8-2.9 s). One that
 dies takes only its job with it (retried once, in a fresh process).
 """
 
