@@ -6,10 +6,10 @@ without sending its result died, its job is retried once, and the other jobs nev
 Processes fork from a ``forkserver`` that has imported torch and the engine once, so a job
 costs a fork, not an interpreter start (about 2 s of imports on the dev machine).
 
-Jobs that run kernels on a GPU are the exception: a process per GPU (``per_gpu`` of them) runs
-them one after another, so CUDA's context and the loaded Triton kernels are paid for once, not per job (a
-fresh process took 7-10 s for a tiny checked cell on an H200, a warm one 0.8-2.9 s). One that
-dies takes only its job with it (retried once, in a fresh process).
+Jobs that run kernels on a GPU are the exception: worker processes on each GPU (``per_gpu`` of
+them) run such jobs one after another, so CUDA's context and the loaded Triton kernels are paid
+for once, not per job (a fresh process took 7-10 s for a tiny checked cell on an H200, a warm one
+0.8-2.9 s). One that dies takes only its job with it (retried once, in a fresh worker).
 """
 
 from __future__ import annotations
@@ -82,8 +82,9 @@ def _listen_to_driver(more: Connection, sent: Optional[threading.Event]) -> None
     job's torch threads (``run_local``); the main thread sets it (torch's thread count is the calling
     thread's), in a signal handler that Python runs between two of the job's operations. The pipe
     closing before the result is sent: the driver is gone (SIGKILL, out of memory) or gave the job up,
-    so the job ends at once rather than running on for nobody. (A forkserver child holds the
-    forkserver's lifeline pipe itself, so the forkserver cannot outlive it, nor end it.)"""
+    so the job ends at once rather than running on for nobody. (The forkserver cannot end it: each
+    of its children holds the forkserver's own lifeline pipe, so it outlives the driver as long as
+    they live.)"""
     want = [0]
 
     def apply(signum, frame) -> None:
@@ -178,7 +179,10 @@ class _GpuWorkers:
             except OSError:  # (it died while idle)
                 self.drop(slot)
         w = self._start(slot)
-        w.conn.send(job)
+        try:
+            w.conn.send(job)
+        except OSError:  # (it died at once: the driver reads EOF, and the job counts as died)
+            pass
         return w
 
     def _start(self, slot: Slot) -> _GpuWorker:
@@ -223,7 +227,8 @@ def run_local(jobs: Iterable[Job], workers: int, retries: int = 1,
     ctx = _context()
     threads = 1  # (see set_threads)
     cores = max(1, min(workers, default_workers()))
-    free_slots: deque[Slot] = deque((g, k) for k in range(per_gpu) for g in (visible_gpus() if gpus is None else gpus))
+    gpus = visible_gpus() if gpus is None else gpus
+    free_slots: deque[Slot] = deque((g, k) for k in range(per_gpu) for g in gpus)  # (GPUs first, then sharing)
     by_gpu = bool(free_slots)
     pending: deque[tuple[Job, int]] = deque((j, 1) for j in jobs)
     running: dict[Connection, _Running] = {}
@@ -271,11 +276,11 @@ def run_local(jobs: Iterable[Job], workers: int, retries: int = 1,
                               "" if kind == "ok" else str(value), attempt, perf_counter() - t0)
     finally:
         for r in running.values():  # (interrupted: leave no orphans)
+            r.proc.kill()
             if r.slot is None:
-                r.proc.kill()
                 r.proc.join()
                 r.more.close()
-        on_gpus.close()
+        on_gpus.close()  # (reaps those, and stops the idle GPU workers)
 
 
 def _next_job(pending: deque, free_slots: deque, by_gpu: bool) -> Optional[tuple[Job, int, Optional[Slot]]]:
