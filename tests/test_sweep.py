@@ -366,6 +366,19 @@ def _descendants(pid: int) -> set[int]:
     return found - {pid}
 
 
+def _wait_for_descendants(p, n: int) -> set[int]:
+    """Wait (up to a minute) until the running command ``p`` has ``n`` live processes below it."""
+    import time
+
+    below: set[int] = set()
+    t0 = time.monotonic()
+    while p.poll() is None and len(below) < n and time.monotonic() - t0 < 60:
+        below = _descendants(p.pid)
+        time.sleep(0.05)
+    assert p.poll() is None and len(below) >= n, p.communicate()[1][-3000:]
+    return below
+
+
 def _alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -490,12 +503,7 @@ def test_a_driver_killed_outright_leaves_no_job_running():
               "print(list(run_local([Job(str(i), time.sleep, 120) for i in range(2)], workers=2)))\n")
     p = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
-    below: set[int] = set()
-    t0 = time.monotonic()
-    while p.poll() is None and len(below) < 3 and time.monotonic() - t0 < 60:  # (a forkserver, two jobs)
-        below = _descendants(p.pid)
-        time.sleep(0.05)
-    assert p.poll() is None and len(below) >= 3, p.communicate()[1][-3000:]
+    below = _wait_for_descendants(p, 3)  # (a forkserver, two jobs)
     p.kill()
     p.communicate(timeout=60)
     t0 = time.monotonic()
@@ -511,12 +519,7 @@ def test_replay_fanned_out_and_stopped_by_sigterm_stops_its_workers():
 
     p = subprocess.Popen([sys.executable, "-m", "hybridsim", "replay", "traces/", "--check", "-j", "2", "-q"],
                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    below: set[int] = set()
-    t0 = time.monotonic()
-    while p.poll() is None and len(below) < 3 and time.monotonic() - t0 < 60:  # (a forkserver, two replays)
-        below = _descendants(p.pid)
-        time.sleep(0.05)
-    assert p.poll() is None and len(below) >= 3, p.communicate()[1][-3000:]
+    below = _wait_for_descendants(p, 3)  # (a forkserver, two replays)
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err[-3000:]
