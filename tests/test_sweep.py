@@ -420,7 +420,8 @@ def test_cli_sweep_stopped_by_a_signal_keeps_its_rows_and_stops_its_workers(tmp_
     out = tmp_path / "out"
     t0 = time.time() - 1
     p = subprocess.Popen([sys.executable, "-m", "hybridsim", "sweep", str(path), "--out", str(out), *backend, "-q"],
-                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         preexec_fn=_ctrl_c_as_at_a_terminal)
     csv = out / "results.csv"
     while p.poll() is None and not (csv.exists() and len(csv.read_text().splitlines()) >= 2):
         time.sleep(0.002)
@@ -439,6 +440,12 @@ def test_cli_sweep_stopped_by_a_signal_keeps_its_rows_and_stops_its_workers(tmp_
     parquet_matches_csv(out)
     time.sleep(0.5)
     assert _ray_since(t0)[1] == [] and [q for q in below if _alive(q)] == []
+
+
+def _ctrl_c_as_at_a_terminal() -> None:
+    """A command a shell starts in the background (`make test &`, nohup) inherits SIGINT ignored, as
+    POSIX has it; at a terminal Ctrl-C reaches it. The test means the terminal."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def test_sigterm_while_a_worker_starts_still_stops_that_worker(monkeypatch):
