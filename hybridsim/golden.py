@@ -137,10 +137,10 @@ def _fan_out(traces: list[Path], update: bool, jobs: int, ray: str | RayBackend 
     """The traces as jobs of the sweep backends: a bad trace is the same one message (exit 2) as
     serially; a trace whose worker died twice is a row of its own (``died``, exit 3)."""
     from .errors import EnvironmentProblem
-    from .sweep.jobs import DIED, ENVIRONMENT, INPUT, OK, Job
+    from .sweep.jobs import DIED, ENVIRONMENT, INPUT, OK, Job, runs_on_gpu
     from .sweep.run import backend_for
 
-    gpu = replay_kw.get("device", "auto") in ("cuda", "auto") and replay_kw.get("check", "full") != "off"
+    gpu = runs_on_gpu(replay_kw)
     todo = [Job(str(i), check_one, GoldenTask(t, update, replay_kw), gpu) for i, t in enumerate(traces)]
     todo.sort(key=lambda j: -_cost(traces[int(j.key)]))  # longest first: the last to finish is a short one
     rows: dict[int, GoldenRow] = {}

@@ -603,6 +603,17 @@ def test_per_gpu_lets_that_many_gpu_jobs_share_a_gpu(monkeypatch):
     assert at_once == 2
 
 
+def test_a_run_on_a_gpu_is_told_by_its_execution_settings(tmp_path):
+    """Sweep cells and golden replays ask for a GPU by one rule: checks on, device cuda or auto, where
+    an unset device or check is the schema's default (auto, full)."""
+    from hybridsim.sweep.jobs import runs_on_gpu
+
+    assert runs_on_gpu({}) and runs_on_gpu({"device": "cuda", "check": "sampled"})
+    assert not runs_on_gpu({"device": "cpu"}) and not runs_on_gpu({"check": "off"})
+    cells = load_sweep(sweep_dir(tmp_path, "  execution.device: [cpu, auto]\n")).cells
+    assert [runs_on_gpu(c.raw["execution"]) for c in cells] == [c.values["execution.device"] == "auto" for c in cells]
+
+
 def test_visible_gpus_reads_cuda_visible_devices_as_cuda_does(monkeypatch):
     from hybridsim.sweep.pool import visible_gpus
 

@@ -55,6 +55,18 @@ def guarded(fn: Callable[[Any], Any], arg: Any) -> tuple[str, Any]:
         return ERROR, f"{type(e).__name__}: {e}{at}"
 
 
+def runs_on_gpu(execution: dict) -> bool:
+    """Whether a run with these execution settings (a sweep cell's ``execution`` section, or a fanned-out
+    replay's keyword arguments) runs kernels on a GPU where there is one: checks on, and device cuda or
+    auto, with the scenario schema's defaults for what is not set. One rule for the local pool's GPU
+    workers and Ray's GPU requests."""
+    from ..config import ExecutionSection
+
+    fields = ExecutionSection.model_fields
+    device = execution.get("device", fields["device"].default)
+    return execution.get("check", fields["check"].default) != "off" and device in ("cuda", "auto")
+
+
 def set_threads(threads: Optional[int]) -> None:
     """One torch thread per cell: cells are the parallel unit, and a cell's tensors are small. Measured
     on the 2-core machine with another process busy: two torch threads per cell made the tiny grid's

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import pandas as pd
 
-from .jobs import DIED, ENVIRONMENT, ERROR, INPUT, OK, Job, Outcome
+from .jobs import DIED, ENVIRONMENT, ERROR, INPUT, OK, Job, Outcome, runs_on_gpu
 from .pool import default_workers, run_local, visible_gpus
 from .results import ResultsFile, write_parquet
 from .spec import Cell, Sweep
@@ -42,11 +42,6 @@ class SweepResult:
     def exit_code(self) -> int:
         """The worst cell's: 1 a check failed, 2 a cell refused at run time, 3 environment or a worker died twice."""
         return int(self.frame["exit_code"].max()) if len(self.frame) else 0
-
-
-def _needs_gpu(cell: Cell) -> bool:
-    ex = cell.raw.get("execution", {})
-    return ex.get("check") != "off" and ex.get("device") in ("cuda", "auto")
 
 
 @contextmanager
@@ -90,7 +85,8 @@ def run_sweep(sweep: Sweep, out_dir: Path, *, workers: Optional[int] = None,
         on_start(len(todo), len(sweep.cells) - len(todo))
     by_key = {c.label: c for c in todo}
     fn = cell_fn or run_cell
-    jobs = [Job(c.label, fn, CellTask(c, tuple(sweep.bugs), record_failures), _needs_gpu(c)) for c in todo]
+    jobs = [Job(c.label, fn, CellTask(c, tuple(sweep.bugs), record_failures), runs_on_gpu(c.raw.get("execution", {})))
+            for c in todo]
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = perf_counter()
     try:
