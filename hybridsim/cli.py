@@ -240,8 +240,8 @@ def replay(
 
     def body() -> int:
         if (jobs > 1 or ray is not None) and (golden or update_expected):
-            from .sweep.jobs import exit_on_sigterm
-            exit_on_sigterm()  # (workers stopped, exit 143)
+            from .sweep.jobs import exit_on_signals
+            exit_on_signals()  # (workers stopped, exit 143)
             if ray is None:
                 from .sweep.pool import warm_up
                 warm_up()  # (the workers' imports overlap this process's own)
@@ -271,16 +271,11 @@ def replay(
         if ray is not None and not ray.strip():
             raise InputError("give auto or a cluster address", "--ray")
         if golden or update_expected:  # (fanned out, this process never loads the engine: its workers do)
-            backend = None
-            if ray is not None:  # (Ray starts while the traces are listed and the replay engine named)
-                trace_files(traces)  # (a missing trace is refused before Ray starts)
-                from .sweep.ray_pool import start_ray
-                backend = start_ray(ray, background=True)
-            try:
-                rows = check_traces(traces, update=update_expected, jobs=jobs, ray=backend, per_gpu=per_gpu, **kw)
-            finally:
-                if backend is not None:
-                    backend.close()
+            from .sweep.ray_pool import ray_in_background
+
+            files = trace_files(traces)  # (a missing trace is refused before Ray starts)
+            with ray_in_background(ray) as backend:  # (starting while the replay engine is named)
+                rows = check_traces(files, update=update_expected, jobs=jobs, ray=backend, per_gpu=per_gpu, **kw)
             out.print(golden_table(rows, update_expected))
             if json_out is not None:
                 _write_json(json_out, {"traces": [r.__dict__ for r in rows]})
@@ -331,23 +326,18 @@ def sweep(
             raise InputError("give auto or a cluster address", "--ray")
         if out_dir.exists() and not out_dir.is_dir():
             raise InputError(f"{out_dir} exists and is not a folder", "--out")
-        from .sweep.jobs import exit_on_sigterm
-        exit_on_sigterm()  # (workers stopped, results.parquet written, exit 143)
+        from .sweep.jobs import exit_on_signals
+        exit_on_signals()  # (workers stopped, results.parquet written, exit 143)
         if ray is None:
             from .sweep.pool import warm_up
             warm_up()  # (the workers' imports overlap this process's own, and validation)
         from .sweep import load_sweep
 
         sw = load_sweep(sweep_file)  # every cell built and validated before anything runs
-        backend = None
-        if ray is not None:  # (Ray starts while this process imports and sets up the rest)
-            from .sweep.ray_pool import start_ray
-            backend = start_ray(ray, background=True)
-        try:
+        from .sweep.ray_pool import ray_in_background
+
+        with ray_in_background(ray) as backend:  # (starting while this process imports and sets up the rest)
             return _run_sweep(sw, backend)
-        finally:
-            if backend is not None:
-                backend.close()
 
     def _run_sweep(sw: Sweep, backend: Optional[RayBackend]) -> int:
         from .sweep import run_sweep

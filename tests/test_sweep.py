@@ -484,14 +484,14 @@ def test_a_held_signal_is_raised_when_the_section_ends(sig, raised):
     reached = False
     try:
         with pytest.raises(raised) as e:
-            with jobs.sigterm_held():
-                with jobs.sigterm_held():  # (nested: only the outermost end raises)
+            with jobs.signals_held():
+                with jobs.signals_held():  # (nested: only the outermost end raises)
                     os.kill(os.getpid(), signum)
                     for _ in range(1000):  # (the handler has run by now, and only noted it)
                         pass
                 reached = True
         assert reached and (raised is KeyboardInterrupt or e.value.code == 143)
-        with jobs.sigterm_held():  # (a section without a signal ends quietly)
+        with jobs.signals_held():  # (a section without a signal ends quietly)
             pass
     finally:
         signal.signal(signum, before)

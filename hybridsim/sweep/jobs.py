@@ -77,11 +77,11 @@ def set_threads(threads: Optional[int]) -> None:
         torch.set_num_threads(threads)
 
 
-def exit_on_sigterm() -> None:
+def exit_on_signals() -> None:
     """Make SIGTERM (a batch scheduler's time limit, ``kill``) unwind this process like an exception,
     so that the rows written so far get their results.parquet, workers are stopped and a Ray instance
     started here shuts down; exit status 143 (128 + SIGTERM). Ctrl-C (SIGINT) still raises
-    KeyboardInterrupt, but both wait for a ``sigterm_held`` section to end. Only from the main thread,
+    KeyboardInterrupt, but both wait for a ``signals_held`` section to end. Only from the main thread,
     and only where nobody chose other handlers."""
     if threading.current_thread() is not threading.main_thread():
         return
@@ -91,7 +91,7 @@ def exit_on_sigterm() -> None:
         signal.signal(signal.SIGINT, _raise_exit)
 
 
-_held = 0  # (inside ``sigterm_held``: a signal is noted, and raised when the section ends)
+_held = 0  # (inside ``signals_held``: a signal is noted, and raised when the section ends)
 _noted: Optional[BaseException] = None
 
 
@@ -105,7 +105,7 @@ def _raise_exit(signum: int, frame: Any) -> None:
 
 
 @contextmanager
-def sigterm_held() -> Iterator[None]:
+def signals_held() -> Iterator[None]:
     """Hold SIGTERM's exit (and Ctrl-C's) until the section ends: starting a worker and recording it
     is one step, so a worker is never started without the driver knowing it must be stopped, nor
     left reading half of its job. (A signal mask would not do: Python runs handlers in the main

@@ -26,7 +26,7 @@ from time import perf_counter
 from typing import Callable, Iterable, Iterator, Optional
 
 from ..hostmem import tune_malloc
-from .jobs import DIED, Job, Outcome, guarded, set_threads, sigterm_held
+from .jobs import DIED, Job, Outcome, guarded, set_threads, signals_held
 
 # torch, the planner and the executor (what a cell and a golden trace run; sweep/cell.py itself is
 # light); the CLI, which a child of the `hybridsim` script imports again as its __main__ (0.04 s a
@@ -237,7 +237,7 @@ def run_local(jobs: Iterable[Job], workers: int, retries: int = 1,
         while pending or running:
             while len(running) < workers and (nxt := _next_job(pending, free_slots, by_gpu)) is not None:
                 job, attempt, slot = nxt
-                with sigterm_held():  # (a child started is a child in `running`, which `finally` stops)
+                with signals_held():  # (a child started is a child in `running`, which `finally` stops)
                     if slot is not None:
                         w = on_gpus.send(slot, job)
                         running[w.conn] = _Running(job, attempt, w.proc, w.more, perf_counter(), threads, slot)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 from time import perf_counter
 from typing import Any, Iterable, Iterator, Optional
 
 from ..errors import EnvironmentProblem
 from ..hostmem import tune_malloc
-from .jobs import DIED, ENVIRONMENT, Job, Outcome, exit_on_sigterm, guarded, set_threads
+from .jobs import DIED, ENVIRONMENT, Job, Outcome, exit_on_signals, guarded, set_threads
 
 INSTALL = "pip install 'hybridsim[ray]' (or: pip install 'ray>=2.9')"
 
@@ -67,7 +68,7 @@ class RayBackend:
             self._start()
             self.ready()
             return
-        exit_on_sigterm()  # (what ray.init sets, from the main thread only: close() still runs)
+        exit_on_signals()  # (what ray.init sets, from the main thread only: close() still runs)
         self._thread = threading.Thread(target=self._start_and_hold, name="hybridsim-ray", daemon=True)
         self._thread.start()
 
@@ -184,6 +185,21 @@ def start_ray(ray: str, background: bool = False) -> RayBackend:
     """Start or join Ray for ``--ray`` (auto: a local instance, started or joined; else a cluster
     address). In the background, the caller's own work overlaps Ray's start-up."""
     return RayBackend(None if ray == "auto" else ray, background=background)
+
+
+@contextmanager
+def ray_in_background(ray: Optional[str]) -> Iterator[Optional[RayBackend]]:
+    """``--ray``'s backend for a command: Ray starts (or is joined) in the background while the command
+    goes on setting up, and what was started is stopped on the way out, however the command ends.
+    Without ``--ray`` (None), nothing."""
+    if ray is None:
+        yield None
+        return
+    backend = start_ray(ray, background=True)
+    try:
+        yield backend
+    finally:
+        backend.close()
 
 
 def _started_an_instance(ray: Any) -> bool:
