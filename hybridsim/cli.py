@@ -139,7 +139,7 @@ def run(
     csv_dir: Optional[Path] = typer.Option(None, "--csv", help="write steps.csv and checks.csv into this folder"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="write the step timeline (PNG)"),
     max_steps: Optional[int] = typer.Option(None, min=1, help="override execution.max_steps"),
-    kernels: Optional[str] = typer.Option(None, help="auto | reference | triton (default: the scenario's; "
+    kernels: Optional[str] = typer.Option(None, help="auto | reference | triton | vllm | a plugin provider (default: the scenario's; "
                                                      "auto = triton on a GPU, reference on a CPU)"),
     device: Optional[str] = typer.Option(None, help="auto | cpu | cuda (default: the scenario's)"),
     inject_bug: List[str] = typer.Option([], "--inject-bug", help="switch on a known-wrong variant (repeatable)"),
@@ -161,7 +161,7 @@ def run(
         from .runner import plan_scenario
 
         bugs = check_bugs(inject_bug)
-        _check_choice(kernels, ("auto", "reference", "triton"), "--kernels")
+        _check_kernels(kernels)
         _check_choice(device, ("auto", "cpu", "cuda"), "--device")
         _writable(record, "--record")
         _writable(json_out, "--json")
@@ -249,7 +249,7 @@ def replay(
         from .report import golden_table, kernel_timings_table, replay_table
 
         bugs = check_bugs(inject_bug)
-        _check_choice(kernels, ("auto", "reference", "triton"), "--kernels")
+        _check_kernels(kernels)
         _check_choice(device, ("auto", "cpu", "cuda"), "--device")
         _writable(json_out, "--json")
         if update_expected:  # the expected files are what full checks of the reference kernels find
@@ -389,6 +389,12 @@ def sweep(
         return res.exit_code
 
     _guard(body)
+
+
+def _check_kernels(value: Optional[str]) -> None:
+    from .kernels import provider_names
+
+    _check_choice(value, ("auto", *provider_names()), "--kernels")
 
 
 def _check_choice(value: Optional[str], allowed: tuple[str, ...], flag: str) -> None:
@@ -531,6 +537,46 @@ def convert(
         n = convert_recording(recording, out_path)
         out.print(f"wrote {out_path}: {n} steps")
         return 0
+
+    _guard(body)
+
+
+kernels_app = typer.Typer(help="Kernel providers: list them and the ops each supplies, or check one.",
+                          invoke_without_command=True, no_args_is_help=False)
+app.add_typer(kernels_app, name="kernels")
+
+
+@kernels_app.callback()
+def kernels_list(ctx: typer.Context) -> None:
+    """List the kernel providers (built in, and plugins of the entry-point group hybridsim.kernels) and
+    whose code each op runs."""
+    if ctx.invoked_subcommand is not None:
+        return
+
+    def body() -> int:
+        from .kernels_cli import providers_table
+
+        out.print(providers_table())
+        return 0
+
+    _guard(body)
+
+
+@kernels_app.command("check")
+def kernels_check(
+    provider: str = typer.Argument(..., help="a provider name (`hybridsim kernels` lists them)"),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
+    op: List[str] = typer.Option([], "--op", help="check only this op (repeatable)"),
+    quick: bool = typer.Option(False, "--quick", help="fewer, smaller cases"),
+    seed: int = typer.Option(0, "--seed", help="seed of the random inputs"),
+) -> None:
+    """Run every op of a provider against the reference on adversarial inputs; exit 1 on any failure."""
+
+    def body() -> int:
+        from .kernels_cli import check_provider
+
+        _check_choice(device, ("auto", "cpu", "cuda"), "--device")
+        return check_provider(provider, device, tuple(op), quick, seed, out)
 
     _guard(body)
 

@@ -305,13 +305,24 @@ Fault = Annotated[Union[ResetPrefixCacheFault, PreemptFault], Field(discriminato
 
 class ExecutionSection(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    kernels: Literal["auto", "triton", "reference"] = "auto"
+    kernels: str = Field("auto", description="auto | reference | triton | vllm, or a plugin's provider "
+                         "(`hybridsim kernels` lists them)")
     check: Literal["full", "sampled", "off"] = "full"
     max_steps: int = Field(5000, ge=1)
     mla_workspace_tokens: int = Field(
         256, ge=1, le=1 << 20, description="tokens of cached context the MLA prefill path up-projects at once "
         "(rounded down to whole blocks; vLLM sizes its workspace at 8 x max_model_len up to 128k tokens; small "
         "values exercise the chunked log-sum-exp merge)")
+
+    @field_validator("kernels")
+    @classmethod
+    def _known_provider(cls, v: str) -> str:
+        from .kernels import provider_names
+
+        names = ("auto", *provider_names())
+        if v not in names:
+            raise ValueError(f"no kernel provider {v!r}; this environment has: {', '.join(names)}")
+        return v
 
     @field_validator("check", mode="before")
     @classmethod

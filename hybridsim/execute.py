@@ -23,8 +23,35 @@ def resolve_device(requested: str) -> str:
 def resolve_kernels(requested: str, notes: list[str]):
     try:
         return get_kernels(requested)
+    except KeyError:
+        from .kernels import provider_names
+        raise InputError(f"no kernel provider {requested!r} (this environment has: auto, "
+                         f"{', '.join(provider_names())}; `hybridsim kernels` lists them)", "--kernels") from None
     except ImportError as e:
         raise EnvironmentProblem(f"--kernels {requested}: {e}") from None
+
+
+def provenance_notes(k) -> list[str]:
+    """Whose code each op of a provider that mixes sources ran (the vLLM provider's bindings and
+    their fallbacks), with its calls: one note per op, engine ops first."""
+    from .kernels import op_sources
+
+    counts = getattr(k, "call_counts", None)
+    if counts is None:
+        return []
+    calls = counts()
+    out = []
+    for op, src in sorted(op_sources(k).items(), key=lambda kv: not kv[1].startswith("vLLM")):
+        engine, own = calls.get(op, (0, 0))
+        if not engine and not own:
+            continue
+        made = f"{engine:,} calls ran the engine's kernel" + (f", {own:,} hybridsim's op" if own else "")
+        if src.startswith("vLLM"):
+            out.append(f"--kernels {k.name}: {op}: {src} ({made}"
+                       + ("; the other calls asked for an injected bug or a copy the engine cannot express)" if own else ")"))
+        else:
+            out.append(f"--kernels {k.name}: {op}: {src} ({own:,} calls)")
+    return out
 
 
 def groups_from_specs(groups) -> list[GroupInfo]:
@@ -58,10 +85,11 @@ def make_executor(s: Scenario, groups, checks: Checks, check: str, bugs: set[str
     if kernels == "auto":  # the Triton kernels where they are fast, the reference elsewhere
         kernels = "triton" if on_gpu else "reference"
     k = resolve_kernels(kernels, notes)
+    provider = k
     checked = k.name != "reference"
     if checked:
         k.poison = True  # every output buffer NaN-filled before its launch: unwritten elements fail
-        if not torch.cuda.is_available():
+        if not torch.cuda.is_available() and any(c.__name__ == "TritonKernels" for c in type(k).__mro__):
             notes.append("Triton kernels run under TRITON_INTERPRET=1 (no GPU): correct, not fast")
     timer = None
     if on_gpu:
@@ -80,6 +108,7 @@ def make_executor(s: Scenario, groups, checks: Checks, check: str, bugs: set[str
                   digests=digests, capacity=capacity)
     ex.kernel_timer = timer
     ex.memory_plan = plan
+    ex.finish_notes = lambda: notes.extend(provenance_notes(provider))  # (read at the run's end: call counts)
     return ex
 
 

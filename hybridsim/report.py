@@ -153,10 +153,12 @@ def kernel_timings_table(kt: dict) -> Table:
     # (headers of short words and compact numbers: at 80 columns these wrap, the kernel names stay whole)
     for col in ("calls (not timed)", "total ms", "median / p90 µs", "bytes", "GB/s", "% of copy ceiling"):
         t.add_column(col, justify="right")
+    runs = kt.get("runs", {})  # op -> whose code ran it (the provider's, or the engine's with --kernels vllm)
+    t.add_column("runs")
     for r in kt["kernels"]:
         t.add_row(r["kernel"], f"{r['calls']:,} ({r['untimed']:,})", _compact(r["total_s"] * 1e3, 2),
                   f"{_compact(r['median_us'], 1)} / {_compact(r['p90_us'], 1)}", _human_bytes(r["bytes"]),
-                  _compact(r["GBps"], 1), f"{r['pct_copy_ceiling']:.1f}%")
+                  _compact(r["GBps"], 1), f"{r['pct_copy_ceiling']:.1f}%", runs.get(r["kernel"], ""))
     return t
 
 

@@ -95,6 +95,7 @@ class Executor:
         self.reqs: dict[str, ExecRequest] = {}
         self.blocks = BlockMap(capacity or scenario.cache.num_blocks)
         self.kernel_timer = None  # a TimedKernels on a GPU: per-kernel CUDA-event timings
+        self.finish_notes = None  # a callable adding the run's closing notes (e.g. which ops ran whose code)
         self.memory_plan = None  # engine/memory.py's plan, set by whoever sized the run
         self.mamba: Optional[MambaExecution] = None
         self.mla: Optional[MLAExecution] = None
@@ -141,6 +142,8 @@ class Executor:
         """Tally what is still pending: call after the last step, before reading the checks."""
         with torch.inference_mode():
             self.verdicts.drain()
+        if self.finish_notes is not None:
+            self.finish_notes()
 
     # ------------------------------------------------------------------ step
     def step(self, plan: StepPlan, outcome: StepOutcome) -> None:

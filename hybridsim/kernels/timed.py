@@ -158,5 +158,7 @@ class TimedKernels:
                          "median_us": 1e6 * times[len(times) // 2],
                          "p90_us": 1e6 * times[min(len(times) - 1, int(0.9 * len(times)))],
                          "bytes": nbytes, "GBps": rate / 1e9, "pct_copy_ceiling": 100 * rate / ceiling})
+        from . import op_sources
+
         return {"device": torch.cuda.get_device_name(self.device), "copy_ceiling_TBps": ceiling / 1e12,
-                "kernels": rows}
+                "kernels": rows, "runs": op_sources(self.inner)}

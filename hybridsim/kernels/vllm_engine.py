@@ -1,0 +1,306 @@
+"""The ``vllm`` provider: the installed vLLM's own kernels, op by op, under hybridsim's checks.
+
+Each binding adapts hybridsim's tensors to the engine's layouts and calls the engine's function
+as installed (imported, never copied): the fused post-process Mamba state copy, the Triton MLA
+decode, the lse merge, the paged-attention kernel and the K/V cache write. An op the installed
+vLLM lacks, or cannot load here (its compiled ops need the torch it was built for), and every call
+that asks for an injected kernel bug (the bug lives in hybridsim's own kernel), runs hybridsim's
+Triton op instead; ``op_sources`` and ``call_counts`` say which code each op ran, and the run
+prints them.
+
+On a machine without CUDA the engine's Triton kernels run under the Triton interpreter, as
+hybridsim's do. vLLM disables Triton where it finds no active GPU driver, unless
+``CUDA_VISIBLE_DEVICES`` is set and empty (its rule for workers that have not yet seen their
+device): on such a machine that is how it is imported here, and nothing else changes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from math import prod
+
+import torch
+
+from .triton_kernels import TritonKernels
+
+SUPPORTED = ("0.33.",)  # vLLM releases whose kernel signatures these bindings follow
+INSTALL = ("install vLLM 0.33 beside this torch (on a CPU machine bench/peer_setup.sh makes a venv with it; "
+           "elsewhere `pip install vllm==0.33.0`)")
+
+# op -> (module, function) of the engine's kernel the binding calls
+ENGINE_OPS = {
+    "state_copy": ("vllm.v1.worker.mamba_utils", "postprocess_mamba_fused_kernel"),
+    "mla_decode": ("vllm.v1.attention.ops.triton_decode_attention", "decode_attention_fwd"),
+    "merge_states": ("vllm.v1.attention.ops.triton_merge_attn_states", "merge_attn_states"),
+    "paged_attention": ("vllm.v1.attention.ops.triton_unified_attention", "unified_attention"),
+    "reshape_and_cache": ("vllm.v1.attention.ops.triton_reshape_and_cache_flash", "triton_reshape_and_cache_flash"),
+}
+# ops the engine has only as compiled code (or not at all): hybridsim's op runs, for this reason
+NOT_BOUND = {
+    "mamba_scan": "no engine counterpart: the Mamba probe layer is hybridsim's",
+    "concat_and_cache": "the engine's latent-cache write (concat_and_cache_mla) is a compiled op, not bound",
+    "gather_cache": "the engine's context gather (gather_and_maybe_dequant_cache) is a compiled op, not bound",
+    "attention_partial": "the engine's prefill attention is FlashAttention's compiled kernel, not bound",
+}
+STATE_COPY_TILES = 16  # the temporal-copy tiles per (request, state), as the engine launches it
+_ENCODED_BLOCK = 1 << 20  # the block size the state-copy decisions are encoded against (see _copy_decisions)
+
+
+def vllm_version() -> str:
+    """The installed vLLM's version; ImportError saying how to install it where there is none,
+    or naming it where it is one these bindings do not follow."""
+    from importlib.metadata import PackageNotFoundError, version
+    from importlib.util import find_spec
+
+    if find_spec("vllm") is None:
+        raise ImportError(f"vLLM is not installed: {INSTALL}")
+    try:
+        v = version("vllm")
+    except PackageNotFoundError:  # the package without its metadata (its files copied onto a machine)
+        import vllm
+
+        v = getattr(vllm, "__version__", "unknown")
+    if not v.startswith(SUPPORTED):
+        raise ImportError(f"vLLM {v} is installed; hybridsim's bindings follow vLLM "
+                          f"{', '.join(s.rstrip('.') for s in SUPPORTED)} only: {INSTALL}")
+    return v
+
+
+def _import_engine_triton() -> str | None:
+    """Import vLLM's Triton switch; None where its Triton is on, else why it is off."""
+    no_gpu = not torch.cuda.is_available() and "CUDA_VISIBLE_DEVICES" not in os.environ
+    if no_gpu:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        tu = importlib.import_module("vllm.triton_utils")
+    finally:
+        if no_gpu:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+    if tu.HAS_TRITON:
+        return None
+    try:
+        from triton.backends import backends  # noqa: F401
+    except ImportError as e:
+        return f"vLLM turned its Triton kernels off: `from triton.backends import backends` failed ({e})"
+    return "vLLM turned its Triton kernels off (vllm.triton_utils.HAS_TRITON is False: no single active GPU driver)"
+
+
+class VllmKernels(TritonKernels):
+    name = "vllm"
+
+    def __init__(self, poison: bool = False):
+        super().__init__(poison)
+        self.version = vllm_version()
+        self.fns: dict[str, object] = {}
+        self.why_not: dict[str, str] = dict(NOT_BOUND)
+        off = _import_engine_triton()
+        for op, (mod, fn) in ENGINE_OPS.items():
+            if off is not None:
+                self.why_not[op] = off
+                continue
+            try:
+                self.fns[op] = getattr(importlib.import_module(mod), fn)
+            except (ImportError, AttributeError) as e:
+                self.why_not[op] = f"{mod}.{fn} cannot be loaded here ({type(e).__name__}: {e})"
+        self.calls: dict[str, list[int]] = {}  # op -> [engine calls, hybridsim calls]
+
+    # ------------------------------------------------------------------ provenance
+    def op_sources(self) -> dict[str, str]:
+        out = {}
+        from . import OPS
+
+        for op in OPS:
+            if op in self.fns:
+                mod, fn = ENGINE_OPS[op]
+                out[op] = f"vLLM {self.version}: {mod}.{fn}"
+            else:
+                out[op] = f"hybridsim triton ({self.why_not.get(op, 'not bound')})"
+        return out
+
+    def call_counts(self) -> dict[str, tuple[int, int]]:
+        return {op: (a, b) for op, (a, b) in self.calls.items()}
+
+    def _count(self, op: str, engine: bool) -> None:
+        c = self.calls.setdefault(op, [0, 0])
+        c[0 if engine else 1] += 1
+
+    def _first_call(self, op: str, call) -> bool:
+        """Run an op's engine binding. Its first call may find that the engine function cannot run
+        here (its wrapper asks the GPU for its compute capability, say): then the op is hybridsim's
+        from now on, with the reason kept, and False tells the caller to run its own op (which
+        rewrites whatever the failed call wrote). A later failure is raised: it is a finding."""
+        first = op not in self.calls
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 (any failure of a first call means "cannot run here")
+            if not first:
+                raise
+            mod, fn = ENGINE_OPS[op]
+            self.why_not[op] = f"{mod}.{fn} cannot run here ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+            del self.fns[op]
+            return False
+        self._count(op, True)
+        return True
+
+    # ------------------------------------------------------------------ Mamba state copies
+    def state_copy(self, conv, temporal, table, items):
+        enc = self._copy_decisions(conv, temporal, table, items) if "state_copy" in self.fns else None
+        if enc is None:
+            self._count("state_copy", False)
+            return super().state_copy(conv, temporal, table, items)
+        self._count("state_copy", True)
+        n_copies, states, decisions, tables = enc
+        accepted, src_col, scheduled, computed, drafts = decisions
+        ptrs = torch.tensor([t.data_ptr() for t in tables], dtype=torch.int64, device=conv.device)
+        accepted_out = accepted.clone()
+        grid = (n_copies, states[0].numel(), STATE_COPY_TILES)
+        self.fns["state_copy"][grid](
+            accepted, src_col, scheduled, computed, drafts, ptrs, tables[0].stride(0), *states, accepted_out, None,
+            n_copies, block_size=_ENCODED_BLOCK, COPY_BLOCK_SIZE=1024, CONV_STATE_DIM_FIRST=False,
+            TEMPORAL_TILES=STATE_COPY_TILES)
+
+    @staticmethod
+    def _copy_decisions(conv, temporal, table, items):
+        """hybridsim's copies as the engine kernel's inputs, or None where they cannot be.
+
+        The executor gives one item per (copy, layer), a copy's items consecutive and its layers
+        in the same order for every copy. The engine's kernel launches (request, state) programs
+        over per-group block tables and decides each request's copy from its step counters. Here
+        each copy is one engine request, each layer one group (so each layer reads the block row
+        of its own Mamba group), and the counters are those for which the engine's rule chooses
+        exactly the copy hybridsim's plan asks for: running state at (dst + 1) * B - offset, one
+        more accepted token than the offset, source column ``src``. The engine then reads the
+        temporal state from column src + offset; a copy whose temporal source is elsewhere (an
+        injected bookkeeping bug) is not one the engine can make, and the call runs hybridsim's op.
+        """
+        it = items.to("cpu", torch.int64)
+        n = it.shape[0]
+        L = len(set(it[:, 1].tolist()))
+        if n == 0 or n % L:
+            return None
+        per = it.view(n // L, L, 6)
+        layers = per[0, :, 1]
+        if not torch.equal(per[:, :, 1], layers.expand(n // L, L)):
+            return None
+        cols = per[:, :, 2:]  # (copies, L, 4): src, dst, temporal src, offset
+        if not torch.equal(cols, cols[:, :1].expand_as(cols)):
+            return None
+        src, dst, tsrc, off = cols[:, 0].unbind(1)
+        if not torch.equal(tsrc, src + off) or bool((off < 0).any()) or bool((off >= _ENCODED_BLOCK).any()):
+            return None
+        if conv.stride(3) != 1 or conv.stride(2) != conv.shape[3] or not _page_contiguous(temporal):
+            return None
+        dev = conv.device
+        i32 = dict(dtype=torch.int32, device=dev)
+        running = (dst + 1) * _ENCODED_BLOCK - off
+        decisions = (torch.as_tensor(off + 1, **i32), torch.as_tensor(src, **i32), torch.zeros(len(src), **i32),
+                     torch.as_tensor(running, **i32), torch.zeros(len(src), **i32))
+        tab = table.to(dev, torch.int32)
+        rows = per[:, :, 0].to(dev)
+        tables = [tab.index_select(0, rows[:, j]).contiguous() for j in range(L)]
+        esz_c, esz_t = conv.element_size(), temporal.element_size()
+        base, stride, esize, inner, width, group = [], [], [], [], [], []
+        for j, layer in enumerate(layers.tolist()):
+            base += [conv.data_ptr() + layer * conv.stride(0) * esz_c, temporal.data_ptr() + layer * temporal.stride(0) * esz_t]
+            stride += [conv.stride(1) * esz_c, temporal.stride(1) * esz_t]
+            esize += [esz_c, esz_t]
+            inner += [conv.shape[3], prod(temporal.shape[2:])]
+            width += [conv.shape[2], 0]
+            group += [j, j]
+        i64 = dict(dtype=torch.int64, device=dev)
+        states = [torch.tensor(v, **i64) for v in (base, stride, esize, inner, width, group)]
+        states.insert(6, torch.zeros(len(base), **i32))  # DS conv row counts: 0, the single-region copy
+        states.insert(7, torch.zeros(len(base), **i64))
+        return len(src), states, decisions, tables
+
+    # ------------------------------------------------------------------ attention pieces
+    def merge_states(self, o_a, lse_a, o_b, lse_b, base2_bug=False, unguarded=False):
+        if base2_bug or unguarded or "merge_states" not in self.fns:  # (an injected bug lives in hybridsim's op)
+            self._count("merge_states", False)
+            return super().merge_states(o_a, lse_a, o_b, lse_b, base2_bug, unguarded)
+        self._count("merge_states", True)
+        D = o_a.shape[-1]
+        out = self._out(o_a.shape, torch.float32, o_a.device)
+        lse = self._out(lse_a.shape, torch.float32, lse_a.device)
+        if lse_a.numel():
+            self.fns["merge_states"](out.view(-1, 1, D), o_a.float().reshape(-1, 1, D).contiguous(),
+                                     lse_a.float().reshape(1, -1).contiguous(), o_b.float().reshape(-1, 1, D).contiguous(),
+                                     lse_b.float().reshape(1, -1).contiguous(), lse.view(1, -1))
+        return out, lse
+
+    def mla_decode(self, q_lat, q_pe, cache, block_table, seq_lens, kv_lora_rank, scale, num_splits=0,
+                   max_seq_len=None, **tuning):
+        """The engine's Triton MLA decode: one query row per (request, query token), a row's keys
+        ending at its own position (how the engine's backend lays out multi-token decodes)."""
+        if "mla_decode" not in self.fns:
+            self._count("mla_decode", False)
+            return super().mla_decode(q_lat, q_pe, cache, block_table, seq_lens, kv_lora_rank, scale, num_splits,
+                                      max_seq_len, **tuning)
+        self._count("mla_decode", True)
+        B, nq, H, L = q_lat.shape
+        dev = cache.device
+        low = cache.dtype in (torch.bfloat16, torch.float16)
+        q = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1).to(cache.dtype if low else torch.float32)
+        q = q.reshape(B * nq, H, -1).contiguous()
+        lens = seq_lens.to(dev, torch.int32)
+        table = block_table.to(dev, torch.int32)
+        if nq > 1:
+            table = table.repeat_interleave(nq, dim=0)
+            lens = (lens[:, None] + torch.arange(1 - nq, 1, device=dev, dtype=torch.int32)).flatten().clamp_min(0)
+        splits = num_splits if num_splits > 0 else 4
+        o = self._out((B * nq, H, L), torch.float32, dev)
+        lse = self._out((B * nq, H), torch.float32, dev)
+        logits = torch.empty((B * nq, H, splits, L + 1), dtype=torch.float32, device=dev)
+        kv = cache.unsqueeze(2)  # (blocks, page, 1 head, L + R)
+        self.fns["mla_decode"](q, kv, kv[..., :L], o, lse, table.contiguous(), lens.contiguous(), logits, splits,
+                               float(scale), cache.shape[1], is_mla=True)
+        return o.view(B, nq, H, L), lse.view(B, nq, H)
+
+    def reshape_and_cache(self, key, value, slots, k_cache, v_cache):
+        if "reshape_and_cache" not in self.fns:
+            self._count("reshape_and_cache", False)
+            return super().reshape_and_cache(key, value, slots, k_cache, v_cache)
+        if key.shape[0] == 0:
+            return self._count("reshape_and_cache", True)
+        one = torch.ones((), dtype=torch.float32, device=k_cache.device)
+        fn = self.fns["reshape_and_cache"]
+        if not self._first_call("reshape_and_cache", lambda: fn(
+                key.to(k_cache.device, k_cache.dtype), value.to(v_cache.device, v_cache.dtype), k_cache, v_cache,
+                slots.to(k_cache.device, torch.int64), "auto", one, one)):
+            self._count("reshape_and_cache", False)
+            super().reshape_and_cache(key, value, slots, k_cache, v_cache)
+
+    def paged_attention(self, q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale,
+                        max_seq_len=None, num_splits=0, past_end_bug=False, **tuning):
+        if past_end_bug or "paged_attention" not in self.fns:
+            self._count("paged_attention", False)
+            return super().paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale,
+                                           max_seq_len, num_splits, past_end_bug, **tuning)
+        self._count("paged_attention", True)
+        dev = k_cache.device
+        qsl = query_start_loc.to(torch.int64)
+        lens = seq_lens.to(torch.int64)
+        max_q = int((qsl[1:] - qsl[:-1]).max()) if len(lens) else 0
+        max_k = int(lens.max()) if len(lens) else 0
+        out = self._out(q.shape, torch.float32, dev)
+        if q.shape[0] == 0:
+            return out
+        low = k_cache.dtype in (torch.bfloat16, torch.float16)
+        self.fns["paged_attention"](
+            q=q.to(dev, k_cache.dtype if low else torch.float32).contiguous(), k=k_cache, v=v_cache, out=out,
+            cu_seqlens_q=qsl.to(dev, torch.int32), max_seqlen_q=max_q, seqused_k=lens.to(dev, torch.int32),
+            max_seqlen_k=max_k, softmax_scale=float(scale), causal=True, window_size=(-1, -1),
+            block_table=block_table.to(dev, torch.int32).contiguous(), softcap=0.0, q_descale=None,
+            k_descale=None, v_descale=None)
+        return out
+
+
+def _page_contiguous(t: torch.Tensor) -> bool:
+    """Each page of ``t`` (layers, pages, ...) one dense run of elements."""
+    expect = 1
+    for size, stride in zip(reversed(t.shape[2:]), reversed(t.stride()[2:])):
+        if size != 1 and stride != expect:
+            return False
+        expect *= size
+    return True
