@@ -46,7 +46,7 @@ def graph_bench(fn, rep=100):
     so those first calls read block ids, row offsets and lengths from memory the allocator
     recycled, whatever earlier tensors left in it (the torch reference's float scores, say), and
     a kernel reading such ids runs far out of its buffers: the "illegal memory access" of
-    bench/RESULTS.md, absent under CUDA_LAUNCH_BLOCKING, which drains every launch. So the
+    bench/history/2026-11-25_sessions-17-20.md (session 18), absent under CUDA_LAUNCH_BLOCKING, which drains every launch. So the
     device is drained first."""
     torch.cuda.synchronize()
     return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median") * 1e-3

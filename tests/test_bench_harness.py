@@ -3,7 +3,8 @@
 triton.testing.do_bench_cudagraph calls the benchmarked function eagerly on a fresh stream of
 its own before it synchronizes; without a drain those calls read a case's block table and
 launch plan before the default stream has written them, and a kernel following stale ids
-faults (bench/RESULTS.md; bench/probes/paged_fault.sh shows it on a GPU). Checked here on the
+faults (bench/history/2026-11-25_sessions-17-20.md, session 18, where the probe that showed it on a GPU,
+``git show e516cad:bench/probes/paged_fault.sh``, is described). Checked here on the
 CPU with the CUDA calls replaced by recorders.
 """
 
