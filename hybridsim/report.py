@@ -146,7 +146,7 @@ def _pct_of_floor(r: dict) -> str:
     return f"{pct:.1f}%!" if pct > 100 else f"{pct:.1f}%"
 
 
-_BOUND = {"bandwidth": "bytes", "compute": "FLOPs", "bandwidth+compute": "both", "": ""}
+_BOUND = {"bandwidth": "memory", "compute": "compute", "bandwidth+compute": "both", "": ""}
 
 
 def kernel_timings_table(kt: dict) -> Table:
@@ -163,7 +163,7 @@ def kernel_timings_table(kt: dict) -> Table:
                       "(e.g. a first call that compiles) is dropped; bytes = read + written by the timed calls; "
                       "floor = the least time the timed calls could take, per call the larger of bytes "
                       "read / read rate + bytes written / write side (derived from copy and read) and "
-                      "FLOPs / matmul rate; bound = which one set it (bytes, FLOPs, both: some calls "
+                      "FLOPs / matmul rate; bound = which one set it (memory: bandwidth, compute, both: some calls "
                       "each); % = floor / time; ! = above 100%, so the floor is wrong")
     t.add_column("kernel", no_wrap=True)
     # (headers of short words and compact numbers: at 80 columns these wrap, the kernel names stay whole)

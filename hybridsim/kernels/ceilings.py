@@ -3,8 +3,8 @@
 Three rates are measured on the device, in the process that reports against them:
 
 - **read**: a read-only streaming kernel (``read_stream_kernel``): each program sums one
-  contiguous tile to a single float, so it writes 4 bytes per tile (1/16384 of what it reads
-  at the sizes measured). A kernel that mostly reads can beat the copy rate, so the copy rate
+  contiguous tile to a single float, so it writes 4 bytes per tile (at most 1/8192 of what it
+  reads, at the tile sizes of ``READ_CONFIGS``). A kernel that mostly reads can beat the copy rate, so the copy rate
   alone is no floor for it (paged decode reported up to 107% "of the floor" against it).
 - **copy**: a device-to-device ``copy_`` (bytes read + bytes written, per second).
 - **matmul**: a large bf16 matmul (FLOP/s).
@@ -35,8 +35,11 @@ import triton
 import triton.language as tl
 
 # (BLOCK, TILE, num_warps) tried for the read probe; the fastest counts. 16 to 64 floats per thread
-# per iteration: enough loads in flight per SM to cover the memory latency at full occupancy
-READ_CONFIGS = ((4096, 65536, 8), (8192, 131072, 8), (8192, 65536, 4), (2048, 32768, 4), (16384, 262144, 8))
+# per iteration: enough loads in flight per SM to cover the memory latency at full occupancy. The
+# last two load their whole tile at once (no loop: every load of a program issued together, many
+# short programs), the other common shape of a streaming kernel
+READ_CONFIGS = ((4096, 65536, 8), (8192, 131072, 8), (8192, 65536, 4), (2048, 32768, 4), (16384, 262144, 8),
+                (8192, 8192, 8), (16384, 16384, 8))
 
 
 @triton.jit
