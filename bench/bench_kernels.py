@@ -1,10 +1,16 @@
-"""Kernel benchmarks on the GPU: measured ceilings, then each kernel's time, bytes, FLOPs and
-% of the ceiling, with the torch equivalent beside it. One command, one JSON:
+"""Kernel benchmarks on the GPU: measured ceilings, then each kernel's time, bytes read and
+written, FLOPs and % of its floor, with the torch equivalent beside it. One command, one JSON:
 
     python bench/bench_kernels.py --out results.json
 
-Ceilings are measured in the same run: a large device-to-device copy (bytes read + written)
-and a large bf16 matmul. Timings are medians of triton.testing.do_bench.
+Ceilings are measured in the same run (``hybridsim/kernels/ceilings.py``, best of several runs,
+4 GiB streams): the read rate of a read-only streaming kernel, a device-to-device copy (bytes
+read + written) and a large bf16 matmul. A kernel's floor is the larger of bytes read / read
+rate + bytes written / write side (derived from copy and read) and FLOPs / matmul rate; its
+bytes and FLOPs come from the run's own accounting (``hybridsim/kernels/timed.py``: TRAFFIC),
+called with the case's tensors. Each row says which floor it used (bound) and the % of it; a
+row above 100% is printed as measured and flagged (the floor is then wrong). Timings are
+medians of triton.testing.do_bench.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hybridsim.kernels.ceilings import Ceilings, measure  # noqa: E402
+from hybridsim.kernels.timed import TRAFFIC, Traffic, resolve  # noqa: E402
 from hybridsim.kernels.triton_kernels import TritonKernels, fused_state_copy  # noqa: E402
 
 T = TritonKernels()
@@ -38,25 +46,32 @@ def graph_bench(fn, rep=100):
     so those first calls read block ids, row offsets and lengths from memory the allocator
     recycled, whatever earlier tensors left in it (the torch reference's float scores, say), and
     a kernel reading such ids runs far out of its buffers: the "illegal memory access" of
-    bench/RESULTS.md, absent under CUDA_LAUNCH_BLOCKING, which drains every launch. So the
+    bench/history/2026-11-25_sessions-17-20.md (session 18), absent under CUDA_LAUNCH_BLOCKING, which drains every launch. So the
     device is drained first."""
     torch.cuda.synchronize()
     return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median") * 1e-3
 
 
-def ceilings():
-    x = torch.empty(2 ** 30, dtype=torch.float32, device="cuda").normal_()  # 4 GiB
-    y = torch.empty_like(x)
-    t = bench(lambda: y.copy_(x))
-    copy_bw = 2 * x.numel() * 4 / t
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    t = bench(lambda: a @ b)
-    del x, y
-    return copy_bw, 2 * 8192 ** 3 / t
+def ceilings() -> Ceilings:
+    """Read, copy and bf16 matmul rates of device 0: 4 GiB streams, best of 5 runs each."""
+    return measure(torch.device("cuda"), nbytes=2 ** 32)
 
 
-def state_copy_rows(copy_bw):
+def floor_fields(ceil: Ceilings, traffic: Traffic, t: float) -> dict:
+    """A row's traffic, its floor (bandwidth or compute, whichever is larger) and the % of it
+    reached in ``t`` seconds, never clamped: above 100 says the floor is wrong."""
+    f = ceil.floor(traffic.read, traffic.written, traffic.flops)
+    nbytes = traffic.read + traffic.written
+    return {"read_bytes": traffic.read, "written_bytes": traffic.written, "bytes": nbytes,
+            "flops": traffic.flops, "floor_us": f.seconds * 1e6, "bound": f.bound, "pct_floor": f.pct(t),
+            "above_floor": f.pct(t) > 100, "GBps": nbytes / t / 1e9, "TFLOPs": traffic.flops / t / 1e12}
+
+
+def pct_text(pct: float) -> str:
+    return f"{pct:6.1f}% ABOVE FLOOR (floor wrong)" if pct > 100 else f"{pct:6.1f}%"
+
+
+def state_copy_rows(ceil):
     """Nemotron-H-8B: 24 Mamba layers, conv (K-1+S)=6 x 10240 bf16, temporal 128x64x128 fp32; S=3.
     Each request's copy crosses a block boundary with an accept bias (conv offset 1-3, the
     temporal state from the bias column); block rows come from a shuffled table on the GPU."""
@@ -75,8 +90,7 @@ def state_copy_rows(copy_bw):
                              torch.ones(n * layers, dtype=torch.int64, device="cuda"),
                              torch.full((n * layers,), 2, dtype=torch.int64, device="cuda"),
                              off.repeat_interleave(layers)], 1).contiguous()
-        conv_bytes = int(2 * (crow * n - off.sum().item()) * cdim * 2 * layers)
-        bytes_moved = n * layers * 2 * temporal[0, 0].numel() * 4 + conv_bytes
+        traffic = resolve(TRAFFIC["state_copy"](conv, temporal, table, items))
         t = bench(lambda: fused_state_copy(conv, temporal, table, items))
         src, dst, tsrc = table[:, 0], table[:, 1], table[:, 2]
 
@@ -86,8 +100,7 @@ def state_copy_rows(copy_bw):
                 conv[:, dst[i], : crow - 1] = conv[:, src[i], 1:]
         tt = bench(torch_copy) if n <= 64 else None
         rows.append({"kernel": "state_copy", "case": f"{n} requests x 24 layers", "time_us": t * 1e6,
-                     "bytes": bytes_moved, "GBps": bytes_moved / t / 1e9, "pct_ceiling": 100 * bytes_moved / t / copy_bw,
-                     "torch_time_us": tt * 1e6 if tt else None})
+                     **floor_fields(ceil, traffic, t), "torch_time_us": tt * 1e6 if tt else None})
         del conv, temporal
         torch.cuda.empty_cache()
     # a tiny-model step: 2 layers, 4 requests
@@ -97,13 +110,15 @@ def state_copy_rows(copy_bw):
     items = torch.tensor([[r, l, 0, 1, 2, 1] for r in range(4) for l in range(2)], device="cuda")
     t = bench(lambda: fused_state_copy(conv, temporal, table, items))
     rows.append({"kernel": "state_copy", "case": "tiny model step (2 layers, 4 requests)", "time_us": t * 1e6,
-                 "bytes": 0, "GBps": 0, "pct_ceiling": 0, "torch_time_us": None})
+                 **floor_fields(ceil, resolve(TRAFFIC["state_copy"](conv, temporal, table, items)), t),
+                 "torch_time_us": None})
     return rows
 
 
-def mla_rows(copy_bw, flops, configs, splits_options, impls=("auto",)):
+def mla_rows(ceil, configs, splits_options, impls=("auto",)):
     """DeepSeek-V3 absorbed decode: 128 heads, 512 + 64 latent, bf16, page 64. FlashMLA's
-    accounting: FLOPs = 2 * B * ctx * H * (576 + 512); bytes = latent cache + q + out.
+    accounting (timed.py): FLOPs = 2 * B * ctx * H * (576 + 512); bytes read = latent cache +
+    q, written = out + lse.
     Every (split kernel, config) of the sweep is tried with the automatic split count, then the
     best with each forced split count; the best of all is reported, with the automatic choice
     (first config of the first kernel) and each kernel's best."""
@@ -117,9 +132,7 @@ def mla_rows(copy_bw, flops, configs, splits_options, impls=("auto",)):
             lens = torch.full((B,), ctx, device="cuda")
             q_lat = torch.randn(B, 1, H, L, device="cuda")
             q_pe = torch.randn(B, 1, H, R, device="cuda")
-            byts = B * ctx * (L + R) * 2 + B * H * (L + R) * 4 + B * H * L * 4
-            fl = 2 * B * H * ctx * (L + R + L)
-            floor = max(byts / copy_bw, fl / flops)
+            traffic = resolve(TRAFFIC["mla_decode"](q_lat, q_pe, cache, table, lens))
             results = []
 
             def run(cfg, sp, graph=True):
@@ -154,12 +167,11 @@ def mla_rows(copy_bw, flops, configs, splits_options, impls=("auto",)):
                 s = torch.einsum("bhl,bnl->bhn", q_lat[:, 0], kv[..., :L]) + torch.einsum("bhr,bnr->bhn", q_pe[:, 0], kv[..., L:])
                 return torch.softmax(s * 0.1352338, -1) @ kv[..., :L]
             tt = bench(torch_ref, rep=50) if B * ctx <= 32 * 16384 else None
+            fields = floor_fields(ceil, traffic, best[0])
             rows.append({"kernel": "mla_decode", "case": f"B={B} ctx={ctx}", "time_us": best[0] * 1e6,
                          "config": best[1], "splits": best[2], "auto_time_us": auto[0] * 1e6, "auto_config": auto[1],
-                         "best_us_per_impl": per_impl,
-                         "bytes": byts, "flops": fl, "floor_us": floor * 1e6,
-                         "pct_floor": 100 * floor / best[0], "auto_pct_floor": 100 * floor / auto[0],
-                         "TFLOPs": fl / best[0] / 1e12, "GBps": byts / best[0] / 1e9, "eager_time_us": eager * 1e6,
+                         "best_us_per_impl": per_impl, **fields,
+                         "auto_pct_floor": fields["floor_us"] * 1e-6 / auto[0] * 100, "eager_time_us": eager * 1e6,
                          "torch_time_us": tt * 1e6 if tt else None})
             print(rows[-1], flush=True)
             del cache, kv
@@ -173,10 +185,11 @@ def _gpu_time(call, graph: bool) -> float:
     return bench(call, rep=100)
 
 
-def gqa_rows(copy_bw, configs, splits_options, graph=True):
+def gqa_rows(ceil, configs, splits_options, graph=True):
     """Nemotron-H-8B attention decode: 32 query heads, 8 KV heads, head_dim 128, bf16, pages of
-    16, 64 and 1056 tokens (align mode's unified page). Bytes = K + V of every row's context +
-    q + out; the floor is bytes / measured copy bandwidth (decode is memory-bound). Each
+    16, 64 and 1056 tokens (align mode's unified page). Bytes read = K + V of every row's context +
+    q, written = out; FLOPs = 4 * H * D * ctx per row (timed.py); the floor is the larger of the
+    bandwidth and compute times (decode is memory-bound). Each
     (block_n, num_warps, num_stages) config is tried with the automatic split count, then the
     best with forced split counts; time is the kernels' GPU time replayed as a CUDA graph (the
     launch plan is made once, as for every layer of a step). The torch reference (gather +
@@ -197,8 +210,7 @@ def gqa_rows(copy_bw, configs, splits_options, graph=True):
                 q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
                 qsl = torch.arange(B + 1)
                 lens = torch.full((B,), ctx)
-                byts = 2 * B * ctx * KVH * D * 2 + B * H * D * (2 + 4)
-                floor = byts / copy_bw
+                traffic = resolve(TRAFFIC["paged_attention"](q, k_cache, v_cache, table, qsl, lens))
                 results = []
                 for bn, nw, ns in configs:  # automatic split count
                     try:
@@ -224,11 +236,11 @@ def gqa_rows(copy_bw, configs, splits_options, graph=True):
                 if B * ctx <= 32 * 16384:
                     ref = ReferenceKernels()
                     tt = bench(lambda: ref.paged_attention(q, k_cache, v_cache, table, qsl, lens, 0.088), rep=50)
+                fields = floor_fields(ceil, traffic, best[0])
                 rows.append({"kernel": "paged_attention", "case": f"page={page} B={B} ctx={ctx}",
                              "time_us": best[0] * 1e6, "config": best[1], "splits": best[2],
-                             "auto_time_us": auto[0] * 1e6, "auto_splits": auto[2], "bytes": byts,
-                             "floor_us": floor * 1e6, "pct_floor": 100 * floor / best[0],
-                             "auto_pct_floor": 100 * floor / auto[0], "GBps": byts / best[0] / 1e9,
+                             "auto_time_us": auto[0] * 1e6, "auto_splits": auto[2], **fields,
+                             "auto_pct_floor": fields["floor_us"] * 1e-6 / auto[0] * 100,
                              "torch_time_us": tt * 1e6 if tt else None})
                 print(rows[-1], flush=True)
                 del k_cache, v_cache
@@ -236,25 +248,23 @@ def gqa_rows(copy_bw, configs, splits_options, graph=True):
     return rows
 
 
-def memory_rows(copy_bw):
+def memory_rows(ceil):
     rows = []
     n, D = 262144, 512
     o_a = torch.randn(n, 1, D, device="cuda")
     o_b = torch.randn(n, 1, D, device="cuda")
     l_a, l_b = torch.randn(n, 1, device="cuda"), torch.randn(n, 1, device="cuda")
     t = bench(lambda: T.merge_states(o_a, l_a, o_b, l_b))
-    byts = 3 * n * D * 4 + 3 * n * 4
-    rows.append({"kernel": "merge_states", "case": f"{n} rows x {D}", "time_us": t * 1e6, "bytes": byts,
-                 "GBps": byts / t / 1e9, "pct_ceiling": 100 * byts / t / copy_bw})
+    rows.append({"kernel": "merge_states", "case": f"{n} rows x {D}", "time_us": t * 1e6,
+                 **floor_fields(ceil, TRAFFIC["merge_states"](o_a, l_a, o_b, l_b), t)})
     del o_a, o_b
     N, dim, page = 1 << 20, 576, 64
     cache = torch.empty(N // page + 8, page, dim, dtype=torch.bfloat16, device="cuda")
     entries = torch.randn(N, dim, dtype=torch.bfloat16, device="cuda")
     slots = torch.randperm(N, device="cuda")
     t = bench(lambda: T.concat_and_cache(entries, slots, cache))
-    byts = 2 * N * dim * 2
     rows.append({"kernel": "cache_ops.concat_and_cache", "case": f"{N} entries x {dim} bf16", "time_us": t * 1e6,
-                 "bytes": byts, "GBps": byts / t / 1e9, "pct_ceiling": 100 * byts / t / copy_bw})
+                 **floor_fields(ceil, TRAFFIC["concat_and_cache"](entries, slots, cache), t)})
     kc = torch.empty(N // 16 + 8, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
     vc = torch.empty_like(kc)
     n_tok = 65536
@@ -262,15 +272,13 @@ def memory_rows(copy_bw):
     val = torch.randn(n_tok, 8, 128, device="cuda")
     kv_slots = torch.randperm(n_tok, device="cuda")
     t = bench(lambda: T.reshape_and_cache(key, val, kv_slots, kc, vc))
-    kv_bytes = 2 * n_tok * 8 * 128 * (4 + 2)
     rows.append({"kernel": "reshape_and_cache", "case": f"{n_tok} tokens x 8 x 128, fp32 -> bf16",
-                 "time_us": t * 1e6, "bytes": kv_bytes, "GBps": kv_bytes / t / 1e9,
-                 "pct_ceiling": 100 * kv_bytes / t / copy_bw})
+                 "time_us": t * 1e6, **floor_fields(ceil, TRAFFIC["reshape_and_cache"](key, val, kv_slots, kc, vc), t)})
     del kc, vc
     row = torch.randperm(N // page, device="cuda")
     t = bench(lambda: T.gather_cache(cache, row, 0, N))
     rows.append({"kernel": "cache_ops.gather_cache", "case": f"{N} entries x {dim} bf16", "time_us": t * 1e6,
-                 "bytes": byts, "GBps": byts / t / 1e9, "pct_ceiling": 100 * byts / t / copy_bw})
+                 **floor_fields(ceil, TRAFFIC["gather_cache"](cache, row, 0, N), t)})
     return rows
 
 
@@ -290,27 +298,33 @@ def main():
     configs = [tuple(int(x) for x in c.split(",")) for c in args.mla_configs.split(";")]
     splits = [int(x) for x in args.mla_splits.split(",") if x]
     props = torch.cuda.get_device_properties(0)
-    copy_bw, flops = ceilings()
-    print(f"{props.name}: copy {copy_bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s", flush=True)
+    ceil = ceilings()
+    print(f"{props.name}: {ceil.line()}", flush=True)
     only = args.only.split(",")
-    rows = state_copy_rows(copy_bw) if "state_copy" in only else []
+    rows = state_copy_rows(ceil) if "state_copy" in only else []
     for r in rows:
         print(r, flush=True)
     if "memory" in only:
-        rows += memory_rows(copy_bw)
+        rows += memory_rows(ceil)
     if "gqa" in only:
-        rows += gqa_rows(copy_bw, [tuple(int(x) for x in c.split(",")) for c in args.gqa_configs.split(";")],
+        rows += gqa_rows(ceil, [tuple(int(x) for x in c.split(",")) for c in args.gqa_configs.split(";")],
                          [int(x) for x in args.gqa_splits.split(",") if x], graph=not args.gqa_eager)
     if "mla" in only:
-        rows += mla_rows(copy_bw, flops, configs, splits, tuple(args.mla_impls.split(",")))
+        rows += mla_rows(ceil, configs, splits, tuple(args.mla_impls.split(",")))
     args.out.write_text(json.dumps({"device": props.name, "sms": props.multi_processor_count,
                                     "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-                                    "triton": triton.__version__, "copy_TBps": copy_bw / 1e12,
-                                    "bf16_TFLOPs": flops / 1e12, "rows": rows}, indent=2))
-    print(f"\n{'kernel':28s} {'case':34s} {'time':>10s} {'%':>7s}")
+                                    "triton": triton.__version__, **ceil.as_dict(),
+                                    "floor": "max(read / read_TBps + written / write_TBps, flops / matmul_TFLOPs); "
+                                             "write_TBps derived: 1 / (2 / copy - 1 / read)",
+                                    "rows": rows}, indent=2))
+    print(f"\n{props.name}: {ceil.line()}")
+    print(f"{'kernel':28s} {'case':34s} {'time':>10s} {'floor':>10s} {'bound':>9s} {'% of floor':>10s}")
     for r in rows:
-        pct = r.get("pct_floor", r.get("pct_ceiling", 0))
-        print(f"{r['kernel']:28s} {r['case']:34s} {r['time_us']:9.1f}us {pct:6.1f}%")
+        print(f"{r['kernel']:28s} {r['case']:34s} {r['time_us']:9.1f}us {r['floor_us']:8.1f}us {r['bound']:>9s} "
+              f"{pct_text(r['pct_floor'])}")
+    above = [r for r in rows if r["above_floor"]]
+    if above:
+        print(f"{len(above)} row(s) above their floor: a floor is wrong (the ceilings or the byte/FLOP accounting)")
 
 
 if __name__ == "__main__":

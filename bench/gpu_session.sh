@@ -14,7 +14,7 @@ fi
 python3 -c "import torch,triton;print(torch.cuda.get_device_name(0), torch.__version__, triton.__version__)"
 run() { timeout "$1" python3 -m hybridsim.cli run "scenarios/$2.yaml" --kernels triton --device cuda "${@:3}"; }
 if [[ $WHAT == *tests* ]]; then
-  python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_probe.py tests/test_kernels_triton.py tests/test_paged_attention.py \
+  python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_probe.py tests/test_kernels_triton.py tests/test_paged_attention.py tests/test_ceilings.py \
     tests/test_gpu_run.py 2>&1 | tail -15 | tee $OUT/gpu_tests.log
 fi
 if [[ $WHAT == *bench* ]]; then

@@ -7,7 +7,7 @@ import os as _os
 # the default spin they spin most of the time; on a machine whose other cores are busy the
 # spinning takes the time the work needed and a run goes 5-10x slower. A short spin keeps
 # nearly all of the default's speed on a quiet machine and stays as fast as not spinning at all
-# on a busy one (bench/RESULTS.md). Takes effect only if torch is imported after hybridsim (the
+# on a busy one (bench/history/2026-11-25_sessions-17-20.md, session 19). Takes effect only if torch is imported after hybridsim (the
 # CLI always is); settings the user made are kept.
 if "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ:
     _os.environ["GOMP_SPINCOUNT"] = "5000"

@@ -125,7 +125,8 @@ def check_one(task: GoldenTask) -> GoldenRow:
 
 def _cost(trace: Path) -> int:
     """A trace's replay time, roughly: its size. (On the golden traces, two workers given them largest
-    first finish about 1% after two given them longest first by measured time; bench/RESULTS.md.)"""
+    first finish about 1% after two given them longest first by measured time;
+    bench/history/2026-11-25_sessions-17-20.md, issue 27's second pass.)"""
     try:
         return trace.stat().st_size
     except OSError:

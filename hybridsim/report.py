@@ -140,25 +140,49 @@ def timings_table(res: RunResult) -> Table:
     return t
 
 
+def _pct_of_floor(r: dict) -> str:
+    """The % of a kernel's floor; above 100 is printed as it is and flagged: the floor is wrong."""
+    pct = r["pct_floor"]
+    return f"{pct:.1f}%!" if pct > 100 else f"{pct:.1f}%"
+
+
+_BOUND = {"bandwidth": "memory", "compute": "compute", "bandwidth+compute": "both", "": ""}
+
+
+def _short_source(src: str) -> str:
+    """'vLLM 0.33.0' for an engine binding, 'hybridsim' for our own op (the run's notes give each in full)."""
+    return src.split(":")[0] if src.startswith("vLLM") else ("hybridsim" if src else "")
+
+
 def kernel_timings_table(kt: dict) -> Table:
-    """Per-kernel GPU time from CUDA events around each provider call (launch gaps included)."""
-    t = Table(title=f"kernel timings — {kt['device']}, copy ceiling {kt['copy_ceiling_TBps']:.2f} TB/s (measured)",
+    """Per-kernel GPU time from CUDA events around each provider call (launch gaps included),
+    against each kernel's floor from the device's measured read, copy and matmul rates."""
+    ws = kt.get("write_side_TBps")
+    t = Table(title=f"kernel timings — {kt['device']}; measured: read {kt['read_ceiling_TBps']:.2f}, "
+                    f"copy {kt['copy_ceiling_TBps']:.2f}, write side "
+                    f"{'unbounded' if ws is None else f'{ws:.2f}'} TB/s; bf16 {kt['matmul_TFLOPs']:.0f} TFLOP/s",
               title_justify="left",
               caption="time = GPU time of each call's kernels (CUDA events; the host finishes launching "
                       "while the GPU spins before the start event); not timed = calls left out: after a "
                       "kernel's first 8 calls only every 16th is timed, and a call whose launch outlasted the spin "
                       "(e.g. a first call that compiles) is dropped; bytes = read + written by the timed calls; "
-                      "% = GB/s against the measured device-to-device copy rate")
+                      "floor = the least time the timed calls could take, per call the larger of bytes "
+                      "read / read rate + bytes written / write side (derived from copy and read) and "
+                      "FLOPs / matmul rate; bound = which one set it (memory: bandwidth, compute, both: some calls "
+                      "each); % = floor / time; ! = above 100%, so the floor is wrong")
     t.add_column("kernel", no_wrap=True)
     # (headers of short words and compact numbers: at 80 columns these wrap, the kernel names stay whole)
-    for col in ("calls (not timed)", "total ms", "median / p90 µs", "bytes", "GB/s", "% of copy ceiling"):
+    # (GB/s is in the JSON: at 80 columns a figure of this table would be cut with it)
+    for col in ("calls (not timed)", "total ms", "median / p90 µs", "bytes", "bound", "% of floor"):
         t.add_column(col, justify="right")
     runs = kt.get("runs", {})  # op -> whose code ran it (the provider's, or the engine's with --kernels vllm)
-    t.add_column("runs")
+    mixed = any(src.startswith("vLLM") for src in runs.values())  # a column only where ops ran different code
+    if mixed:
+        t.add_column("runs")
     for r in kt["kernels"]:
         t.add_row(r["kernel"], f"{r['calls']:,} ({r['untimed']:,})", _compact(r["total_s"] * 1e3, 2),
                   f"{_compact(r['median_us'], 1)} / {_compact(r['p90_us'], 1)}", _human_bytes(r["bytes"]),
-                  _compact(r["GBps"], 1), f"{r['pct_copy_ceiling']:.1f}%", runs.get(r["kernel"], ""))
+                  _BOUND[r["bound"]], _pct_of_floor(r), *([_short_source(runs.get(r["kernel"], ""))] if mixed else []))
     return t
 
 

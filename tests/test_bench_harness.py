@@ -3,7 +3,8 @@
 triton.testing.do_bench_cudagraph calls the benchmarked function eagerly on a fresh stream of
 its own before it synchronizes; without a drain those calls read a case's block table and
 launch plan before the default stream has written them, and a kernel following stale ids
-faults (bench/RESULTS.md; bench/probes/paged_fault.sh shows it on a GPU). Checked here on the
+faults (bench/history/2026-11-25_sessions-17-20.md, session 18, where the probe that showed it on a GPU,
+``git show e516cad:bench/probes/paged_fault.sh``, is described). Checked here on the
 CPU with the CUDA calls replaced by recorders.
 """
 
@@ -14,6 +15,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -59,3 +61,20 @@ def test_every_graph_timing_goes_through_graph_bench():
                     callers.append(fn.name)
     # nested functions are walked from their parents too: only graph_bench may contain the call
     assert set(callers) == {"graph_bench"}, callers
+
+
+def test_bench_rows_report_their_floor_and_flag_what_beats_it():
+    """A row's floor comes from the run's traffic accounting and the measured rates; a time under
+    the floor is reported as it is (above 100%) and flagged, never clamped."""
+    from hybridsim.kernels.ceilings import Ceilings
+    from hybridsim.kernels.timed import Traffic
+
+    bk = _load()
+    c = Ceilings(read_Bps=5e12, copy_Bps=4e12, matmul_flops=7e14)
+    t = Traffic(read=10 ** 9, written=0, flops=10 ** 9)
+    row = bk.floor_fields(c, t, 1e9 / 5e12 / 1.05)
+    assert row["bound"] == "bandwidth" and row["pct_floor"] == pytest.approx(105.0) and row["above_floor"]
+    assert "ABOVE FLOOR" in bk.pct_text(row["pct_floor"]) and "ABOVE" not in bk.pct_text(99.0)
+    row = bk.floor_fields(c, Traffic(10 ** 6, 10 ** 6, 10 ** 12), 2e-3)
+    assert row["bound"] == "compute" and row["pct_floor"] == pytest.approx(100 * 1e12 / 7e14 / 2e-3)
+    assert not row["above_floor"] and row["bytes"] == 2 * 10 ** 6

@@ -273,16 +273,20 @@ def test_kernel_timings_table_renders_every_kernel_row():
 
     from hybridsim.report import kernel_timings_table
 
-    kt = {"device": "Test GPU", "copy_ceiling_TBps": 3.0, "kernels": [
+    kt = {"device": "Test GPU", "copy_ceiling_TBps": 3.0, "read_ceiling_TBps": 3.3, "write_side_TBps": 2.75,
+          "matmul_TFLOPs": 700.0, "kernels": [
         {"kernel": "state_copy", "calls": 8, "untimed": 1, "total_s": 6.1e-4, "median_us": 76.3, "p90_us": 78.5,
-         "bytes": 1_700_000_000, "GBps": 2760.0, "pct_copy_ceiling": 92.4},
+         "bytes": 1_700_000_000, "GBps": 2760.0, "bound": "bandwidth", "pct_floor": 92.4},
+        {"kernel": "paged_attention", "calls": 8, "untimed": 0, "total_s": 6.1e-4, "median_us": 76.3,
+         "p90_us": 78.5, "bytes": 1_700_000_000, "GBps": 2760.0, "bound": "bandwidth+compute", "pct_floor": 104.5},
         {"kernel": "mla_decode", "calls": 0, "untimed": 3, "total_s": 0.0, "median_us": 0.0, "p90_us": 0.0,
-         "bytes": 0, "GBps": 0.0, "pct_copy_ceiling": 0.0}]}
+         "bytes": 0, "GBps": 0.0, "bound": "", "pct_floor": 0.0}]}
     console = Console(width=200, record=True)
     console.print(kernel_timings_table(kt))
     text = console.export_text()
-    assert "Test GPU" in text and "3.00 TB/s" in text
+    assert "Test GPU" in text and "read 3.30, copy 3.00, write side 2.75 TB/s" in text and "bf16 700 TFLOP/s" in text
     assert "state_copy" in text and "92.4%" in text and "76.3 / 78.5" in text and "1.6 GiB" in text
+    assert "104.5%!" in text and "92.4%!" not in text and "both" in text  # never clamped, flagged
     assert "mla_decode" in text and "0 (3)" in text and "not timed" in text
 
 

@@ -83,9 +83,11 @@ def test_golden_table_keeps_trace_names_whole():
 
 def test_kernel_timings_table_keeps_kernel_names_whole():
     kernels = ["state_copy", "concat_and_cache", "gather_cache", "merge_states", "mla_decode"]
-    kt = {"device": "NVIDIA H100 80GB HBM3", "copy_ceiling_TBps": 2.99, "kernels": [
+    kt = {"device": "NVIDIA H100 80GB HBM3", "copy_ceiling_TBps": 2.99, "read_ceiling_TBps": 3.21,
+          "write_side_TBps": 2.80, "matmul_TFLOPs": 708.0, "kernels": [
         {"kernel": k, "calls": 12_345, "untimed": 12, "total_s": 1.23456, "median_us": 1_234.5, "p90_us": 98_765.4,
-         "bytes": 987_654_321_000, "GBps": 2_760.5, "pct_copy_ceiling": 92.4} for k in kernels]}
+         "bytes": 987_654_321_000, "GBps": 2_760.5, "bound": ("bandwidth", "compute", "bandwidth+compute")[i % 3],
+         "pct_floor": 104.4} for i, k in enumerate(kernels)]}
     lines = render(report.kernel_timings_table(kt))
     assert_whole(lines, kernels)
     assert "…" not in "\n".join(lines)

@@ -11,111 +11,156 @@ kernel's first ``TIME_FIRST`` calls only every ``TIME_EVERY``-th is timed; the o
 counted as untimed too. Events are recorded without a host sync; elapsed times are read
 once, after the run.
 
-Each call also records the bytes it moves (read + written, the same accounting as the
-copy ceiling), so the table can say how close a kernel came to the device's measured
-copy bandwidth. The ceiling is probed once per process and device and cached.
+Each call also records its traffic: bytes read, bytes written and FLOPs (``TRAFFIC``; the
+benchmarks use the same accounting). The table sets them against the device's measured
+read, copy and matmul rates (``ceilings.py``, probed once per process and device): each
+kernel's floor is the larger of its bandwidth time and its compute time, and the table says
+which one it used and how close the kernel came to it.
 """
 
 from __future__ import annotations
 
 from time import perf_counter
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
+
+from .ceilings import Ceilings, measure
 
 SPIN_S = 1e-3  # GPU spin queued before each timed call (an MLA decode call sets up TMA descriptors: ~0.3 ms)
 TIME_FIRST, TIME_EVERY = 8, 16  # time a kernel's first 8 calls, then every 16th (a spin costs the run its length)
 
-_CEILING: dict[int, float] = {}
+_CEILINGS: dict[int, Ceilings] = {}
 
 
-def copy_ceiling(device: torch.device) -> float:
-    """Measured device-to-device copy bandwidth in bytes/s (read + written), 512 MiB copies."""
+def device_ceilings(device: torch.device) -> Ceilings:
+    """The device's measured read, copy and matmul rates, probed once per process (512 MiB streams)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _CEILING:
-        x = torch.empty(2 ** 27, dtype=torch.float32, device=device)
-        y = torch.empty_like(x)
-        for _ in range(3):
-            y.copy_(x)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        reps = 10
-        for _ in range(reps):
-            y.copy_(x)
-        end.record()
-        end.synchronize()
-        _CEILING[idx] = reps * 2 * x.numel() * 4 / (start.elapsed_time(end) * 1e-3)
-        del x, y
-    return _CEILING[idx]
+    if idx not in _CEILINGS:
+        _CEILINGS[idx] = measure(torch.device("cuda", idx))
+    return _CEILINGS[idx]
 
 
-def _state_copy_bytes(conv, temporal, table, items) -> Callable[[], int]:
-    """Deferred: the offsets live on the device, and reading them now would sync the host."""
+class Traffic(NamedTuple):
+    """What one call must move and compute at least: bytes read, bytes written, FLOPs."""
+
+    read: int
+    written: int
+    flops: int = 0
+
+
+def resolve(t: "Traffic | Callable[[], Traffic]") -> Traffic:
+    """A call's traffic, counting it now where it was deferred (it needed device values)."""
+    return t() if callable(t) else t
+
+
+def _state_copy_traffic(conv, temporal, table, items) -> Callable[[], Traffic]:
+    """Each item reads and writes R - offset conv rows and one temporal page. Deferred: the
+    offsets live on the device, and reading them now would sync the host."""
     rows = conv.shape[2]
     conv_row = conv[0, 0, 0].numel() * conv.element_size()
     t_page = temporal[0, 0].numel() * temporal.element_size()
     n = items.shape[0]
-    return lambda: int(2 * (conv_row * (rows * n - int(items[:, 5].sum())) + t_page * n))
+
+    def count() -> Traffic:
+        moved = int(conv_row * (rows * n - int(items[:, 5].sum())) + t_page * n)
+        return Traffic(moved, moved)
+    return count
 
 
-def _merge_bytes(o_a, lse_a, o_b, lse_b, *_, **__) -> int:
-    return 3 * o_a.numel() * 4 + 3 * lse_a.numel() * 4
+def _merge_traffic(o_a, lse_a, o_b, lse_b, *_, **__) -> Traffic:
+    """Both partial outputs and both lse read; one float32 output and lse written."""
+    return Traffic(2 * o_a.numel() * o_a.element_size() + 2 * lse_a.numel() * lse_a.element_size(),
+                   o_a.numel() * 4 + lse_a.numel() * 4)
 
 
-def _concat_bytes(entries, slots, cache) -> int:
-    return entries.shape[0] * cache.shape[-1] * (entries.element_size() + cache.element_size())
+def _concat_traffic(entries, slots, cache) -> Traffic:
+    n, dim = entries.shape[0], cache.shape[-1]
+    return Traffic(n * dim * entries.element_size(), n * dim * cache.element_size())
 
 
-def _gather_bytes(cache, block_row, start, length) -> int:
-    return 2 * length * cache.shape[-1] * cache.element_size()
+def _gather_traffic(cache, block_row, start, length) -> Traffic:
+    moved = length * cache.shape[-1] * cache.element_size()
+    return Traffic(moved, moved)
 
 
-def _mla_bytes(q_lat, q_pe, cache, block_table, seq_lens, *_, **__) -> Callable[[], int]:
-    """Latent rows read (deferred: the lengths may live on the device), queries, outputs."""
+def _causal_pairs(q_lens: torch.Tensor, seq_lens: torch.Tensor) -> int:
+    """(query, key) pairs under a bottom-right causal mask: query j of q sees s - q + 1 + j keys."""
+    q, s = q_lens.to(torch.int64), seq_lens.to(torch.int64)
+    return int((q * (s - q) + q * (q + 1) // 2).sum())
+
+
+def _mla_traffic(q_lat, q_pe, cache, block_table, seq_lens, *_, **__) -> Callable[[], Traffic]:
+    """Latent rows read once per request, queries read; outputs (float32) and lse written.
+    FLOPs as FlashMLA counts them: 2 * H * (L + R + L) per (query, key) pair. Deferred: the
+    lengths may live on the device."""
+    B, nq, H, L = q_lat.shape
+    R = q_pe.shape[-1]
     row = cache.shape[-1] * cache.element_size()
-    fixed = q_lat.numel() * 4 + q_pe.numel() * 4 + q_lat.numel() * 4
-    return lambda: int(seq_lens.sum()) * row + fixed
+    fixed_read = q_lat.numel() * q_lat.element_size() + q_pe.numel() * q_pe.element_size()
+    written = q_lat.numel() * 4 + B * nq * H * 4
+
+    def count() -> Traffic:
+        total = int(seq_lens.sum())
+        pairs = _causal_pairs(torch.full((B,), nq), seq_lens.cpu())
+        return Traffic(total * row + fixed_read, written, 2 * H * (L + R + L) * pairs)
+    return count
 
 
-def _reshape_bytes(key, value, slots, k_cache, v_cache) -> int:
-    return 2 * key.numel() * (key.element_size() + k_cache.element_size())
+def _reshape_traffic(key, value, slots, k_cache, v_cache) -> Traffic:
+    return Traffic(key.numel() * key.element_size() + value.numel() * value.element_size(),
+                   (key.numel() + value.numel()) * k_cache.element_size())
 
 
-def _paged_bytes(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, *_, **__) -> int:
-    """K and V rows each row reads (its whole sequence; lengths are host tensors), queries, outputs."""
+def _paged_traffic(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, *_, **__) -> Traffic:
+    """K and V rows of each row's whole sequence read once, queries read, float32 outputs written
+    (lengths are host tensors); FLOPs 4 * heads * D per causal (query, key) pair (QK and PV)."""
     row = k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
-    return int(seq_lens.sum()) * 2 * row + q.numel() * (q.element_size() + 4)
+    flops = 4 * q.shape[1] * q.shape[2] * _causal_pairs(query_start_loc[1:] - query_start_loc[:-1], seq_lens)
+    return Traffic(int(seq_lens.sum()) * 2 * row + q.numel() * q.element_size(), q.numel() * 4, flops)
 
 
-BYTES: dict[str, Callable[..., "int | Callable[[], int]"]] = {
-    "state_copy": _state_copy_bytes,
-    "concat_and_cache": _concat_bytes,
-    "gather_cache": _gather_bytes,
-    "merge_states": _merge_bytes,
-    "mla_decode": _mla_bytes,
-    "reshape_and_cache": _reshape_bytes,
-    "paged_attention": _paged_bytes,
+TRAFFIC: dict[str, Callable[..., "Traffic | Callable[[], Traffic]"]] = {
+    "state_copy": _state_copy_traffic,
+    "concat_and_cache": _concat_traffic,
+    "gather_cache": _gather_traffic,
+    "merge_states": _merge_traffic,
+    "mla_decode": _mla_traffic,
+    "reshape_and_cache": _reshape_traffic,
+    "paged_attention": _paged_traffic,
 }
 
 
+def floor_row(ceilings: Ceilings, traffic: list[Traffic], measured_s: float) -> dict:
+    """Bytes, FLOPs, the summed per-call floors and the % of them reached by ``measured_s``.
+    ``bound`` says which limit set the floors: bandwidth, compute, or both (some calls each)."""
+    floors = [ceilings.floor(t.read, t.written, t.flops) for t in traffic]
+    total = sum(f.seconds for f in floors)
+    bounds = sorted({f.bound for f in floors})
+    return {"read_bytes": sum(t.read for t in traffic), "written_bytes": sum(t.written for t in traffic),
+            "flops": sum(t.flops for t in traffic), "floor_s": total,
+            "bound": "+".join(bounds) if bounds else "",
+            "pct_floor": 100 * total / measured_s if measured_s > 0 else 0.0}
+
+
 class TimedKernels:
-    """Wraps a provider; every kernel call gets a start and end CUDA event and its bytes."""
+    """Wraps a provider; every kernel call gets a start and end CUDA event and its traffic."""
 
     def __init__(self, inner, device: torch.device):
         self.inner = inner
         self.name = inner.name
         self.device = device
-        self.calls: dict[str, list] = {k: [] for k in BYTES}
-        self.untimed: dict[str, int] = {k: 0 for k in BYTES}
+        self.calls: dict[str, list] = {k: [] for k in TRAFFIC}
+        self.untimed: dict[str, int] = {k: 0 for k in TRAFFIC}
         clock_khz = getattr(torch.cuda.get_device_properties(device), "clock_rate", 0) or 1_980_000
         self.spin_cycles = int(SPIN_S * clock_khz * 1e3)
 
     def __getattr__(self, attr):
-        if attr not in BYTES:
+        if attr not in TRAFFIC:
             return getattr(self.inner, attr)
         fn = getattr(self.inner, attr)
         calls = self.calls[attr]
-        count = BYTES[attr]
+        count = TRAFFIC[attr]
         untimed = self.untimed
 
         seen = [0]
@@ -140,25 +185,30 @@ class TimedKernels:
         return timed
 
     def summary(self) -> dict:
-        """Per kernel: calls, total/median/p90 time, bytes, GB/s and % of the copy ceiling."""
+        """Per kernel: calls, total/median/p90 time, bytes read and written, FLOPs, GB/s, the
+        floor (bandwidth or compute) and the % of it reached."""
         torch.cuda.synchronize(self.device)
-        ceiling = copy_ceiling(self.device)
+        ceilings = device_ceilings(self.device)
         rows = []
         for name, calls in self.calls.items():
             if not calls:
                 if self.untimed[name]:
                     rows.append({"kernel": name, "calls": 0, "untimed": self.untimed[name], "total_s": 0.0,
-                                 "median_us": 0.0, "p90_us": 0.0, "bytes": 0, "GBps": 0.0, "pct_copy_ceiling": 0.0})
+                                 "median_us": 0.0, "p90_us": 0.0, "bytes": 0, "GBps": 0.0,
+                                 **floor_row(ceilings, [], 0.0)})
                 continue
             times = sorted(s.elapsed_time(e) * 1e-3 for s, e, _ in calls)
             total = sum(times)
-            nbytes = sum(b() if callable(b) else b for _, _, b in calls)
-            rate = nbytes / total if total else 0.0
+            traffic = [resolve(t) for _, _, t in calls]
+            nbytes = sum(t.read + t.written for t in traffic)
             rows.append({"kernel": name, "calls": len(calls), "untimed": self.untimed[name], "total_s": total,
                          "median_us": 1e6 * times[len(times) // 2],
                          "p90_us": 1e6 * times[min(len(times) - 1, int(0.9 * len(times)))],
-                         "bytes": nbytes, "GBps": rate / 1e9, "pct_copy_ceiling": 100 * rate / ceiling})
+                         "bytes": nbytes, "GBps": nbytes / total / 1e9 if total else 0.0,
+                         **floor_row(ceilings, traffic, total)})
         from . import op_sources
 
-        return {"device": torch.cuda.get_device_name(self.device), "copy_ceiling_TBps": ceiling / 1e12,
-                "kernels": rows, "runs": op_sources(self.inner)}
+        c = ceilings.as_dict()
+        return {"device": torch.cuda.get_device_name(self.device), "copy_ceiling_TBps": c["copy_TBps"],
+                "read_ceiling_TBps": c["read_TBps"], "write_side_TBps": c["write_TBps"],
+                "matmul_TFLOPs": c["matmul_TFLOPs"], "kernels": rows, "runs": op_sources(self.inner)}
