@@ -113,7 +113,8 @@ class VllmKernels(TritonKernels):
         for op in OPS:
             if op in self.fns:
                 mod, fn = ENGINE_OPS[op]
-                out[op] = f"vLLM {self.version}: {mod}.{fn}"
+                out[op] = f"vLLM {self.version}: {mod}.{fn}" + (
+                    f" ({self.why_not[op + ' splits']})" if op + " splits" in self.why_not else "")
             else:
                 out[op] = f"hybridsim triton ({self.why_not.get(op, 'not bound')})"
         return out
@@ -248,7 +249,8 @@ class VllmKernels(TritonKernels):
         if nq > 1:
             table = table.repeat_interleave(nq, dim=0)
             lens = (lens[:, None] + torch.arange(1 - nq, 1, device=dev, dtype=torch.int32)).flatten().clamp_min(0)
-        splits = num_splits if num_splits > 0 else 4
+        splits = num_splits if num_splits > 0 else self._mla_splits(
+            int(seq_lens.max()) if max_seq_len is None else int(max_seq_len), dev)
         o = self._out((B * nq, H, L), torch.float32, dev)
         lse = self._out((B * nq, H), torch.float32, dev)
         logits = torch.empty((B * nq, H, splits, L + 1), dtype=torch.float32, device=dev)
@@ -256,6 +258,22 @@ class VllmKernels(TritonKernels):
         self.fns["mla_decode"](q, kv, kv[..., :L], o, lse, table.contiguous(), lens.contiguous(), logits, splits,
                                float(scale), cache.shape[1], is_mla=True)
         return o.view(B, nq, H, L), lse.view(B, nq, H)
+
+    def _mla_splits(self, max_len: int, dev: torch.device) -> int:
+        """The split count the engine's Triton MLA backend picks for this length and card (its own
+        function where its backend module loads; else 4, and the op's source says so)."""
+        if not hasattr(self, "_split_rule"):
+            try:
+                from vllm.v1.attention.backends.mla.triton_mla import _compute_num_kv_splits
+
+                self._split_rule = _compute_num_kv_splits
+            except Exception as e:  # noqa: BLE001 (the backend module pulls in much of the engine)
+                self._split_rule = None
+                self.why_not["mla_decode splits"] = f"4 splits (the engine's split rule did not load: {e})"
+        if self._split_rule is None:
+            return 4
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+        return max(1, int(self._split_rule(max(1, max_len), sms)))
 
     def reshape_and_cache(self, key, value, slots, k_cache, v_cache):
         if "reshape_and_cache" not in self.fns:
