@@ -40,7 +40,7 @@ def provenance_notes(k) -> list[str]:
     if counts is None:
         return []
     calls = counts()
-    out = []
+    out = [f"--kernels {k.name}: {k.stand_in}"] if getattr(k, "stand_in", None) else []
     for op, src in sorted(op_sources(k).items(), key=lambda kv: not kv[1].startswith("vLLM")):
         engine, own = calls.get(op, (0, 0))
         if not engine and not own:

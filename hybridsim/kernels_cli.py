@@ -89,4 +89,6 @@ def check_provider(name: str, device: str, only: tuple[str, ...], quick: bool, s
             row.append(f"{statistics.median(r.seconds) * 1e6:,.1f} µs" if r.seconds else "-")
         t.add_row(*row)
     out.print(t)
+    if getattr(k, "stand_in", None):
+        out.print(f"note: {k.stand_in}", highlight=False)
     return 1 if failed else 0

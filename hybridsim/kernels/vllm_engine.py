@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
+import types
 from math import prod
 
 import torch
@@ -67,6 +69,26 @@ def vllm_version() -> str:
     return v
 
 
+COMPILED_EXTENSION = "vllm._C_stable_libtorch"
+
+
+def _compiled_extension_stand_in() -> str | None:
+    """vLLM's CUDA platform module imports its compiled extension only to register the compiled ops,
+    and fails where that extension cannot load: built for another torch (vLLM 0.33's for torch 2.14),
+    or absent where only the Python files were installed. None of the kernels bound here is a
+    compiled op, so an empty module stands in for the extension (as vLLM's own ROCm platform goes on
+    without it); the reason is returned, and the provider shows it beside every op."""
+    if not torch.cuda.is_available() or COMPILED_EXTENSION in sys.modules:
+        return None
+    try:
+        importlib.import_module(COMPILED_EXTENSION)
+        return None
+    except ImportError as e:
+        sys.modules[COMPILED_EXTENSION] = types.ModuleType(COMPILED_EXTENSION)
+        return (f"vLLM's compiled extension does not load here ({type(e).__name__}: {str(e).splitlines()[0][:100]}): "
+                f"its compiled ops are absent, and none is bound")
+
+
 def _import_engine_triton() -> str | None:
     """Import vLLM's Triton switch; None where its Triton is on, else why it is off."""
     no_gpu = not torch.cuda.is_available() and "CUDA_VISIBLE_DEVICES" not in os.environ
@@ -94,6 +116,7 @@ class VllmKernels(TritonKernels):
         self.version = vllm_version()
         self.fns: dict[str, object] = {}
         self.why_not: dict[str, str] = dict(NOT_BOUND)
+        self.stand_in = _compiled_extension_stand_in()
         off = _import_engine_triton()
         for op, (mod, fn) in ENGINE_OPS.items():
             if off is not None:
