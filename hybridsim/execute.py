@@ -47,8 +47,9 @@ def provenance_notes(k) -> list[str]:
             continue
         made = f"{engine:,} calls ran the engine's kernel" + (f", {own:,} hybridsim's op" if own else "")
         if src.startswith("vLLM"):
+            why = "; ".join(f"{w}: {c:,}" for w, c in getattr(k, "fallback_reasons", {}).items()) if op == "state_copy" else ""
             out.append(f"--kernels {k.name}: {op}: {src} ({made}"
-                       + ("; the other calls asked for an injected bug or a copy the engine cannot express)" if own else ")"))
+                       + (f"; hybridsim's op ran for {why or 'calls asking for an injected bug'})" if own else ")"))
         else:
             out.append(f"--kernels {k.name}: {op}: {src} ({own:,} calls)")
     return out

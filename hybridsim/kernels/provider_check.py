@@ -140,29 +140,34 @@ class Checker:
 
     # ------------------------------------------------------------------ the ops
     def state_copy(self) -> None:
+        """The executor's layout: a layer slot shared by the same-numbered layer of every Mamba
+        group, a block row per (request, group), a copy's items listed group by group, slot by
+        slot; offsets from 0 to the conv window (0 copies between columns, others shift)."""
         s = self.s
         R, dim = s.conv
-        for page in s.pages[:1]:  # (a state page holds one state whatever the token page)
-            for B in s.batches:
-                pool = 2 * 3 * B + 2
-                conv = _rand((s.layers, pool, R, dim), torch.float32, self.dev, self.gen)
-                temporal = _rand((s.layers, pool, *s.temporal), torch.float32, self.dev, self.gen)
-                perm = (torch.randperm(pool - 1, generator=self.gen)[: 3 * B] + 1).view(B, 3)
-                table = torch.zeros(B, 4, dtype=torch.int64)
-                table[:, :3] = perm
-                items = []
-                for r in range(B):
-                    off = r % (R + 1)
-                    src, dst = (0, 1) if off else (0, 2)
-                    for layer in range(s.layers):  # one copy's layers consecutive, as the executor gives them
-                        items.append((r, layer, src, dst, src + off, off) if off else (r, layer, 0, 2, 0, 0))
-                items_t = torch.tensor(items, dtype=torch.int64)
-                want_c, want_t = conv.clone(), temporal.clone()
-                self.ref.state_copy(want_c, want_t, table, items_t)
-                _, secs = self._timed(lambda: self.k.state_copy(conv, temporal, table.to(self.dev),
-                                                                items_t.to(self.dev)))
-                diff = int(bits_differ(conv, want_c).sum()) + int(bits_differ(temporal, want_t).sum())
-                self._record("state_copy", diff == 0, float(diff), f"batch {B}: {diff} elements differ", secs, True)
+        slots = 2
+        for B in s.batches:
+            groups = 1 if B > 64 else 3
+            pool = 3 * B * groups + 2
+            conv = _rand((slots, pool, R, dim), torch.float32, self.dev, self.gen)
+            temporal = _rand((slots, pool, *s.temporal), torch.float32, self.dev, self.gen)
+            perm = (torch.randperm(pool - 1, generator=self.gen)[: 3 * B * groups] + 1).view(B * groups, 3)
+            table = torch.zeros(B * groups, 5, dtype=torch.int64)
+            table[:, :3] = perm
+            items = []
+            for r in range(B):
+                off = r % (R + 1)
+                src, dst = (0, 1) if off else (0, 2)
+                for g in range(groups):
+                    for slot in range(slots):
+                        items.append((r * groups + g, slot, src, dst, src + off, off))
+            items_t = torch.tensor(items, dtype=torch.int64)
+            want_c, want_t = conv.clone(), temporal.clone()
+            self.ref.state_copy(want_c, want_t, table, items_t)
+            _, secs = self._timed(lambda: self.k.state_copy(conv, temporal, table.to(self.dev), items_t.to(self.dev)))
+            diff = int(bits_differ(conv, want_c).sum()) + int(bits_differ(temporal, want_t).sum())
+            self._record("state_copy", diff == 0, float(diff), f"batch {B}: {diff} elements differ", secs, True)
+            del conv, temporal, want_c, want_t
 
     def reshape_and_cache(self) -> None:
         s = self.s

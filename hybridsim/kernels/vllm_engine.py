@@ -46,7 +46,7 @@ NOT_BOUND = {
     "attention_partial": "the engine's prefill attention is FlashAttention's compiled kernel, not bound",
 }
 STATE_COPY_TILES = 16  # the temporal-copy tiles per (request, state), as the engine launches it
-_ENCODED_BLOCK = 1 << 20  # the block size the state-copy decisions are encoded against (see _copy_decisions)
+_ENCODED_BLOCK = 64  # the block size the state-copy decisions are encoded against (see _copy_decisions)
 
 
 def vllm_version() -> str:
@@ -127,6 +127,7 @@ class VllmKernels(TritonKernels):
             except (ImportError, AttributeError) as e:
                 self.why_not[op] = f"{mod}.{fn} cannot be loaded here ({type(e).__name__}: {e})"
         self.calls: dict[str, list[int]] = {}  # op -> [engine calls, hybridsim calls]
+        self.fallback_reasons: dict[str, int] = {}  # why state copies ran hybridsim's op -> calls
 
     # ------------------------------------------------------------------ provenance
     def op_sources(self) -> dict[str, str]:
@@ -169,9 +170,10 @@ class VllmKernels(TritonKernels):
 
     # ------------------------------------------------------------------ Mamba state copies
     def state_copy(self, conv, temporal, table, items):
-        enc = self._copy_decisions(conv, temporal, table, items) if "state_copy" in self.fns else None
-        if enc is None:
+        enc = self._copy_decisions(conv, temporal, table, items) if "state_copy" in self.fns else "not bound"
+        if isinstance(enc, str):
             self._count("state_copy", False)
+            self.fallback_reasons[enc] = self.fallback_reasons.get(enc, 0) + 1
             return super().state_copy(conv, temporal, table, items)
         self._count("state_copy", True)
         n_copies, states, decisions, tables = enc
@@ -186,52 +188,55 @@ class VllmKernels(TritonKernels):
 
     @staticmethod
     def _copy_decisions(conv, temporal, table, items):
-        """hybridsim's copies as the engine kernel's inputs, or None where they cannot be.
+        """hybridsim's copies as the engine kernel's inputs, or the reason they cannot be.
 
-        The executor gives one item per (copy, layer), a copy's items consecutive and its layers
-        in the same order for every copy. The engine's kernel launches (request, state) programs
-        over per-group block tables and decides each request's copy from its step counters. Here
-        each copy is one engine request, each layer one group (so each layer reads the block row
-        of its own Mamba group), and the counters are those for which the engine's rule chooses
-        exactly the copy hybridsim's plan asks for: running state at (dst + 1) * B - offset, one
-        more accepted token than the offset, source column ``src``. The engine then reads the
-        temporal state from column src + offset; a copy whose temporal source is elsewhere (an
-        injected bookkeeping bug) is not one the engine can make, and the call runs hybridsim's op.
+        The executor gives one item per (copy, layer); a layer's slot in the caches is shared by
+        the same-numbered layer of every Mamba group (as the engine shares its tensors), and its
+        block row is its group's. The engine's kernel launches (request, state) programs over
+        per-group block tables and decides each request's copy from its step counters. Here the
+        k-th item of every slot is one engine request (the executor lists a copy's layers in the
+        same order for every copy, so these are one copy, in one Mamba group each), each slot one
+        group with its own block table, and the counters are those from which the engine's rule
+        picks exactly the copy hybridsim's plan asks for: running state at (dst + 1) * B - offset,
+        one more accepted token than the offset, source column ``src`` (B a block size of 64:
+        offsets stay below it). The engine then reads the temporal state from column src + offset;
+        a copy whose temporal source is elsewhere (an injected bookkeeping bug) is not one the
+        engine can make, and the call runs hybridsim's op.
         """
         it = items.to("cpu", torch.int64)
         n = it.shape[0]
-        L = len(set(it[:, 1].tolist()))
-        if n == 0 or n % L:
-            return None
-        per = it.view(n // L, L, 6)
-        layers = per[0, :, 1]
-        if not torch.equal(per[:, :, 1], layers.expand(n // L, L)):
-            return None
-        cols = per[:, :, 2:]  # (copies, L, 4): src, dst, temporal src, offset
-        if not torch.equal(cols, cols[:, :1].expand_as(cols)):
-            return None
-        src, dst, tsrc, off = cols[:, 0].unbind(1)
-        if not torch.equal(tsrc, src + off) or bool((off < 0).any()) or bool((off >= _ENCODED_BLOCK).any()):
-            return None
+        if n == 0:
+            return "an empty call"
+        slots = sorted(set(it[:, 1].tolist()))
+        per_slot = [it[it[:, 1] == j] for j in slots]
+        if any(len(p) != len(per_slot[0]) for p in per_slot):
+            return "slots with different copy counts"
+        cols = torch.stack([p[:, 2:] for p in per_slot])  # (slots, copies, 4): src, dst, temporal src, offset
+        if not torch.equal(cols, cols[:1].expand_as(cols)):
+            return "copies listed in different orders per slot"
+        src, dst, tsrc, off = cols[0].unbind(1)
+        if not torch.equal(tsrc, src + off):
+            return "a temporal source other than conv source + offset (only an injected bug makes one)"
+        if bool((off < 0).any()) or bool((off >= _ENCODED_BLOCK).any()) or int(dst.max()) >= (1 << 31) // _ENCODED_BLOCK - 1:
+            return "an offset or column outside what the encoding holds"
         if conv.stride(3) != 1 or conv.stride(2) != conv.shape[3] or not _page_contiguous(temporal):
-            return None
+            return "a state page that is not one dense run"
         dev = conv.device
         i32 = dict(dtype=torch.int32, device=dev)
         running = (dst + 1) * _ENCODED_BLOCK - off
         decisions = (torch.as_tensor(off + 1, **i32), torch.as_tensor(src, **i32), torch.zeros(len(src), **i32),
                      torch.as_tensor(running, **i32), torch.zeros(len(src), **i32))
         tab = table.to(dev, torch.int32)
-        rows = per[:, :, 0].to(dev)
-        tables = [tab.index_select(0, rows[:, j]).contiguous() for j in range(L)]
+        tables = [tab.index_select(0, p[:, 0].to(dev)).contiguous() for p in per_slot]
         esz_c, esz_t = conv.element_size(), temporal.element_size()
         base, stride, esize, inner, width, group = [], [], [], [], [], []
-        for j, layer in enumerate(layers.tolist()):
-            base += [conv.data_ptr() + layer * conv.stride(0) * esz_c, temporal.data_ptr() + layer * temporal.stride(0) * esz_t]
+        for g, slot in enumerate(slots):
+            base += [conv.data_ptr() + slot * conv.stride(0) * esz_c, temporal.data_ptr() + slot * temporal.stride(0) * esz_t]
             stride += [conv.stride(1) * esz_c, temporal.stride(1) * esz_t]
             esize += [esz_c, esz_t]
             inner += [conv.shape[3], prod(temporal.shape[2:])]
             width += [conv.shape[2], 0]
-            group += [j, j]
+            group += [g, g]
         i64 = dict(dtype=torch.int64, device=dev)
         states = [torch.tensor(v, **i64) for v in (base, stride, esize, inner, width, group)]
         states.insert(6, torch.zeros(len(base), **i32))  # DS conv row counts: 0, the single-region copy
