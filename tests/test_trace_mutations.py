@@ -752,3 +752,20 @@ def test_replay_stops_before_executing_a_broken_schedule(tmp_path):
     ff = data["checks"][0]["first_failure"]
     assert ff["layer"] == "group 2" and "block" in ff["message"] and ff["request"] and ff["step"] >= 0
     assert "no step was executed" in " ".join(r.stdout.split())
+
+
+@pytest.mark.parametrize("bug,scenario", [("free_shared_block", "memory_pressure"),
+                                          ("attn_hit_not_cut", "align_prefix_hits")])
+def test_a_scheduler_bug_is_caught_before_execution(bug, scenario, tmp_path):
+    """The two injectable scheduler bugs (sched/injected.py) record traces whose schedules hand out
+    blocks another request holds: sched.recorded catches them before any step runs."""
+    from hybridsim.config import load_scenario
+    from hybridsim.runner import plan_scenario
+
+    trace = tmp_path / f"{bug}.jsonl"
+    plan_scenario(load_scenario(REPO / "scenarios" / f"{scenario}.yaml"), record=trace, check="off", bugs={bug})
+    got, msg = outcome(trace)
+    assert got == "failed" and "it is not free" in msg, msg
+    clean = tmp_path / "clean.jsonl"
+    plan_scenario(load_scenario(REPO / "scenarios" / f"{scenario}.yaml"), record=clean, check="off")
+    assert outcome(clean)[0] == "passed"
