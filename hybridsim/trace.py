@@ -316,6 +316,8 @@ def _check_header(h: dict, where: str) -> None:
         for key in ("output_seed", "priority", "prompt_len"):
             if key in r and type(r[key]) is not int:
                 raise InputError(f"key {key!r} should be int, got {type(r[key]).__name__}", w)
+        if not 0 <= r.get("output_seed", 0) < 1 << 64:
+            raise InputError("output_seed should be a 64-bit seed (0 .. 2**64 - 1)", w)
 
 
 def check_accounting(trace: Trace) -> None:

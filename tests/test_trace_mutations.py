@@ -550,6 +550,18 @@ def header_groups_not_a_list(lines):
     return lines
 
 
+def header_output_seed_huge(lines):
+    lines[0]["requests"][0]["output_seed"] = 1 << 70
+    return lines
+
+
+def token_id_huge(lines):
+    """A prompt token past any integer type an engine holds."""
+    i, d, s = next(_admissions(lines))
+    s["prompt"][2] = 10 ** 30
+    return lines
+
+
 MUTATIONS = {
     "double_alloc_group0": double_alloc(0),
     "double_alloc_group1": double_alloc(1),
@@ -605,6 +617,8 @@ MUTATIONS = {
     "header_group_without_block_size": header_group_without_block_size,
     "header_request_max_tokens_text": header_request_max_tokens_text,
     "header_groups_not_a_list": header_groups_not_a_list,
+    "header_output_seed_huge": header_output_seed_huge,
+    "token_id_huge": token_id_huge,
 }
 
 
