@@ -29,7 +29,8 @@ from .execute import make_executor
 from .outputs import RecordedContinuation
 from .sched.plan import StepOutcome, StepPlan
 from .simulate import Simulation
-from .trace import header_dict, read_trace, write_trace
+from .sched.injected import SCHEDULER_BUGS, inject
+from .trace import Trace, header_dict, read_trace, write_trace
 from .trace_verify import CHECK as VERIFY_CHECK, verify_trace
 from .workload.base import Workload, WorkloadRequest
 
@@ -66,6 +67,16 @@ def _first_failure(scenario: Scenario, groups, records: Records, bugs: set[str],
             ran.update(t.name for t in checks.tallies.values() if t.count)
 
 
+def _first_violation(header: dict, scenario: Scenario, records: Records) -> Optional[int]:
+    """Index of the step where the schedule first breaks the engine's rules (``sched.recorded``), or None."""
+    tr = Trace(Path("candidate"), header, [(i + 2, p, o) for i, (p, o) in enumerate(records)])
+    checks = Checks()
+    if verify_trace(tr, scenario, checks):
+        return None
+    step = checks.tallies[VERIFY_CHECK].first_failure.step
+    return next((i for i, (p, _) in enumerate(records) if p.step == step), len(records) - 1)
+
+
 class _Shrinker:
     """The candidate workloads tried and the best one so far."""
 
@@ -87,15 +98,23 @@ class _Shrinker:
         self.tests += 1
         if self.progress is not None:
             self.progress(phase, self.tests, len(self.records), len(self.reqs))
+        scenario = scenario or self.scenario
         wl = Workload(sorted(reqs, key=lambda r: r.arrival_step), self.vocab, "shrink")
-        sim = Simulation(scenario or self.scenario, wl, continuation=RecordedContinuation(self.streams, self.vocab))
+        sim = Simulation(scenario, wl, continuation=RecordedContinuation(self.streams, self.vocab))
+        sched_bugs = self.bugs & set(SCHEDULER_BUGS)
+        if sched_bugs:  # (a scheduler bug plans every candidate too)
+            inject(sim.kv, sched_bugs)
         recs: Records = []
         limit = 4 * max(len(self.records), 1) + 64  # (a candidate that runs far longer cannot win)
         for plan, outcome in sim:
             recs.append((plan, outcome))
             if len(recs) > limit:
                 return None
-        _, i = _first_failure(self.scenario, self.groups, recs, self.bugs, self.check)
+        if self.check == VERIFY_CHECK:
+            header = header_dict(scenario.model_dump(mode="json"), [], wl.requests, "shrink") | {"groups": self.groups}
+            i = _first_violation(header, scenario, recs)
+        else:
+            _, i = _first_failure(scenario, self.groups, recs, self.bugs, self.check)
         return None if i is None else recs[: i + 1]
 
     def take(self, reqs: list[WorkloadRequest], phase: str, fewer_steps_only: bool = False,
@@ -186,16 +205,20 @@ def shrink_trace(path: str | Path, out: str | Path, check: Optional[str] = None,
     header = tr.header
     bugs = set(bugs if bugs is not None else header.get("inject_bug", ()))
     scenario = Scenario.model_validate(header["scenario"])
-    verified = Checks()
-    if not verify_trace(tr, scenario, verified):  # (replaying a schedule no engine makes proves nothing)
-        f = verified.tallies[VERIFY_CHECK].first_failure
-        raise InputError(f"its recorded schedule breaks the engine's rules ({VERIFY_CHECK}, step {f.step}: "
-                         f"{f.message}); shrinking re-plans its requests with this tool's scheduler, which keeps "
-                         "those rules, so nothing smaller would fail the same way", str(path))
     groups = header["groups"]
     records: Records = [(p, o) for _, p, o in tr.steps]
-    wanted, ran = check, set()
-    check, idx = _first_failure(scenario, groups, records, bugs, wanted, ran)
+    wanted, ran = check, {VERIFY_CHECK}
+    idx = _first_violation(header, scenario, records)  # (a schedule no engine makes is its first failure:
+    if idx is not None:  # nothing of it is executed, as in a replay)
+        if wanted not in (None, VERIFY_CHECK):
+            raise InputError(f"--check {wanted}: the trace's recorded schedule breaks the engine's rules "
+                             f"({VERIFY_CHECK}), so no step of it is executed; shrink it with --check {VERIFY_CHECK}",
+                             str(path))
+        check = VERIFY_CHECK
+    else:
+        check, idx = _first_failure(scenario, groups, records, bugs, None if wanted == VERIFY_CHECK else wanted, ran)
+        if wanted == VERIFY_CHECK:
+            check = None
     if check is None:
         with_bugs = f" with --inject-bug {', '.join(sorted(bugs))}" if bugs else ""
         if wanted is not None and wanted not in ran:

@@ -16,8 +16,7 @@ group, from the header's KV-cache groups, pool size and scheduler limits alone:
   ``resumed`` exactly when the request ran before; outputs stop at ``max_tokens`` and
   ``max_model_len``, and a request that reaches either finishes with that step;
 * limits: running requests <= ``max_num_seqs``, scheduled tokens <= ``max_num_batched_tokens``,
-  drafts <= ``num_speculative_tokens``, accepted drafts are the committed tokens they stand for
-  and a rejected draft differs from the token committed in its place;
+  drafts <= ``num_speculative_tokens``, accepted drafts are the committed tokens they stand for;
 * tokens: prompt, draft and output ids inside the vocabulary (``vocab_bounds``); where the header
   names a seeded continuation (``seeded_outputs``) every output equals the workload's true token;
 * a vLLM recording's free-block count after every step equals the pool less the blocks held.
