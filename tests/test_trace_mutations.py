@@ -76,10 +76,6 @@ def _finished(lines):
     return [(i, rid) for i, d in _steps(lines) for rid in d.get("finished", ())]
 
 
-def _scheduled_ids(d) -> list[str]:
-    return [s["id"] for s in d["sched"]]
-
-
 def _first_admission(lines) -> dict[str, int]:
     first = {}
     for i, d, s in _admissions(lines):
