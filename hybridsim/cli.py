@@ -437,7 +437,11 @@ def shrink(
 
         bugs = check_bugs(inject_bug) if inject_bug else None
         _writable(out_path, "--out")
-        r = shrink_trace(trace, out_path, check_name, bugs)
+        with err.status("shrinking: replaying the trace to its first failure") as status:
+            def progress(phase: str, tests: int, steps: int, reqs: int) -> None:
+                status.update(f"shrinking ({phase}): candidate {tests}; smallest failing so far: {steps} steps, "
+                              f"{reqs} requests")
+            r = shrink_trace(trace, out_path, check_name, bugs, progress=progress)
         out.print(f"{r.check} still fails in {out_path}: steps {r.steps_before} -> {r.steps_after}, "
                   f"requests {r.requests_before} -> {r.requests_after} ({r.tests} candidate traces tried)")
         return 0

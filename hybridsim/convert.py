@@ -59,7 +59,9 @@ def recording_trace(src: str | Path) -> Trace:
     """A vLLM recording as the trace ``convert`` would write, built in memory (``replay`` runs
     recordings through this)."""
     rec = load_recording(src)
-    return _as_trace(src, rec, _header(rec, src), recording_records(rec))
+    tr = _as_trace(src, rec, _header(rec, src), recording_records(rec))
+    tr.free_blocks = [s["num_free_blocks"] for s in rec.steps]  # (``trace_verify`` holds the schedule to them)
+    return tr
 
 
 def _as_trace(src: str | Path, rec, header: dict, records: list) -> Trace:

@@ -1,7 +1,9 @@
 """Replay: execute a recorded step trace exactly as recorded, with the same checks as ``run``.
 
 The trace's token accounting is verified before any kernel runs; a trace that does
-not add up is rejected with the line number of the first inconsistency. A vLLM scheduler
+not add up is rejected with the line number of the first inconsistency. Then the recorded
+schedule is held to the engine's rules (``trace_verify``, the ``sched.recorded`` check); a
+schedule that breaks one is a failed check, and none of its steps is executed. A vLLM scheduler
 recording is converted in memory first (what ``hybridsim convert`` would write) and replayed
 the same way, with a note saying so.
 """
@@ -20,7 +22,8 @@ from .config import Scenario
 from .errors import InputError
 from .bugs import check_bugs_apply, inapplicable_bugs
 from .execute import make_executor
-from .trace import read_trace
+from .trace import Trace, read_trace
+from .trace_verify import CHECK as VERIFY_CHECK, verify_trace
 from .vllm_recorded import is_vllm_recording
 
 CONVERTED_NOTE = "vLLM recording converted in memory (`hybridsim convert` writes the trace)"
@@ -52,11 +55,22 @@ class ReplayResult:
                 "kernel_timings": self.kernel_timings, "memory": self.memory}
 
 
-def replay_trace(path: str | Path, *, check: str = "full", bugs: Optional[set[str]] = None,
-                 kernels: str = "reference", device: str = "auto",
-                 announce: Optional[Callable[[list[str]], None]] = None, strict_bugs: bool = True) -> ReplayResult:
-    """``strict_bugs``: a bug in a layer kind this trace's model lacks is bad input (one trace named);
-    else (a folder, a golden gate) a note on this trace."""
+@dataclass
+class Verified:
+    """A trace read, its accounting proved, and its schedule held to the engine's rules."""
+
+    trace: Trace
+    scenario: Scenario
+    checks: Checks  # ``sched.recorded`` first
+    ok: bool
+    seconds: float  # the schedule's verification
+    notes: list[str]
+
+
+def verify_recorded(path: str | Path) -> Verified:
+    """What ``replay_trace`` does before it executes anything: read the trace (a vLLM recording is
+    converted in memory), then verify its schedule. Bad input raises ``InputError``; a broken rule
+    is a failed ``sched.recorded`` check (``ok`` False)."""
     notes: list[str] = []
     if is_vllm_recording(path):  # (``read_trace`` would refuse it: convert it here, in memory)
         from .convert import recording_trace
@@ -71,6 +85,22 @@ def replay_trace(path: str | Path, *, check: str = "full", bugs: Optional[set[st
     except ValidationError as e:
         raise InputError(f"the header's scenario is invalid: {e.errors()[0]['msg']}", f"{path}:1") from None
     checks = Checks()
+    t0 = perf_counter()
+    ok = verify_trace(tr, scenario, checks)  # (first: ``sched.recorded`` leads the checks table)
+    return Verified(tr, scenario, checks, ok, perf_counter() - t0, notes)
+
+
+def replay_trace(path: str | Path, *, check: str = "full", bugs: Optional[set[str]] = None,
+                 kernels: str = "reference", device: str = "auto",
+                 announce: Optional[Callable[[list[str]], None]] = None, strict_bugs: bool = True) -> ReplayResult:
+    """``strict_bugs``: a bug in a layer kind this trace's model lacks is bad input (one trace named);
+    else (a folder, a golden gate) a note on this trace."""
+    v = verify_recorded(path)
+    tr, scenario, checks, notes, t_verify = v.trace, v.scenario, v.checks, v.notes, v.seconds
+    if not v.ok:  # (executing a schedule the engine could not have made proves nothing more)
+        notes.append(f"the recorded schedule breaks the engine's rules ({VERIFY_CHECK}): no step was executed")
+        return ReplayResult(Path(path), len(tr.steps), len(tr.requests), checks, t_verify, notes,
+                            {"verify schedule": t_verify})
     recorded_bugs = tr.header.get("inject_bug")
     if recorded_bugs and not bugs:
         notes.append(f"this trace was recorded with --inject-bug {' '.join(recorded_bugs)}; replay with the same "
@@ -82,11 +112,17 @@ def replay_trace(path: str | Path, *, check: str = "full", bugs: Optional[set[st
     ex = make_executor(scenario, tr.header["groups"], checks, check, bugs or set(), kernels, device, notes,
                        where=f"{path}:1", announce=announce, digests=True, capacity=_distinct_blocks(tr.steps))
     t0 = perf_counter()
-    for _, plan, outcome in tr.steps:
-        ex.step(plan, outcome)
+    for ln, plan, outcome in tr.steps:
+        try:
+            ex.step(plan, outcome)
+        except InputError as e:  # (what the executor finds wrong in a step: the trace's file and line)
+            if e.where is None:
+                e.where = f"{path}:{ln}"
+            raise
     ex.finish()
     wall = perf_counter() - t0
-    return ReplayResult(Path(path), len(tr.steps), len(tr.requests), checks, wall, notes, dict(ex.timings),
+    return ReplayResult(Path(path), len(tr.steps), len(tr.requests), checks, wall, notes,
+                        {"verify schedule": t_verify, **ex.timings},
                         ex.state_digests(), ex.kernel_timer.summary() if ex.kernel_timer is not None else None,
                         ex.memory_report())
 

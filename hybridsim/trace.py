@@ -127,6 +127,7 @@ class Trace:
         self.path = path
         self.header = header
         self.steps = steps  # (line number, plan, outcome)
+        self.free_blocks: list[int] | None = None  # a vLLM recording's free-block count after each step
 
     @property
     def requests(self) -> list[dict]:
@@ -142,6 +143,25 @@ def _need(d: dict, key: str, typ, where: str):
     return v
 
 
+def _ints(v) -> bool:
+    """A list of integers (JSON true/false are not)."""
+    return isinstance(v, list) and all(type(t) is int for t in v)
+
+
+def _ids(d: dict, key: str, where: str) -> tuple[str, ...]:
+    v = d.get(key, ())
+    if not (isinstance(v, list) and all(isinstance(x, str) for x in v)) and v != ():
+        raise InputError(f"{key!r} must be a list of request ids", where)
+    return tuple(v)
+
+
+def _flag(s: dict, key: str, w: str) -> bool:
+    v = s.get(key, 0)
+    if v not in (0, 1) or isinstance(v, float):  # (0, 1, false, true)
+        raise InputError(f"key {key!r} should be 0 or 1, got {json.dumps(v)[:40]}", w)
+    return bool(v)
+
+
 def _parse_step(d: dict, where: str) -> tuple[StepPlan, StepOutcome]:
     step = _need(d, "step", int, where)
     sched = []
@@ -155,23 +175,38 @@ def _parse_step(d: dict, where: str) -> tuple[StepPlan, StepOutcome]:
         blocks = s.get("blocks")
         if blocks is not None and not (isinstance(blocks, list) and all(isinstance(g, list) for g in blocks)):
             raise InputError("blocks must be a list of lists (one per KV group)", w)
+        for g, row in enumerate(blocks or ()):
+            if not _ints(row) or row and min(row) < 0:
+                k, bad = next((k, b) for k, b in enumerate(row) if type(b) is not int or b < 0)
+                raise InputError(f"{rid}: block id {json.dumps(bad)[:40]} (group {g}, entry {k} of its blocks) is not "
+                                 "a block id: a non-negative integer, 0 the null block", w)
         prompt = s.get("prompt")
+        if prompt is not None and not _ints(prompt):
+            raise InputError(f"{rid}: 'prompt' must be a list of token ids (integers)", w)
+        hit = s.get("hit", 0)
+        if type(hit) is not int or hit < 0:
+            raise InputError(f"{rid}: 'hit' must be a number of tokens, got {json.dumps(hit)[:40]}", w)
         spec = s.get("spec", [])
         if not (isinstance(spec, list) and all(type(t) is int and t >= PLACEHOLDER_DRAFT for t in spec)):
             raise InputError("spec must be a list of draft token ids (-1: a placeholder draft)", w)
         sched.append(ScheduledRequest(
             rid, c, n, tuple(tuple(g) for g in blocks) if blocks is not None else None,
-            is_new=bool(s.get("new")), resumed=bool(s.get("resumed")), prefix_hit_tokens=int(s.get("hit", 0)),
+            is_new=_flag(s, "new", w), resumed=_flag(s, "resumed", w), prefix_hit_tokens=hit,
             spec_token_ids=tuple(spec),
             prompt_token_ids=tuple(prompt) if prompt is not None else None,
             num_prompt_tokens=len(prompt) if prompt is not None else 0))
-    plan = StepPlan(step, tuple(sched), tuple(d.get("preempted", ())), tuple(d.get("finished", ())),
-                    tuple(d.get("faults", ())), tuple(d.get("forced", ())))
+    faults = d.get("faults", ())
+    if not isinstance(faults, (list, tuple)):
+        raise InputError("'faults' must be a list", where)
+    plan = StepPlan(step, tuple(sched), _ids(d, "preempted", where), _ids(d, "finished", where),
+                    tuple(faults), _ids(d, "forced", where))
     out = d.get("out", {})
-    if not isinstance(out, dict):
+    if not isinstance(out, dict) or not all(_ints(v) for v in out.values()):
         raise InputError("'out' must map request ids to token lists", where)
-    outcome = StepOutcome({k: tuple(v) for k, v in out.items()}, dict(d.get("acc", {})),
-                          tuple(d.get("done", ())))
+    acc = d.get("acc", {})
+    if not isinstance(acc, dict) or not all(type(v) is int for v in acc.values()):
+        raise InputError("'acc' must map request ids to numbers of accepted drafts", where)
+    outcome = StepOutcome({k: tuple(v) for k, v in out.items()}, dict(acc), _ids(d, "done", where))
     return plan, outcome
 
 
@@ -232,6 +267,7 @@ def _read(p: Path, it: Iterator[tuple[int, dict]], check: bool) -> Trace:
     for key in ("scenario", "groups", "requests"):
         if key not in header:
             raise InputError(f"header is missing {key!r}", f"{p}:{ln}")
+    _check_header(header, f"{p}:{ln}")
     steps = []
     for ln, d in it:
         plan, outcome = _parse_step(d, f"{p}:{ln}")
@@ -240,6 +276,48 @@ def _read(p: Path, it: Iterator[tuple[int, dict]], check: bool) -> Trace:
     if check:
         check_accounting(trace)
     return trace
+
+
+def _check_header(h: dict, where: str) -> None:
+    """The header's groups and requests, with the types every reader of a trace relies on."""
+    if not isinstance(h["scenario"], dict):
+        raise InputError("the header's 'scenario' must be an object", where)
+    groups = h["groups"]
+    if not isinstance(groups, list) or not groups:
+        raise InputError("the header's 'groups' must be a non-empty list of KV cache groups", where)
+    for i, g in enumerate(groups):
+        w = f"{where} (groups[{i}])"
+        if not isinstance(g, dict):
+            raise InputError("each group is an object", w)
+        if _need(g, "group_id", int, w) != i:
+            raise InputError(f"group_id {g['group_id']} should be {i} (groups are numbered in order)", w)
+        if _need(g, "kind", str, w) not in ("mamba", "attention", "mla"):
+            raise InputError(f"kind {g['kind']!r} is not one of mamba, attention, mla", w)
+        if _need(g, "block_size", int, w) < 1:
+            raise InputError("block_size should be at least 1", w)
+        if not _ints(_need(g, "layers", list, w)):
+            raise InputError("layers should be a list of layer indices", w)
+        if type(g.get("num_spec", 0)) is not int or g.get("num_spec", 0) < 0:
+            raise InputError("num_spec should be a number of draft columns", w)
+    reqs = h["requests"]
+    if not isinstance(reqs, list):
+        raise InputError("the header's 'requests' must be a list", where)
+    seen = set()
+    for i, r in enumerate(reqs):
+        w = f"{where} (requests[{i}])"
+        if not isinstance(r, dict):
+            raise InputError("each request is an object", w)
+        rid = _need(r, "id", str, w)
+        if rid in seen:
+            raise InputError(f"request id {rid!r} appears twice", w)
+        seen.add(rid)
+        if _need(r, "arrival_step", int, w) < 0 or _need(r, "max_tokens", int, w) < 1:
+            raise InputError("arrival_step should be at least 0 and max_tokens at least 1", w)
+        for key in ("output_seed", "priority", "prompt_len"):
+            if key in r and type(r[key]) is not int:
+                raise InputError(f"key {key!r} should be int, got {type(r[key]).__name__}", w)
+        if not 0 <= r.get("output_seed", 0) < 1 << 64:
+            raise InputError("output_seed should be a 64-bit seed (0 .. 2**64 - 1)", w)
 
 
 def check_accounting(trace: Trace) -> None:
