@@ -307,6 +307,9 @@ class ExecutionSection(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     kernels: Literal["auto", "triton", "reference"] = "auto"
     check: Literal["full", "sampled", "off"] = "full"
+    scheduler: Literal["hybridsim", "vllm"] = Field(
+        "hybridsim", description="whose scheduler plans the steps: hybridsim's, or the installed vLLM's own V1 "
+        "scheduler driven live (README: Running the engine's own scheduler)")
     max_steps: int = Field(5000, ge=1)
     mla_workspace_tokens: int = Field(
         256, ge=1, le=1 << 20, description="tokens of cached context the MLA prefill path up-projects at once "
@@ -318,6 +321,15 @@ class ExecutionSection(_Strict):
     def _yaml_off(cls, v: Any) -> Any:
         # YAML 1.1 reads a bare `off` as false
         return "off" if v is False else v
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        """Leave ``scheduler`` out at its default: scenario dumps (trace headers, sweep cells) of
+        scenarios that do not set it stay byte for byte what they were."""
+        d = handler(self)
+        if d.get("scheduler") == "hybridsim":
+            del d["scheduler"]
+        return d
 
 
 # ----------------------------------------------------------------------------- scenario
