@@ -370,6 +370,10 @@ class _CrossFieldError(ValueError):
         self.path = path
 
 
+VLLM_NO_MODE_ALL = ("all: vLLM 0.33's scheduler (execution.scheduler: vllm) has no such mode (its config accepts "
+                    "align and none); plan it with hybridsim's scheduler")
+
+
 def peak_tokens(s: "Scenario", prompt: int, output: int) -> int:
     """The most tokens a request's blocks cover at once (computed plus scheduled, drafts
     included): it holds at most ``prompt + output - 1`` tokens while it runs, drafts ``S`` more,
@@ -470,6 +474,8 @@ def cross_field_problems(s: Scenario) -> list[tuple[tuple, str]]:
             out.append((("cache", "num_blocks"), problem))
     if sched.policy == "priority" and isinstance(wl, TraceWorkload):
         pass  # trace requests get priority 0; allowed
+    if s.execution.scheduler == "vllm" and geo.mamba is not None and mode == "all":
+        out.append((("cache", "mamba_cache_mode"), VLLM_NO_MODE_ALL))
     for i, f in enumerate(s.faults):
         if f.at_step >= s.execution.max_steps:
             out.append((("faults", i, "at_step"),

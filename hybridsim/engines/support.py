@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..config import LoadedScenario
+from ..config import VLLM_NO_MODE_ALL, LoadedScenario
 from ..errors import EnvironmentProblem, InputError
 
 SUPPORTED_VLLM = ("0.33",)  # release series whose V1 scheduler this driver speaks to
@@ -38,8 +38,7 @@ def vllm_refusals(loaded: LoadedScenario, bugs: Optional[set[str]] = None) -> No
     s = loaded.scenario
     geo = s.geometry()
     if geo.mamba is not None and s.cache.resolved_mode() == "all":
-        raise InputError("mamba_cache_mode all: vLLM 0.33's scheduler has no such mode (its config accepts align "
-                         "and none); plan it with --scheduler hybridsim", loaded.where("cache", "mamba_cache_mode"))
+        raise InputError(f"cache.mamba_cache_mode: {VLLM_NO_MODE_ALL}", loaded.where("cache", "mamba_cache_mode"))
     if bugs:
         from ..sched.injected import SCHEDULER_BUGS
 

@@ -258,6 +258,7 @@ class VllmPlanner:
                                - req.num_tokens)
                     committed[rid] = toks if len(toks) <= room else toks[:room]  # (as ours commits)
             line.update(sampled_token_ids=committed, accepted=accepted)
+            in_use = usable - self.kv.pool.num_free  # (as ours: after the step ran, before its update frees)
             t2 = perf_counter()
             sched.update_from_output(out, _runner_output(ids, given))
             finished = [rid for rid in ids if rid not in sched.requests or sched.requests[rid].is_finished()]
@@ -276,7 +277,7 @@ class VllmPlanner:
             if self.checker is not None:
                 self.checker.after_update(plan, outcome)
             finished_before = finished
-            self._count(plan, outcome, usable - self.kv.pool.num_free)
+            self._count(plan, outcome, in_use)
             if plan.num_rows:
                 idle = 0
             else:
