@@ -143,10 +143,10 @@ def test_sweep_over_the_scheduler_needs_vllm(tmp_path):
 # ----------------------------------------------------------------------------- with vLLM (peer)
 
 # the shipped tiny scenarios on which docs/fidelity.md ("Running vLLM's own scheduler") has
-# vLLM 0.33's plans identical to ours; priority_policy differs (its step 31), all_mode is refused
+# vLLM 0.33's plans identical to ours (all_mode is refused: vLLM has no mode all)
 AGREE = ["align_prefix_hits", "chunked_prefill", "forced_preemption", "large_pages", "memory_pressure",
-         "no_prefix_cache", "quickstart", "spec_decode", "spec_padding", "mixed_hybrid_mla", "mla_long_context",
-         "nemotron_h_8b", "deepseek_v3"]
+         "no_prefix_cache", "priority_policy", "quickstart", "spec_decode", "spec_padding", "mixed_hybrid_mla",
+         "mla_long_context", "nemotron_h_8b", "deepseek_v3"]
 
 
 def _record(loaded, path, scheduler: str, check: str = "off"):
