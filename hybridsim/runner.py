@@ -120,7 +120,7 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
     checks = Checks()
     if planner is not None:
         from .engines.vllm_live import VllmPlanner
-        sim = VllmPlanner(s, wl, loaded.source)
+        sim = VllmPlanner(s, wl, loaded.source, checks)
     else:
         sim = Simulation(s, wl)
     if bugs and planner is None:

@@ -229,3 +229,45 @@ def test_cli_says_whose_plan_ran(tmp_path):
     assert json.loads((tmp_path / "r.json").read_text())["plan"] == "vLLM 0.33.0 scheduler (live)"
     v = hs("replay", tmp_path / "t.jsonl")
     assert v.returncode == 0, v.stdout[-2000:]
+
+
+THRESHOLD_BELOW_DRAFT_ROW = """name: thr
+seed: 1
+model: {preset: tiny-hybrid}
+cache: {block_size: 16, num_blocks: 64, enable_prefix_caching: false}
+scheduler: {max_num_batched_tokens: 64, max_num_seqs: 4, max_model_len: 256, long_prefill_token_threshold: 2}
+spec_decode: {num_speculative_tokens: 3, acceptance: {kind: bernoulli, rate: 0.5}}
+workload:
+  kind: synthetic
+  num_requests: 4
+  prompt_len: {dist: fixed, value: 1}
+  output_len: {dist: fixed, value: 6}
+execution: {check: off}
+"""
+
+
+def test_threshold_below_a_draft_row_refused_without_align_split():
+    """vLLM 0.33 asserts when the threshold cuts a padded one-token admission (fidelity.md point 12)."""
+    from hybridsim.engines.support import vllm_refusals
+
+    with pytest.raises(InputError, match=r"t.yaml:5: scheduler.long_prefill_token_threshold: 2 is below 1 \+ "):
+        vllm_refusals(parse_scenario(THRESHOLD_BELOW_DRAFT_ROW, "t.yaml"))
+    vllm_refusals(parse_scenario(THRESHOLD_BELOW_DRAFT_ROW.replace("threshold: 2", "threshold: 4"), "t.yaml"))
+
+
+@peer
+@needs_vllm
+def test_a_crash_of_vllms_scheduler_is_a_failed_check():
+    """Driven past the refusal, vLLM's own assertion stops the run as a failed check, not a traceback."""
+    from hybridsim.checks import Checks
+    from hybridsim.engines.vllm_live import ENGINE_CHECK, VllmPlanner
+    from hybridsim.workload import build_workload
+
+    loaded = parse_scenario(THRESHOLD_BELOW_DRAFT_ROW, "t.yaml")
+    checks = Checks()
+    planner = VllmPlanner(loaded.scenario, build_workload(loaded), "t.yaml", checks)
+    plans = list(planner)
+    tally = checks.tallies[ENGINE_CHECK]
+    assert checks.failed and tally.failures == 1
+    assert "Scheduler.schedule raised AssertionError" in tally.first_failure.message
+    assert tally.first_failure.step == len(plans) and any("the run stopped there" in n for n in planner.stats.notes)

@@ -39,6 +39,14 @@ def vllm_refusals(loaded: LoadedScenario, bugs: Optional[set[str]] = None) -> No
     geo = s.geometry()
     if geo.mamba is not None and s.cache.resolved_mode() == "all":
         raise InputError(f"cache.mamba_cache_mode: {VLLM_NO_MODE_ALL}", loaded.where("cache", "mamba_cache_mode"))
+    S = s.spec_decode.num_speculative_tokens
+    thr = s.scheduler.long_prefill_token_threshold
+    align_split = geo.mamba is not None and s.cache.resolved_mode() == "align" and s.cache.enable_prefix_caching
+    if S and 0 < thr < 1 + S and not align_split:
+        raise InputError(f"scheduler.long_prefill_token_threshold: {thr} is below 1 + num_speculative_tokens "
+                         f"({1 + S}); vLLM 0.33's scheduler then fails an assertion when it pads a one-token "
+                         "admission to a draft row the threshold cuts (docs/fidelity.md, point 12); raise it, or "
+                         "plan with hybridsim's scheduler", loaded.where("scheduler", "long_prefill_token_threshold"))
     if bugs:
         from ..sched.injected import SCHEDULER_BUGS
 

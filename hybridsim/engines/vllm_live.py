@@ -16,7 +16,7 @@ from __future__ import annotations
 from time import perf_counter
 from typing import Iterator, Optional
 
-from ..checks import CheckTally, Failure
+from ..checks import Checks, CheckTally, Failure
 from ..config import PreemptFault, ResetPrefixCacheFault, Scenario
 from ..convert import recorded_step
 from ..errors import InputError
@@ -30,6 +30,7 @@ from .vllm import _in_schedule_order, _runner_output, make_scheduler, model_outp
     request_hasher, scenario_shape
 
 PLAN_CHECK = "plan.accounting"
+ENGINE_CHECK = "vllm.scheduler"  # fails when vLLM's scheduler raises (an assertion of its own)
 
 
 class _PoolView:
@@ -110,7 +111,8 @@ class PlanChecker:
 class VllmPlanner:
     """Iterate over ``(plan, outcome)`` planned by vLLM's scheduler; ``stats`` fills in as it goes."""
 
-    def __init__(self, scenario: Scenario, workload: Workload, source: str = "<vLLM plan>"):
+    def __init__(self, scenario: Scenario, workload: Workload, source: str = "<vLLM plan>",
+                 checks: Optional[Checks] = None):
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
@@ -154,6 +156,7 @@ class VllmPlanner:
         self._preempted: list[str] = []  # every preemption, in vLLM's order (its routine, observed)
         self._evictions = 0
         self._observe(self.scheduler)
+        self.checks = checks  # (where a crash of vLLM's scheduler is reported: ENGINE_CHECK)
 
     def _observe(self, sched) -> None:
         """Note each preemption (vLLM reports a step's as a set; plans list them in order) and
@@ -238,7 +241,11 @@ class VllmPlanner:
                 continue
             del self._preempted[:]
             t0 = perf_counter()
-            out = sched.schedule()
+            try:
+                out = sched.schedule()
+            except Exception as e:  # (the system under test failed: a check failure, not ours to crash on)
+                self._crashed(step, "schedule", e)
+                break
             t1 = perf_counter()
             self.schedule_s += t1 - t0
             line = _in_schedule_order(recording_step(step, out), out)
@@ -260,7 +267,11 @@ class VllmPlanner:
             line.update(sampled_token_ids=committed, accepted=accepted)
             in_use = usable - self.kv.pool.num_free  # (as ours: after the step ran, before its update frees)
             t2 = perf_counter()
-            sched.update_from_output(out, _runner_output(ids, given))
+            try:
+                sched.update_from_output(out, _runner_output(ids, given))
+            except Exception as e:
+                self._crashed(step, "update_from_output", e)
+                break
             finished = [rid for rid in ids if rid not in sched.requests or sched.requests[rid].is_finished()]
             line["finished_this_step"] = finished
             plan, outcome = recorded_step(line, self.prompts, admitted)
@@ -296,6 +307,17 @@ class VllmPlanner:
             stats.notes.append(f"{unfinished} request(s) unfinished at max_steps ({self.max_steps})")
         if self.checker is not None:
             self.checker.finish()
+
+    def _crashed(self, step: int, where: str, e: Exception) -> None:
+        """vLLM's scheduler raised: the run stops there, and ``ENGINE_CHECK`` fails with what it said."""
+        import traceback
+
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        msg = (f"vLLM's Scheduler.{where} raised {type(e).__name__}"
+               + (f": {e}" if str(e) else "") + f" ({frame.filename.rsplit('/site-packages/', 1)[-1]}:{frame.lineno})")
+        self.stats.notes.append(f"step {step}: {msg}; the run stopped there")
+        if self.checks is not None:
+            self.checks.get(ENGINE_CHECK).failed(Failure(step, None, msg))
 
     def _count(self, plan: StepPlan, outcome: StepOutcome, in_use: int) -> None:
         """The run's totals, counted as ``Simulation`` counts its own plans."""
