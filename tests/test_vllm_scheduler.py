@@ -195,6 +195,8 @@ def test_vllm_trace_replays_green(name, tmp_path):
 def test_written_scenario_every_check_on(name, tmp_path):
     res, lines = _record(written(name), tmp_path / "v.jsonl", "vllm", check="full")
     assert not res.failed and not res.stats.stalled, res.checks.as_list()
+    _, ours = _record(written(name), tmp_path / "ours.jsonl", "hybridsim")
+    assert ours[1:] == lines[1:]  # (and they are our plans, step for step)
     assert res.stats.finished == res.stats.requests
     tallies = res.checks.tallies
     for check in ("plan.accounting", "ssm.output", "ssm.running_state", "attn.output", "attn.cached_blocks"):
