@@ -37,8 +37,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # (hybridsim, when
 from calibration import calibrate  # noqa: E402
 
 # the driver itself lives in the package (``run --scheduler vllm`` plans with it)
-from hybridsim.engines.vllm import (_Stand, block_ids, make_scheduler, recording_head,  # noqa: E402,F401
-                                    recording_step, run_once)
+from hybridsim.engines.vllm import StandIn, run_once  # noqa: E402
 
 
 def main() -> None:
@@ -97,8 +96,8 @@ def time_workload(w: dict, repeat: int, json_path: Path | None) -> None:
     extra = f"   prefix-hit tokens {runs[0]['prefix_hit_tokens']:,}" if "prefix_hit_tokens" in runs[0] else ""
     print(f"vLLM {vllm.__version__} {w['workload']:14s} {shown:>22s}   runs {[round(r[key], 3) for r in runs]}   "
           f"calibration {cal * 1e3:.0f} ms{extra}")
-    if _Stand.read_missing:
-        print(f"  (config attributes the scheduler read as None: {', '.join(sorted(_Stand.read_missing))})")
+    if StandIn.read_missing:
+        print(f"  (config attributes the scheduler read as None: {', '.join(sorted(StandIn.read_missing))})")
     if json_path:
         json_path.write_text(json.dumps({"vllm": vllm.__version__, "workload": w["workload"], key: med,
                                          "runs": [round(r[key], 4) for r in runs], "calibration_ms": round(cal * 1e3, 1),

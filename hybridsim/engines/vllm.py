@@ -31,7 +31,7 @@ from ..sched.groups import GroupSpec
 from ..sched.plan import PLACEHOLDER_DRAFT
 
 
-class _Stand(SimpleNamespace):
+class StandIn(SimpleNamespace):
     """A config stand-in: the attributes given; any other one the scheduler reads is None
     (and recorded, to be shown with the results)."""
 
@@ -40,7 +40,7 @@ class _Stand(SimpleNamespace):
     def __getattr__(self, key):
         if key.startswith("__"):
             raise AttributeError(key)
-        _Stand.read_missing.add(key)
+        StandIn.read_missing.add(key)
         return None
 
 
@@ -124,7 +124,7 @@ def make_scheduler(w: dict):
                         mamba_cache_mode=mode)
     cache.num_gpu_blocks = w["num_blocks"]
     cfg = VllmConfig(scheduler_config=sched, cache_config=cache, device_config=DeviceConfig(device="cpu"))
-    object.__setattr__(cfg, "model_config", _Stand(
+    object.__setattr__(cfg, "model_config", StandIn(
         uses_mrope=False, max_model_len=w["max_model_len"], runner_type="generate", is_diffusion=False,
         is_encoder_decoder=False, supports_multimodal_inputs=False, multimodal_config=None))
     method = w.get("spec_method", "ngram")
@@ -134,7 +134,7 @@ def make_scheduler(w: dict):
         yes, no = (lambda: True), (lambda: False)  # noqa: E731
         eagle = method in ("mtp", "eagle")
         multi = method == "mtp" and min(draft_layers, S) > 1
-        object.__setattr__(cfg, "speculative_config", _Stand(
+        object.__setattr__(cfg, "speculative_config", StandIn(
             num_speculative_tokens=S, method=method, num_speculative_tokens_per_batch_size=None,
             use_eagle=yes if eagle else no, use_eagle_block_drop=yes if eagle else no,
             needs_eagle_block_drop=yes if eagle else no, use_dspark=no, use_dflash=no,
@@ -256,7 +256,7 @@ def recording_step(step: int, out) -> dict:
             "preempted_req_ids": sorted(out.preempted_req_ids or ())}
 
 
-def _in_schedule_order(line: dict, out) -> dict:
+def in_schedule_order(line: dict, out) -> dict:
     """A step line with its rows as the engine scheduled them: running requests in the running
     queue's order, then admissions in the waiting queue's, a resumed request among the admissions
     (vLLM's V1 model runner gets resumed requests with the cached ones, flagged in
@@ -302,7 +302,7 @@ def model_outputs(sched, out, truth, on_verify=None) -> tuple[list[str], list[li
     return ids, sampled, accepted
 
 
-def _runner_output(ids: list[str], sampled: list[list[int]]):
+def runner_output(ids: list[str], sampled: list[list[int]]):
     from vllm.v1.outputs import ModelRunnerOutput
     return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: j for j, r in enumerate(ids)},
                              sampled_token_ids=sampled)
@@ -363,7 +363,7 @@ def run_once(w: dict, steps_log: list | None = None, max_steps: int = 0, record:
                 "preempted": sorted(out.preempted_req_ids or ()),
                 "blocks": block_ids(out)})
         ids, sampled, _ = model_outputs(sched, out, truth.__getitem__, verified)
-        sched.update_from_output(out, _runner_output(ids, sampled))
+        sched.update_from_output(out, runner_output(ids, sampled))
         if steps_log is not None:
             steps_log[-1]["free"] = sched.kv_cache_manager.block_pool.get_num_free_blocks()
         if record is not None:

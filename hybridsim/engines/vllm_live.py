@@ -26,8 +26,8 @@ from ..sched.request import Request as Mirror
 from ..simulate import RunStats, kv_groups
 from ..trace import Trace, check_accounting, header_dict
 from ..workload.base import Workload
-from .vllm import _in_schedule_order, _runner_output, make_scheduler, model_outputs, recording_step, \
-    request_hasher, scenario_shape
+from .vllm import (in_schedule_order, make_scheduler, model_outputs, recording_step, request_hasher, runner_output,
+                   scenario_shape)
 
 PLAN_CHECK = "plan.accounting"
 ENGINE_CHECK = "vllm.scheduler"  # fails when vLLM's scheduler raises (an assertion of its own)
@@ -248,7 +248,7 @@ class VllmPlanner:
                 break
             t1 = perf_counter()
             self.schedule_s += t1 - t0
-            line = _in_schedule_order(recording_step(step, out), out)
+            line = in_schedule_order(recording_step(step, out), out)
             reported = set(out.preempted_req_ids or ()) - set(forced)
             line["preempted_req_ids"] = [r for r in by_fault + tuple(self._preempted) if r in reported]
             line["preempted_req_ids"] += sorted(reported - set(line["preempted_req_ids"]))
@@ -268,7 +268,7 @@ class VllmPlanner:
             in_use = usable - self.kv.pool.num_free  # (as ours: after the step ran, before its update frees)
             t2 = perf_counter()
             try:
-                sched.update_from_output(out, _runner_output(ids, given))
+                sched.update_from_output(out, runner_output(ids, given))
             except Exception as e:
                 self._crashed(step, "update_from_output", e)
                 break
