@@ -165,7 +165,8 @@ def run(
         bugs = check_bugs(inject_bug)
         _check_choice(kernels, ("auto", "reference", "triton"), "--kernels")
         _check_choice(device, ("auto", "cpu", "cuda"), "--device")
-        _check_choice(scheduler, ("hybridsim", "vllm"), "--scheduler")
+        from .engines import SCHEDULERS
+        _check_choice(scheduler, SCHEDULERS, "--scheduler")
         _writable(record, "--record")
         _writable(json_out, "--json")
         _writable(plot, "--plot")

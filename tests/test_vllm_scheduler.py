@@ -273,3 +273,35 @@ def test_a_crash_of_vllms_scheduler_is_a_failed_check():
     assert checks.failed and tally.failures == 1
     assert "Scheduler.schedule raised AssertionError" in tally.first_failure.message
     assert tally.first_failure.step == len(plans) and any("the run stopped there" in n for n in planner.stats.notes)
+
+
+def test_plan_accounting_fails_a_plan_that_does_not_add_up():
+    """``plan.accounting``'s trace check, on our own plans of a written scenario: they pass; one row
+    moved a token ahead fails at its step (the check needs no vLLM to be held to account)."""
+    from types import SimpleNamespace
+
+    from hybridsim.checks import Checks
+    from hybridsim.engines.vllm_live import PLAN_CHECK, PlanChecker
+    from hybridsim.sched.plan import StepPlan
+    from hybridsim.simulate import Simulation
+    from hybridsim.workload import build_workload
+
+    loaded = written("pool_wraps")
+    sim = Simulation(loaded.scenario, build_workload(loaded))
+    records = [(plan.step, plan, outcome) for plan, outcome in sim]
+    owner = SimpleNamespace(scenario=loaded.scenario, groups=sim.groups, workload=sim.workload, source="w.yaml")
+    for tamper in (False, True):
+        checks = Checks()
+        checker = PlanChecker(owner, checks.get(PLAN_CHECK))
+        checker.records = list(records)
+        if tamper:  # step 5: its first continuing row claims one computed token more than it has
+            step, plan, outcome = records[5]
+            i = next(i for i, r in enumerate(plan.scheduled) if not r.is_new)
+            rows = list(plan.scheduled)
+            rows[i] = rows[i]._replace(num_computed_tokens=rows[i].num_computed_tokens + 1)
+            checker.records[5] = (step, StepPlan(step, tuple(rows), plan.preempted, plan.finished), outcome)
+        checker.finish()
+        tally = checks.tallies[PLAN_CHECK]
+        assert tally.failures == (1 if tamper else 0)
+        if tamper:
+            assert tally.first_failure.step == records[5][0] and "continues at" in tally.first_failure.message

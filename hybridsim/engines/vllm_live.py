@@ -60,15 +60,16 @@ class PlanChecker:
     def _fail(self, step: int, req: Optional[str], msg: str) -> None:
         self.tally.failed(Failure(step, req, msg))
 
-    def after_schedule(self, plan: StepPlan) -> None:
+    def after_schedule(self, step: int, out) -> None:
+        """Right after vLLM's ``schedule`` (its ``SchedulerOutput``), before the model runs."""
         s = self.p.scenario.scheduler
         sched = self.p.scheduler
-        total = sum(r.num_scheduled_tokens for r in plan.scheduled)
+        total = sum(out.num_scheduled_tokens.values())
         if total > s.max_num_batched_tokens:
-            self._fail(plan.step, None, f"{total} tokens scheduled, budget {s.max_num_batched_tokens}")
+            self._fail(step, None, f"{total} tokens scheduled, budget {s.max_num_batched_tokens}")
         if len(sched.running) > s.max_num_seqs:
-            self._fail(plan.step, None, f"{len(sched.running)} running, max_num_seqs {s.max_num_seqs}")
-        self._check_blocks(plan.step)
+            self._fail(step, None, f"{len(sched.running)} running, max_num_seqs {s.max_num_seqs}")
+        self._check_blocks(step)
         self.tally.passed(2)
 
     def _check_blocks(self, step: int) -> None:
@@ -248,6 +249,8 @@ class VllmPlanner:
                 break
             t1 = perf_counter()
             self.schedule_s += t1 - t0
+            if self.checker is not None:
+                self.checker.after_schedule(step, out)
             line = in_schedule_order(recording_step(step, out), out)
             reported = set(out.preempted_req_ids or ()) - set(forced)
             line["preempted_req_ids"] = [r for r in by_fault + tuple(self._preempted) if r in reported]
@@ -275,8 +278,6 @@ class VllmPlanner:
             finished = [rid for rid in ids if rid not in sched.requests or sched.requests[rid].is_finished()]
             line["finished_this_step"] = finished
             plan, outcome = recorded_step(line, self.prompts, admitted)
-            if self.checker is not None:
-                self.checker.after_schedule(plan)
             for rid, toks in committed.items():
                 self.mirrors[rid].token_ids.extend(toks)
             if self.drafter is not None:
