@@ -47,8 +47,8 @@ class _PoolView:
 
 class PlanChecker:
     """``plan.accounting``: what must hold of any engine's plans, read off the plans and vLLM's own
-    pool. Per step: the token budget and the seats; every block in as many of vLLM's rows as its
-    reference count says, and the pool's blocks in use plus free adding up. At the end, the
+    pool. Per step, right after vLLM's ``schedule``: the token budget and the seats; no block in more of
+    vLLM's rows than its reference count says, and the blocks in use plus free within the pool. At the end, the
     trace's token accounting (``trace.check_accounting``, as ``replay`` verifies a trace), its
     first inconsistency a failure at its step."""
 
