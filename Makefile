@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test bench fidelity golden clean
+.PHONY: run test bench fidelity golden clean peer
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ fidelity: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_planner.py all
+
+# vLLM 0.33's own scheduler beside ours (`run --scheduler vllm`, the live comparisons): needs .peer-venv
+peer:
+	@test -x .peer-venv/bin/python || { echo "no .peer-venv: run bench/peer_setup.sh first"; exit 3; }
+	.peer-venv/bin/python -m pytest -m peer -q tests/test_vllm_scheduler.py tests/test_peer.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

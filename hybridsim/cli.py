@@ -142,6 +142,8 @@ def run(
     kernels: Optional[str] = typer.Option(None, help="auto | reference | triton | vllm | a plugin provider (default: the scenario's; "
                                                      "auto = triton on a GPU, reference on a CPU)"),
     device: Optional[str] = typer.Option(None, help="auto | cpu | cuda (default: the scenario's)"),
+    scheduler: Optional[str] = typer.Option(None, help="hybridsim | vllm: whose scheduler plans the steps (default: "
+                                                       "the scenario's; vllm = the installed vLLM's own, driven live)"),
     inject_bug: List[str] = typer.Option([], "--inject-bug", help="switch on a known-wrong variant (repeatable)"),
     list_bugs: bool = typer.Option(False, "--list-bugs", help="list the injectable bugs and exit"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no tables, only errors"),
@@ -163,6 +165,8 @@ def run(
         bugs = check_bugs(inject_bug)
         _check_kernels(kernels)
         _check_choice(device, ("auto", "cpu", "cuda"), "--device")
+        from .engines import SCHEDULERS
+        _check_choice(scheduler, SCHEDULERS, "--scheduler")
         _writable(record, "--record")
         _writable(json_out, "--json")
         _writable(plot, "--plot")
@@ -188,10 +192,11 @@ def run(
                     if stats.steps % 64 == 0:
                         progress.update(task, completed=stats.finished, total=stats.requests)
                 res = plan_scenario(loaded, record=record, check=check.value if check else None, progress=tick,
-                                    bugs=bugs, kernels=kernels, device=device, announce=announce)
+                                    bugs=bugs, kernels=kernels, device=device, announce=announce,
+                                    scheduler=scheduler)
         else:
             res = plan_scenario(loaded, record=record, check=check.value if check else None, bugs=bugs,
-                                kernels=kernels, device=device, announce=announce)
+                                kernels=kernels, device=device, announce=announce, scheduler=scheduler)
         if json_out is not None:
             _write_json(json_out, res.as_dict())
         if csv_dir is not None:

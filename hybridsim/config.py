@@ -308,6 +308,9 @@ class ExecutionSection(_Strict):
     kernels: str = Field("auto", description="auto | reference | triton | vllm, or a plugin's provider "
                          "(`hybridsim kernels` lists them)")
     check: Literal["full", "sampled", "off"] = "full"
+    scheduler: Literal["hybridsim", "vllm"] = Field(
+        "hybridsim", description="whose scheduler plans the steps: hybridsim's, or the installed vLLM's own V1 "
+        "scheduler driven live (README: Running the engine's own scheduler)")
     max_steps: int = Field(5000, ge=1)
     mla_workspace_tokens: int = Field(
         256, ge=1, le=1 << 20, description="tokens of cached context the MLA prefill path up-projects at once "
@@ -329,6 +332,15 @@ class ExecutionSection(_Strict):
     def _yaml_off(cls, v: Any) -> Any:
         # YAML 1.1 reads a bare `off` as false
         return "off" if v is False else v
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        """Leave ``scheduler`` out at its default: scenario dumps (trace headers, sweep cells) of
+        scenarios that do not set it stay byte for byte what they were."""
+        d = handler(self)
+        if d.get("scheduler") == "hybridsim":
+            del d["scheduler"]
+        return d
 
 
 # ----------------------------------------------------------------------------- scenario
@@ -367,6 +379,10 @@ class _CrossFieldError(ValueError):
     def __init__(self, path: tuple, msg: str):
         super().__init__(msg)
         self.path = path
+
+
+VLLM_NO_MODE_ALL = ("all: vLLM 0.33's scheduler (execution.scheduler: vllm) has no such mode (its config accepts "
+                    "align and none); plan it with hybridsim's scheduler")
 
 
 def peak_tokens(s: "Scenario", prompt: int, output: int) -> int:
@@ -469,6 +485,8 @@ def cross_field_problems(s: Scenario) -> list[tuple[tuple, str]]:
             out.append((("cache", "num_blocks"), problem))
     if sched.policy == "priority" and isinstance(wl, TraceWorkload):
         pass  # trace requests get priority 0; allowed
+    if s.execution.scheduler == "vllm" and geo.mamba is not None and mode == "all":
+        out.append((("cache", "mamba_cache_mode"), VLLM_NO_MODE_ALL))
     for i, f in enumerate(s.faults):
         if f.at_step >= s.execution.max_steps:
             out.append((("faults", i, "at_step"),

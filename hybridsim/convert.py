@@ -13,33 +13,41 @@ from .vllm_recorded import load_recording
 def recording_records(rec) -> list[tuple[StepPlan, StepOutcome]]:
     prompts = {r["id"]: tuple(r["prompt_token_ids"]) for r in rec.requests}
     admitted: set[str] = set()
-    out = []
-    for s in rec.steps:
-        sched = []
-        spec = s.get("scheduled_spec_decode_tokens") or {}
-        # the engine schedules running requests before waiting ones
-        for r in s["scheduled_cached_reqs"]:
-            nb = r["new_block_ids"]
-            sched.append(ScheduledRequest(
-                r["id"], r["num_computed_tokens"], s["num_scheduled_tokens"][r["id"]],
-                tuple(tuple(g) for g in nb) if nb is not None and any(nb) else None,
-                spec_token_ids=tuple(spec.get(r["id"], ()))))
-        for r in s["scheduled_new_reqs"]:
-            first = r["id"] not in admitted
-            admitted.add(r["id"])
-            sched.append(ScheduledRequest(
-                r["id"], r["num_computed_tokens"], s["num_scheduled_tokens"][r["id"]],
-                tuple(tuple(g) for g in r["block_ids"]), is_new=True,
-                # (the peer driver's recordings have no "resumed": a request seen before is)
-                resumed=bool(r.get("resumed", not first)),
-                prefix_hit_tokens=r["num_computed_tokens"],
-                prompt_token_ids=prompts[r["id"]] if first else None,
-                num_prompt_tokens=len(prompts[r["id"]]), spec_token_ids=tuple(spec.get(r["id"], ()))))
-        plan = StepPlan(s["step"], tuple(sched), tuple(s["preempted_req_ids"]), tuple(s["finished_req_ids"]))
-        sampled = {k: tuple(v) for k, v in (s.get("sampled_token_ids") or {}).items() if v}
+    return [recorded_step(s, prompts, admitted) for s in rec.steps]
+
+
+def recorded_step(s: dict, prompts: dict[str, tuple[int, ...]], admitted: set[str]) -> tuple[StepPlan, StepOutcome]:
+    """One step line of a recording as our plan and outcome. ``admitted``: the requests admitted
+    by earlier lines (updated). Also read, when a line has them (the live driver,
+    ``engines.vllm``, writes them): ``faults`` and ``forced`` (the plan's), ``accepted`` (drafts
+    the verifier accepted, before any length cap) and ``finished_this_step``."""
+    sched = []
+    spec = s.get("scheduled_spec_decode_tokens") or {}
+    # the engine schedules running requests before waiting ones
+    for r in s["scheduled_cached_reqs"]:
+        nb = r["new_block_ids"]
+        sched.append(ScheduledRequest(
+            r["id"], r["num_computed_tokens"], s["num_scheduled_tokens"][r["id"]],
+            tuple(tuple(g) for g in nb) if nb is not None and any(nb) else None,
+            spec_token_ids=tuple(spec.get(r["id"], ()))))
+    for r in s["scheduled_new_reqs"]:
+        first = r["id"] not in admitted
+        admitted.add(r["id"])
+        sched.append(ScheduledRequest(
+            r["id"], r["num_computed_tokens"], s["num_scheduled_tokens"][r["id"]],
+            tuple(tuple(g) for g in r["block_ids"]), is_new=True,
+            # (the peer driver's recordings have no "resumed": a request seen before is)
+            resumed=bool(r.get("resumed", not first)),
+            prefix_hit_tokens=r["num_computed_tokens"],
+            prompt_token_ids=prompts[r["id"]] if first else None,
+            num_prompt_tokens=len(prompts[r["id"]]), spec_token_ids=tuple(spec.get(r["id"], ()))))
+    plan = StepPlan(s["step"], tuple(sched), tuple(s["preempted_req_ids"]), tuple(s["finished_req_ids"]),
+                    tuple(s.get("faults") or ()), tuple(s.get("forced") or ()))
+    sampled = {k: tuple(v) for k, v in (s.get("sampled_token_ids") or {}).items() if v}
+    accepted = s.get("accepted")
+    if accepted is None:
         accepted = {k: len(sampled.get(k, ())) - 1 for k in spec if sampled.get(k)}
-        out.append((plan, StepOutcome(sampled, accepted, tuple(s.get("finished_this_step") or ()))))
-    return out
+    return plan, StepOutcome(sampled, accepted, tuple(s.get("finished_this_step") or ()))
 
 
 def _header(rec, src: str | Path) -> dict:

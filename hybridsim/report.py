@@ -61,6 +61,8 @@ def summary_table(res: RunResult) -> Table:
         rows.append(("planning wall time", rate))
     if res.trace_path is not None:
         rows.append(("trace written", str(res.trace_path)))
+    if res.planner:
+        rows.insert(0, ("plan", res.planner))
     for k, v in rows:
         t.add_row(k, v)
     return t

@@ -49,6 +49,7 @@ class RunResult:
     steps: list[StepRecord] = field(default_factory=list)
     kernel_timings: Optional[dict] = None  # GPU runs: per-kernel CUDA-event timings
     executed: bool = False  # steps executed and/or checked: wall_s is not planning alone
+    planner: Optional[str] = None  # whose scheduler planned the steps, when not hybridsim's
     memory: Optional[dict] = None  # the memory plan (engine/memory.py) and, on a GPU, the measured peak
 
     @property
@@ -73,6 +74,7 @@ class RunResult:
             ],
             "kernel_timings": self.kernel_timings,
             "memory": self.memory,
+            **({"plan": self.planner} if self.planner else {}),
         }
 
 
@@ -94,19 +96,34 @@ def check_workload_fits(loaded: LoadedScenario, wl: Workload) -> None:
 def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, check: Optional[str] = None,
                   progress: Optional[Callable[[RunStats], None]] = None, execute: Optional[bool] = None,
                   bugs: Optional[set[str]] = None, kernels: Optional[str] = None,
-                  device: Optional[str] = None, announce: Optional[Callable[[list[str]], None]] = None) -> RunResult:
-    """Plan a scenario; with checks on, also execute every step and compare with the oracle."""
+                  device: Optional[str] = None, announce: Optional[Callable[[list[str]], None]] = None,
+                  scheduler: Optional[str] = None) -> RunResult:
+    """Plan a scenario; with checks on, also execute every step and compare with the oracle.
+    ``scheduler``: whose scheduler plans (default the scenario's ``execution.scheduler``): ours, or
+    ``vllm``, the installed vLLM's own (``engines.vllm_live``), checked the same way."""
     s = loaded.scenario
+    scheduler = scheduler or s.execution.scheduler
+    if scheduler != s.execution.scheduler:  # (a trace's header says whose plan it holds)
+        s = loaded.scenario = s.model_copy(update={"execution": s.execution.model_copy(update={"scheduler": scheduler})})
     check = check or s.execution.check
     execute = (check != "off") if execute is None else execute
+    planner = None
+    if scheduler == "vllm":
+        from .engines.support import require_vllm, vllm_refusals
+        vllm_refusals(loaded, bugs)
+        planner = f"vLLM {require_vllm()} scheduler (live)"
     if bugs:
         from .bugs import check_bugs_apply
         check_bugs_apply(s, bugs)
     wl = build_workload(loaded)
     check_workload_fits(loaded, wl)
     checks = Checks()
-    sim = Simulation(s, wl)
-    if bugs:
+    if planner is not None:
+        from .engines.vllm_live import VllmPlanner
+        sim = VllmPlanner(s, wl, loaded.source, checks)
+    else:
+        sim = Simulation(s, wl)
+    if bugs and planner is None:
         from .sched.injected import inject
         inject(sim.kv, bugs)
     notes: list[str] = []
@@ -116,14 +133,18 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
         executor = make_executor(s, sim.groups, checks, check, bugs or set(), kernels or s.execution.kernels,
                                  device or s.execution.device, notes, where=loaded.where("cache", "num_blocks"),
                                  announce=announce)
-    if check != "off":
+    if check != "off" and planner is not None:  # (vLLM's plans: what any engine's plans must satisfy)
+        from .engines.vllm_live import PLAN_CHECK, PlanChecker
+        sim.checker = PlanChecker(sim, checks.get(PLAN_CHECK))
+    elif check != "off":
         checker = InvariantChecker(sim.scheduler, checks.get(INVARIANTS))
         sim.checker = checker
         sim.check_every = 1 if check == "full" else 16
     writer = None
     if record is not None:
         writer = TraceWriter(record, header_dict(s.model_dump(mode="json"), sim.groups, wl.requests,
-                                                 f"hybridsim run {loaded.source}", tuple(bugs or ())))
+                                                 f"hybridsim run {loaded.source}"
+                                                 + (f" (plan: {planner})" if planner else ""), tuple(bugs or ())))
     records: list[StepRecord] = []
     pool = sim.kv.pool
     usable = pool.num_blocks - 1
@@ -152,7 +173,7 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
         writer.close()
     sim.stats.notes.extend(notes)
     res = RunResult(s.name, sim.stats, checks, wall, sim.schedule_s, sim.update_s, wl, record, steps=records,
-                    executed=executor is not None or check != "off")
+                    executed=executor is not None or check != "off", planner=planner)
     if executor is not None:
         res.timings = [{"phase": k, "total_s": round(v, 6)} for k, v in executor.timings.items()]
         if executor.kernel_timer is not None:

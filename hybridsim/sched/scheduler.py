@@ -364,6 +364,10 @@ class Scheduler:
                 if victim is req:
                     break
             if new_blocks is None:
+                if cfg.policy == "priority":
+                    # it was the lowest-priority running request and preempted itself: those after
+                    # it rank higher and may fit in what it freed (vLLM 0.33 goes on with them)
+                    continue
                 stopped = req
                 break
             num_drafts = n + c - ntok

@@ -243,6 +243,9 @@ def _check_runs(loaded: LoadedScenario, what: str, values: dict[str, Any], lines
         check_workload_fits(loaded, build_workload(loaded))
     except InputError as e:
         raise InputError(f"{what}: {e.message}", _where(e.message, values, lines, e.where)) from None
+    if s.execution.scheduler == "vllm":  # (an engine's scheduler: installed here, or nothing runs)
+        from ..engines.support import require_vllm
+        require_vllm()
     why = s.cannot_execute() if s.execution.check != "off" else None
     if why:
         raise InputError(f"{what}: {why} (leave the cell out with exclude:, or set execution.check: off)",
