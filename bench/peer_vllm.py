@@ -54,8 +54,7 @@ class _Stand(SimpleNamespace):
 def make_scheduler(w: dict):
     import torch
     from vllm.config import CacheConfig, DeviceConfig, SchedulerConfig, VllmConfig
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MambaSpec
 
     bs = w["block_size"]
     # prefix_match_unit: block hashes every ``unit`` tokens (below the block size: partial-block hits)
@@ -96,6 +95,9 @@ def make_scheduler(w: dict):
                       dtypes=(torch.bfloat16, torch.float32), mamba_cache_mode=mode, num_speculative_blocks=S,
                       **ckpt)
     attn = FullAttentionSpec(block_size=bs, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    if w.get("layer_pattern"):  # the groups as the engine forms them from the model's layers
+        groups = engine_groups(cfg, w["layer_pattern"], mamba, attn, method if S else "ngram", draft_layers)
+        return _scheduler(cfg, w, groups, structured_stand_in(), unit, bs, mamba.block_size)
     # several Mamba groups (the Nemotron-H-8B layout: 24 Mamba layers, 4 attention layers, so
     # six Mamba groups of four beside one attention group), then the target's attention group
     groups = [KVCacheGroupSpec([f"model.layers.{i}.mixer"], mamba) for i in range(w.get("mamba_groups", 1))]
@@ -108,15 +110,51 @@ def make_scheduler(w: dict):
                                                                dtype=torch.bfloat16)
         groups.append(KVCacheGroupSpec([f"draft.layers.{i}.attn" for i in range(draft_layers)], draft,
                                        is_eagle_group=True))
+    return _scheduler(cfg, w, groups, structured_stand_in(), unit, bs, mamba.block_size)
+
+
+def structured_stand_in():
+    return SimpleNamespace(accept_tokens=lambda req, toks: True, validate_tokens=lambda req, toks: toks,
+                           grammar_bitmask=lambda *a, **k: None)
+
+
+def _scheduler(cfg, w: dict, groups: list, structured, unit: int, bs: int, mamba_bs: int):
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
     kv = KVCacheConfig(num_blocks=w["num_blocks"], kv_cache_tensors=[],
                        kv_cache_groups=groups,
                        hash_block_size=unit, cache_hit_alignment_tokens=unit,
                        # as the engine resolves it (0: Mamba keeps only the latest replay boundary)
-                       prefix_cache_retention_interval=cache.prefix_cache_retention_interval)
-    structured = SimpleNamespace(accept_tokens=lambda req, toks: True, validate_tokens=lambda req, toks: toks,
-                                 grammar_bitmask=lambda *a, **k: None)
+                       prefix_cache_retention_interval=cfg.cache_config.prefix_cache_retention_interval)
     # the scheduling granularity is the least common multiple of the groups' block sizes
-    return Scheduler(cfg, kv, structured, block_size=math.lcm(bs, mamba.block_size), hash_block_size=unit)
+    return Scheduler(cfg, kv, structured, block_size=math.lcm(bs, mamba_bs), hash_block_size=unit)
+
+
+def engine_groups(cfg, pattern: str, mamba, attn, method: str, draft_layers: int) -> list:
+    """The KV-cache groups vLLM 0.33 forms (``get_global_kv_cache_groups``: grouping, page-size
+    unification, ``is_eagle_group`` flags) for a layer pattern (M Mamba, A attention, model
+    order) and a drafter's layers (listed after the target's, ``is_draft``: an MTP layer built
+    like the target's attention, an EAGLE head with a spec of its own), in the layer-outer
+    cache layout of FlashAttention (NHD)."""
+    from dataclasses import replace
+
+    import torch
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    specs = {}
+    for i, letter in enumerate(pattern):
+        specs[f"model.layers.{i}.mixer" if letter == "M" else f"model.layers.{i}.self_attn.attn"] = \
+            mamba if letter == "M" else attn
+    if method in ("mtp", "eagle"):
+        draft = attn if method == "mtp" else FullAttentionSpec(block_size=attn.block_size, num_kv_heads=4,
+                                                               head_size=256, dtype=torch.bfloat16)
+        for j in range(draft_layers):
+            specs[f"draft.layers.{j}.attn"] = replace(draft, is_draft=True)
+    cfg.scheduler_config.disable_hybrid_kv_cache_manager = False
+    cfg.cache_config.kv_cache_layout = "NHD"
+    return get_global_kv_cache_groups(cfg, [specs])
 
 
 def block_ids(out) -> dict:
@@ -260,7 +298,9 @@ def recording_head(w: dict, sched) -> list[dict]:
         spec = g.kv_cache_spec
         d = {"group_id": gid, "spec": type(spec).__name__, "block_size": spec.block_size,
              "num_layers": len(g.layer_names), "layer_names": list(g.layer_names),
-             "page_size_bytes": spec.page_size_bytes, "is_eagle_group": bool(g.is_eagle_group)}
+             "page_size_bytes": spec.page_size_bytes, "is_eagle_group": bool(g.is_eagle_group),
+             # (the drafter's layers among them: bench/peer_vllm.py names them draft.layers.N)
+             "num_draft_layers": sum(name.startswith("draft.") for name in g.layer_names)}
         if type(spec).__name__ == "MambaSpec":
             # (the engine's conv state holds kernel - 1 + num_spec rows; the stand-in spec leaves the
             # drafts out, so the recording adds them as the engine's config line has them)
@@ -342,7 +382,10 @@ def main() -> None:
             log: list = []
             res = run_once(dict(w, steady_steps=0), log, args.max_steps)
             steps.write_text(json.dumps({"vllm": vllm.__version__, "workload": w["workload"], "steps": log,
-                                         "stalled": res["stalled"]}))
+                                         "stalled": res["stalled"],
+                                         # (cut at --max-steps: the comparison stops there too)
+                                         **({"cut_at": args.max_steps}
+                                            if args.max_steps and len(log) >= args.max_steps else {})}))
             print(f"  {w['workload']}: {len(log)} steps written to {steps}"
                   + (" (stalled: nothing scheduled for 1,000 steps)" if res["stalled"] else ""))
 
