@@ -50,4 +50,7 @@ GOLDEN_SCENARIOS := quickstart chunked_prefill align_prefix_hits all_mode no_pre
 golden: $(STAMP)
 	@for s in $(GOLDEN_SCENARIOS); do $(BIN)/hybridsim run scenarios/$$s.yaml -q --check off --record traces/$$s.jsonl || exit 1; done
 	@for r in data/vllm-recorded/*.jsonl; do $(BIN)/hybridsim convert $$r --out traces/vllm_$$(basename $$r) || exit 1; done
+	$(BIN)/hybridsim convert data/vllm-recorded/layouts/mixed_mtp_pressure.jsonl --out traces/vllm_mixed_mtp.jsonl
+	$(BIN)/hybridsim convert data/vllm-recorded/layouts/mtp3_qwen_like.jsonl --out traces/vllm_mtp3_padded.jsonl
+	$(BIN)/hybridsim convert data/vllm-recorded/layouts/eagle2_attention_first.jsonl --out traces/vllm_eagle_attn1st.jsonl
 	$(BIN)/hybridsim replay traces/ --update-expected

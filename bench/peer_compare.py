@@ -58,7 +58,11 @@ def model_text(w: dict) -> str:
     caching = "true" if w.get("enable_prefix_caching", True) else "false"
     text = MODEL
     k = w.get("mamba_groups", 1)
-    if k > 1:  # (Nemotron-H-8B: 24 Mamba layers beside 4 attention layers make 6 Mamba groups of 4)
+    pattern = w.get("layer_pattern")
+    if pattern:  # (a layer pattern: the engine forms the groups from it, both sides alike)
+        text = text.replace("mamba: {layers: 1,", f"layer_pattern: {pattern}\n  mamba: {{layers: {pattern.count('M')},")
+        text = text.replace("attention: {layers: 1,", f"attention: {{layers: {pattern.count('A')},")
+    elif k > 1:  # (Nemotron-H-8B: 24 Mamba layers beside 4 attention layers make 6 Mamba groups of 4)
         text = text.replace("mamba: {layers: 1,", f"mamba: {{layers: {4 * k},").replace(
             "attention: {layers: 1,", "attention: {layers: 4,")
     bs = w.get("block_size", 16)
@@ -121,6 +125,8 @@ def steps_from_export(w: dict) -> list[dict]:
 def compare(name: str, ours: list[dict], peer: dict, show: int) -> bool:
     """Print the first ``show`` differing steps and the share of identical ones."""
     theirs = peer["steps"]
+    if peer.get("cut_at"):  # (the peer's run stopped at --max-steps: compare that many)
+        ours = ours[:len(theirs)]
     if len(ours) == len(theirs) + 1 and not ours[-1]["sched"]:
         ours = ours[:-1]  # (our report-only last step)
     if theirs:  # what the peer's log has (logs written before block ids were recorded lack them)

@@ -109,6 +109,44 @@ def named_workload(name: str) -> dict:
     return w
 
 
+# The layout recordings kept in data/vllm-recorded/layouts/ (``named --layouts``): name -> (seed,
+# layer pattern, drafter, drafts, draft layers, block size, prefix_match_unit, pool: blocks above
+# validation's minimum); the engine forms the groups from the pattern and the drafter
+NAMED_LAYOUTS = {
+    # the issue's layout: 2 Mamba groups of 3, one attention group of 2 target layers + the MTP layer
+    "mixed_mtp_pressure": (201, "MMMAMMMA", "mtp", 2, 1, 16, 16, 2),
+    "mixed_mtp_partial": (202, "MMMAMMMA", "mtp", 2, 1, 64, 16, 2),
+    # buckets 9 Mamba, 6 attention (3 target + 3 MTP): groups of 6, Mamba split 5 + 4 (padding)
+    "mtp3_qwen_like": (203, "MMMAMMMAMMMA", "mtp", 3, 3, 16, 16, 3),
+    # attention listed first; EAGLE heads a bucket of their own: groups of 2
+    "eagle2_attention_first": (204, "AAMMMMMM", "eagle", 2, 2, 16, 16, 2),
+}
+
+
+# requests kept of a layout workload (data/ stays lean: fewer where the layout has many groups)
+LAYOUT_REQUESTS = {"eagle2_attention_first": 5}
+
+
+def named_layout_workload(name: str) -> dict:
+    """One of the ``NAMED_LAYOUTS`` workloads: a random workload of its seed cut as
+    ``named_workload`` cuts one, with its layer pattern, drafter, block, unit and pool."""
+    seed, pattern, method, S, layers, bs, unit, pool = NAMED_LAYOUTS[name]
+    w = make_workload(name, random.Random(seed), "align", bs)
+    w["requests"] = w["requests"][:LAYOUT_REQUESTS.get(name, 14)]
+    for r in w["requests"]:
+        r["max_tokens"] = min(r["max_tokens"], 40)
+        r["outputs"] = r["outputs"][:r["max_tokens"] + 8]
+    w.update(block_size=bs, layer_pattern=pattern, num_speculative_tokens=S, acceptance_rate=0.7, seed=seed,
+             spec_method=method, num_draft_layers=layers, long_prefill_token_threshold=0,
+             max_num_batched_tokens=max(w["max_num_batched_tokens"], 2 * bs))
+    if unit != bs:
+        w["prefix_match_unit"] = unit
+    w["num_blocks"] = 1 << 20
+    w["num_blocks"] = pool_minimum(w) + 1 + pool
+    w["accepted"] = accepted_rounds(simulation_from_export(w))
+    return w
+
+
 def pool_minimum(w: dict) -> int:
     """Scenario validation's minimum pool (usable blocks) for an export's requests, outputs
     included (``scenario_from_export`` validates prompts alone)."""
@@ -116,16 +154,56 @@ def pool_minimum(w: dict) -> int:
     return min_blocks_per_request(s, max(peak_tokens(s, len(r["prompt"]), r["max_tokens"]) for r in w["requests"]))
 
 
+def draw_pattern(rnd: random.Random) -> str:
+    """A target layer pattern (M Mamba, A attention, model order): 1-40 Mamba and 1-8 attention
+    layers, interleaved periodically (as Nemotron-H, Jamba, Qwen3-Next), at random, in runs, or
+    with attention first."""
+    m, a = rnd.randint(1, 40), rnd.randint(1, 8)
+    style = rnd.choice(["periodic", "random", "runs", "attention_first"])
+    if style == "periodic":
+        out, left_m, left_a = [], m, a
+        every = max(1, m // a)
+        while left_m or left_a:
+            take = min(every, left_m)
+            out += ["M"] * take
+            left_m -= take
+            if left_a:
+                out.append("A")
+                left_a -= 1
+        return "".join(out)
+    letters = ["M"] * m + ["A"] * a
+    if style == "random":
+        rnd.shuffle(letters)
+        return "".join(letters)
+    if style == "runs":
+        return "".join(letters)
+    return "A" * a + "M" * m
+
+
+def draw_layout(w: dict, rnd: random.Random) -> None:
+    """A layer pattern and a drafter for workload ``w``: 0-3 draft layers of MTP or EAGLE
+    (0: no drafter, or the n-gram one), 1-3 drafts."""
+    w["layer_pattern"] = draw_pattern(rnd)
+    layers = rnd.choice([0, 1, 1, 2, 3])
+    if layers or rnd.random() < 0.3:
+        w.update(num_speculative_tokens=rnd.choice([1, 2, 3]), acceptance_rate=rnd.choice([0.3, 0.7, 1.0]),
+                 seed=rnd.randrange(1 << 16))
+        if layers:
+            w.update(spec_method=rnd.choice(["mtp", "eagle"]), num_draft_layers=layers)
+
+
 def write(out: Path, count: int, seed: int, modes: tuple[str, ...] = ("align",), drafts: bool = False,
           at_minimum: bool = False, drafters: tuple[str, ...] = ("ngram",),
           mamba_groups: tuple[int, ...] = (1,), block_size: int = BS, units: tuple[int, ...] = (),
-          multi_module: bool = True) -> None:
+          multi_module: bool = True, layouts: bool = False) -> None:
     """``drafts``: half of the workloads draft 1-3 tokens a step, accepted by a Bernoulli model
     (ours decides, round by round; the export's ``accepted`` makes the peer's drafts as right).
     ``drafters``: the drafter kinds a workload with drafts draws from (ngram, mtp, eagle; MTP
     with one or as many draft layers as drafts).
     ``at_minimum``: each pool is scenario validation's minimum for the workload (outputs
-    included) or one or two blocks more, so both sides plan right at the edge validation draws."""
+    included) or one or two blocks more, so both sides plan right at the edge validation draws.
+    ``layouts``: each workload draws a layer pattern and a drafter (``draw_layout``; both sides
+    form the KV-cache groups from them) and a pool from the minimum for them to a roomy one."""
     out.mkdir(parents=True, exist_ok=True)
     written = 0
     k = 0
@@ -152,9 +230,15 @@ def write(out: Path, count: int, seed: int, modes: tuple[str, ...] = ("align",),
             if method != "ngram":
                 layers = kind.choice([1, w["num_speculative_tokens"]]) if method == "mtp" else 1
                 w.update(spec_method=method, num_draft_layers=layers if multi_module else 1)
+        if layouts:  # (a stream of its own)
+            draw_layout(w, random.Random(f"{seed}/{k}/layers"))
         k += 1
         try:  # a config our validation refuses is drawn again
-            if at_minimum:
+            if layouts:
+                w["num_blocks"] = 1 << 20
+                w["num_blocks"] = pool_minimum(w) + 1 + random.Random(f"{name}/pool").choice(
+                    [0, 0, 1, 2, 5, 20, 100, 400])
+            elif at_minimum:
                 w["num_blocks"] = pool_minimum(w) + 1 + random.Random(f"{name}/pool").choice([0, 0, 1, 2])
             sim = simulation_from_export(w)
         except InputError:
@@ -208,11 +292,15 @@ def main() -> None:
                    "(6: the Nemotron-H-8B layout, 24 Mamba and 4 attention layers)")
     nm = sub.add_parser("named", help="write the drafter workloads recorded in data/vllm-recorded/")
     nm.add_argument("dir", type=Path)
+    nm.add_argument("--layouts", action="store_true", help="the layout workloads (data/vllm-recorded/layouts/)")
     w.add_argument("--one-module", action="store_true",
                    help="MTP drafters with one module only (by default: one, or as many as drafts)")
     w.add_argument("--block-size", type=int, default=BS, help="the block size (16 or 64)")
     w.add_argument("--match-units", default="", help="prefix_match_unit values to draw from, comma-separated "
                    "(below the block size: partial-block prefix hits)")
+    w.add_argument("--layouts", action="store_true",
+                   help="random layer patterns (1-40 Mamba, 1-8 attention layers, interleaved) and drafters "
+                        "(0-3 MTP or EAGLE layers); both sides form the KV-cache groups from them")
     c = sub.add_parser("compare", help="compare our plans with the peer's steps")
     c.add_argument("dir", type=Path)
     c.add_argument("--show", type=int, default=3, help="differing steps to print per workload")
@@ -241,12 +329,13 @@ def main() -> None:
         if any(u < 1 or args.block_size % u for u in units):
             ap.error(f"--match-units: each must divide the block size ({args.block_size})")
         write(args.dir, args.count, args.seed, modes, args.drafts, args.at_minimum, drafters, layouts,
-              args.block_size, units, not args.one_module)
+              args.block_size, units, not args.one_module, args.layouts)
     elif args.cmd == "named":
         args.dir.mkdir(parents=True, exist_ok=True)
-        for name in NAMED:
-            (args.dir / f"{name}.json").write_text(json.dumps(named_workload(name)))
-        print(f"{len(NAMED)} workloads written to {args.dir}")
+        named, make = (NAMED_LAYOUTS, named_layout_workload) if args.layouts else (NAMED, named_workload)
+        for name in named:
+            (args.dir / f"{name}.json").write_text(json.dumps(make(name)))
+        print(f"{len(named)} workloads written to {args.dir}")
     else:
         sys.exit(0 if compare_dir(args.dir, args.show) else 1)
 

@@ -37,7 +37,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # (hybridsim, when
 from calibration import calibrate  # noqa: E402
 
 # the driver itself lives in the package (``run --scheduler vllm`` plans with it)
-from hybridsim.engines.vllm import StandIn, run_once  # noqa: E402
+from hybridsim.engines.vllm import StandIn, make_scheduler, run_once  # noqa: E402,F401 (peer_layouts imports make_scheduler from here)
 
 
 def main() -> None:
@@ -80,7 +80,10 @@ def main() -> None:
             log: list = []
             res = run_once(dict(w, steady_steps=0), log, args.max_steps)
             steps.write_text(json.dumps({"vllm": vllm.__version__, "workload": w["workload"], "steps": log,
-                                         "stalled": res["stalled"]}))
+                                         "stalled": res["stalled"],
+                                         # (cut at --max-steps: the comparison stops there too)
+                                         **({"cut_at": args.max_steps}
+                                            if args.max_steps and len(log) >= args.max_steps else {})}))
             print(f"  {w['workload']}: {len(log)} steps written to {steps}"
                   + (" (stalled: nothing scheduled for 1,000 steps)" if res["stalled"] else ""))
 

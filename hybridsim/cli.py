@@ -491,8 +491,10 @@ def validate(files: List[Path] = typer.Argument(..., help="scenario YAML files a
 
 @app.command()
 def presets(num_spec: int = typer.Option(0, "--spec-tokens", min=0,
-                                         help="draft tokens (widen the conv window, as upstream)")) -> None:
-    """List the model presets with their state and KV sizes and where each came from."""
+                                         help="draft tokens (widen the conv window, as upstream)"),
+            draft_layers: int = typer.Option(1, "--draft-layers", min=1,
+                                             help="the MTP / EAGLE drafter's layers in the groups shown")) -> None:
+    """List the model presets with their state and KV sizes, KV-cache groups and where each came from."""
 
     def body() -> int:
         from .presets import PRESETS, build_preset
@@ -500,6 +502,7 @@ def presets(num_spec: int = typer.Option(0, "--spec-tokens", min=0,
 
         rows = [(build_preset(n), PRESETS[n]["source"]) for n in PRESETS]
         out.print(presets_table(rows, num_spec))
+        _print_preset_layouts(draft_layers)
         out.print("[bold]sources[/]")
         for name, spec in PRESETS.items():
             out.print(f"  [bold]{name}[/]: {spec['source']}" + (f" [dim]({spec['note']})[/]" if "note" in spec else ""),
@@ -507,6 +510,20 @@ def presets(num_spec: int = typer.Option(0, "--spec-tokens", min=0,
         return 0
 
     _guard(body)
+
+
+def _print_preset_layouts(draft_layers: int) -> None:
+    """Each preset's KV-cache groups as vLLM 0.33 forms them (sched/groups.py), with and
+    without a drafter: COUNT× KIND[target layers+drafter layers]."""
+    from .presets import PRESETS, build_preset
+    from .sched.groups import preset_layouts
+
+    out.print("[bold]KV-cache groups[/] (as vLLM 0.33 forms them; layers Mamba, attention, MLA in that order; "
+              "COUNT× KIND[layers per group])")
+    for name in PRESETS:
+        out.print(f"  [bold]{name}[/]", highlight=False)
+        for label, line in preset_layouts(build_preset(name), draft_layers):
+            out.print(f"    {label}: {line}", highlight=False)
 
 
 @app.command()

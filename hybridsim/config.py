@@ -25,6 +25,20 @@ class _Strict(BaseModel):
 # ----------------------------------------------------------------------------- model
 
 
+class LayoutGroupSection(_Strict):
+    """One KV-cache group as a recording lists it (``model.kv_cache_groups``)."""
+
+    kind: Literal["mamba", "attention", "mla"]
+    layers: int = Field(..., ge=0, description="the target model's layers in the group")
+    draft_layers: int = Field(0, ge=0, description="the drafter's (MTP / EAGLE) layers in the group")
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> "LayoutGroupSection":
+        if self.layers + self.draft_layers == 0:
+            raise ValueError("a group holds at least one layer")
+        return self
+
+
 class ModelSection(_Strict):
     """A preset, explicit geometry, or a preset with some sections overridden."""
 
@@ -32,6 +46,22 @@ class ModelSection(_Strict):
     mamba: Optional[dict[str, Any]] = Field(None, description="Mamba geometry (or overrides of the preset's)")
     attention: Optional[dict[str, Any]] = Field(None, description="GQA attention geometry (or overrides)")
     mla: Optional[dict[str, Any]] = Field(None, description="MLA geometry (or overrides)")
+    layer_pattern: Optional[str] = Field(
+        None, min_length=1, description="the target's layers in model order, one letter each: M Mamba, A attention, "
+                                        "L MLA (the engine groups layers in this order); default Mamba, attention, MLA")
+    kv_cache_groups: Optional[list[LayoutGroupSection]] = Field(
+        None, min_length=1, description="the KV-cache groups as given (a recording's layout) instead of formed "
+                                        "by the engine's rules (sched/groups.py)")
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        """Leave the layout keys out when unset: dumps of scenarios that do not use them stay
+        byte for byte what they were."""
+        d = handler(self)
+        for key in ("layer_pattern", "kv_cache_groups"):
+            if d.get(key, 0) is None:
+                del d[key]
+        return d
 
     @model_validator(mode="after")
     def _known_preset(self) -> "ModelSection":
@@ -395,11 +425,9 @@ def peak_tokens(s: "Scenario", prompt: int, output: int) -> int:
 
 def min_blocks_per_request(s: "Scenario", tokens: int) -> int:
     """Blocks one request of ``tokens`` tokens needs at its peak, all groups together."""
-    from .sched.groups import plan_groups  # local: sched depends on config, not the reverse at import
+    from .sched.groups import scenario_groups  # local: sched depends on config, not the reverse at import
 
-    groups = plan_groups(s.geometry(), s.cache.block_size, s.scheduler.max_model_len,
-                         s.cache.resolved_mode(), s.spec_decode.num_speculative_tokens,
-                         s.spec_decode.draft_layers, s.spec_decode.lookahead_slots)
+    groups = scenario_groups(s)
     return sum(g.peak_blocks(tokens, s.scheduler.max_model_len) for g in groups)
 
 
@@ -417,6 +445,11 @@ def cross_field_problems(s: Scenario) -> list[tuple[tuple, str]]:
     """Rules spanning several keys; each problem is (key path, message)."""
     out: list[tuple[tuple, str]] = []
     geo = s.geometry()
+    from .sched.groups import layout_problem  # local: sched depends on config
+
+    layout = layout_problem(s)
+    if layout is not None:
+        return [layout]  # (the rules below size the pool from the layout)
     mode = s.cache.resolved_mode()
     bs = s.cache.block_size
     S = s.spec_decode.num_speculative_tokens

@@ -58,12 +58,15 @@ def provenance_notes(k) -> list[str]:
 def groups_from_specs(groups) -> list[GroupInfo]:
     out = []
     for g in groups:
-        if (g.get("draft", False) if isinstance(g, dict) else g.draft):
-            continue  # the drafter's own layers (MTP / EAGLE): blocks planned, nothing to execute
         if isinstance(g, dict):
-            out.append(GroupInfo(g["group_id"], g["kind"], g["block_size"], tuple(g["layers"])))
+            # (a trace header: a drafter's group without ``draft_layers`` holds drafter layers only)
+            target = () if g.get("draft", False) and "draft_layers" not in g else tuple(g["layers"])
+            info = GroupInfo(g["group_id"], g["kind"], g["block_size"], target)
         else:
-            out.append(GroupInfo(g.group_id, g.kind, g.block_size, tuple(g.layers)))
+            info = GroupInfo(g.group_id, g.kind, g.block_size, tuple(g.layers))
+        if not info.layers:
+            continue  # the drafter's own layers (MTP / EAGLE): blocks planned, nothing to execute
+        out.append(info)  # (a group of target and drafter layers: its target layers run on its blocks)
     return out
 
 

@@ -20,7 +20,7 @@ import numpy as np
 from .config import PreemptFault, ResetPrefixCacheFault, Scenario
 from .outputs import (Continuation, DraftSource, ModelDrafts, RecordedContinuation, SeededContinuation, acceptance_model,
                       make_drafter)
-from .sched.groups import GroupSpec, plan_groups
+from .sched.groups import GroupSpec, scenario_groups
 from .sched.hashing import block_hashes_many
 from .sched.kv_cache import KVCacheManager
 from .sched.plan import PLACEHOLDER_DRAFT, StepOutcome, StepPlan
@@ -84,9 +84,8 @@ def scheduler_config(s: Scenario) -> SchedulerConfig:
 
 
 def kv_groups(s: Scenario) -> list[GroupSpec]:
-    return plan_groups(s.geometry(), s.cache.block_size, s.scheduler.max_model_len,
-                       s.cache.resolved_mode(), s.spec_decode.num_speculative_tokens,
-                       s.spec_decode.draft_layers, s.spec_decode.lookahead_slots)
+    """The scenario's KV cache groups, as the engine forms them (sched/groups.py)."""
+    return scenario_groups(s)
 
 
 _STREAM_BATCH_TOKENS = 1 << 16

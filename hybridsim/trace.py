@@ -53,10 +53,14 @@ def header_dict(scenario_json: dict, groups: list[GroupSpec], requests: list[Wor
         "source": source,
         **({"inject_bug": sorted(inject_bug)} if inject_bug else {}),
         "scenario": scenario_json,
-        # (a drafter's group, MTP / EAGLE, says so: ``"draft": true``; the executor skips it)
+        # (a drafter's group, MTP / EAGLE, says so: ``"draft": true``; a group of drafter layers
+        # only lists them as its ``layers``, which the executor skips; a group holding target and
+        # drafter layers lists the target's as ``layers``, the drafter's as ``draft_layers``)
         "groups": [{"group_id": g.group_id, "kind": g.kind, "block_size": g.block_size,
-                    "layers": list(g.layers), "mode": g.mode, "num_spec": g.num_spec,
-                    **({"draft": True} if g.draft else {})} for g in groups],
+                    "layers": list(g.layers or g.draft_layers), "mode": g.mode, "num_spec": g.num_spec,
+                    **({"draft": True} if g.draft else {}),
+                    **({"draft_layers": list(g.draft_layers)} if g.layers and g.draft_layers else {})}
+                   for g in groups],
         "requests": [{"id": r.req_id, "arrival_step": r.arrival_step, "prompt_len": len(r.prompt),
                       "max_tokens": r.max_tokens, "output_seed": r.output_seed,
                       **({"priority": r.priority} if r.priority else {})}

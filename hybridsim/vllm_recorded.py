@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from .config import Scenario
 from .errors import InputError, not_json, read_text
 from .outputs import RecordedContinuation, RecordedDrafts
+from .sched.groups import scenario_layout
 from .workload.base import Workload, WorkloadRequest
 
 _DT = {"torch.bfloat16": "bfloat16", "torch.float16": "float16", "torch.float32": "float32",
@@ -46,32 +47,71 @@ class Recording:
         return RecordedDrafts(self.drafts) if self.config.get("num_spec_tokens") else None
 
 
+# (an MLA group is read as attention of the same bytes per token, as ``_geometry_from_groups`` reads it)
+_KINDS = {"MambaSpec": "mamba", "FullAttentionSpec": "attention", "MLAAttentionSpec": "attention"}
+
+
+def _draft_count(g: dict) -> int:
+    """The drafter's layers in a recorded group: ``num_draft_layers`` when the recording lists
+    it (bench/peer_vllm.py since issue 39), else every layer of an ``is_eagle_group`` (the
+    drafter-only groups of earlier recordings)."""
+    return g.get("num_draft_layers", g["num_layers"] if g.get("is_eagle_group") is True else 0)
+
+
+def recorded_layout(cfg: dict, where: str) -> list[tuple[str, int, int]]:
+    """The recording's KV-cache groups as (kind, target layers, drafter layers), or one
+    InputError naming what of the layout this tool cannot model."""
+    out = []
+    sbs = cfg["scheduler_block_size"]
+    for i, g in enumerate(cfg["kv_cache_groups"]):
+        w = f"config: kv_cache_groups[{i}]"
+        kind = _KINDS.get(g["spec"])
+        if kind is None:
+            raise InputError(f"config: unsupported KV cache group spec {g['spec']!r}", where)
+        n, d = g["num_layers"], _draft_count(g)
+        if type(d) is not int or not 0 <= d <= n:
+            raise InputError(f"{w}: 'num_draft_layers' should be a whole number from 0 to num_layers ({n})", where)
+        if d and g.get("is_eagle_group") is not True:
+            raise InputError(f"{w}: holds {d} drafter layers but is not flagged is_eagle_group", where)
+        if g.get("is_eagle_group") is True and not d:
+            raise InputError(f"{w}: flagged is_eagle_group but holds no drafter layer (num_draft_layers 0)", where)
+        if kind == "mamba" and d:
+            raise InputError(f"{w}: a drafter with Mamba layers is not modelled (its Mamba state would need a "
+                             "drafter of its own)", where)
+        if kind != "mamba" and g["block_size"] != sbs:
+            raise InputError(f"{w}: block size {g['block_size']} differs from scheduler_block_size {sbs} (the engine "
+                             "resized this group's block to unify page sizes); this tool models every attention "
+                             "group at the scheduler's block size", where)
+        out.append((kind, n - d, d))
+    return out
+
+
 def _drafter(cfg: dict, where: str) -> dict[str, Any]:
     """The ``spec_decode`` keys of a config whose KV-cache groups include the drafter's
-    (``is_eagle_group``): MTP when that group is built like the target's attention (same spec
-    and page size, as the engine builds an MTP layer), EAGLE otherwise; unless the recording
-    names the method (``spec_method``)."""
+    (``is_eagle_group``): MTP when its layers share a group with the target's or that group is
+    built like the target's attention (same spec and page size, as the engine builds an MTP
+    layer), EAGLE otherwise; unless the recording names the method (``spec_method``)."""
     groups = cfg["kv_cache_groups"]
     eagle = [g for g in groups if g.get("is_eagle_group") is True]
     if not eagle:
         return {}
-    if len(eagle) > 1:
-        raise InputError(f"config: {len(eagle)} KV cache groups have is_eagle_group; this tool models one "
-                         "drafter group", where)
     if not cfg.get("num_spec_tokens"):
         raise InputError("config: a KV cache group has is_eagle_group but num_spec_tokens is 0", where)
-    d = eagle[0]
     method = cfg.get("spec_method")
     if method not in ("mtp", "eagle"):
-        target = [g for g in groups if g is not d and g["spec"] == d["spec"]]
-        method = "mtp" if any(g.get("page_size_bytes") == d.get("page_size_bytes") for g in target) else "eagle"
-    return {"method": method, "num_draft_layers": d["num_layers"]}
+        d = eagle[0]
+        target = [g for g in groups if g.get("is_eagle_group") is not True and g["spec"] == d["spec"]]
+        mixed = any(_draft_count(g) < g["num_layers"] for g in eagle)
+        method = "mtp" if mixed or any(g.get("page_size_bytes") == d.get("page_size_bytes") for g in target) \
+            else "eagle"
+    return {"method": method, "num_draft_layers": sum(_draft_count(g) for g in eagle)}
 
 
 def _geometry_from_groups(groups: list[dict], num_spec: int, where: str) -> dict[str, Any]:
     model: dict[str, Any] = {}
     for g in groups:
-        if g.get("is_eagle_group") is True:
+        target = g["num_layers"] - _draft_count(g)
+        if not target:
             continue  # the drafter's layers: spec_decode says what they are (``_drafter``)
         if g["spec"] == "MambaSpec":
             (conv_rows, conv_dim), temporal = g["shapes"][0], g["shapes"][1]
@@ -79,7 +119,7 @@ def _geometry_from_groups(groups: list[dict], num_spec: int, where: str) -> dict
             kernel = conv_rows - num_spec + 1
             n_groups = (conv_dim - heads * head_dim) // (2 * d_state)
             prev = model.get("mamba")
-            model["mamba"] = dict(layers=(prev["layers"] if prev else 0) + g["num_layers"], heads=heads,
+            model["mamba"] = dict(layers=(prev["layers"] if prev else 0) + target, heads=heads,
                                   head_dim=head_dim, d_state=d_state, n_groups=max(n_groups, 1),
                                   conv_kernel=kernel, chunk_size=g["block_size"],
                                   state_dtype=_DT[g["dtypes"][1]], conv_dtype=_DT[g["dtypes"][0]])
@@ -88,7 +128,7 @@ def _geometry_from_groups(groups: list[dict], num_spec: int, where: str) -> dict
             # K and V in bf16: kv_heads * head_dim = per_token / 4; split as 8 heads
             kvhd = per_token // 4
             prev = model.get("attention")
-            model["attention"] = dict(layers=(prev["layers"] if prev else 0) + g["num_layers"], heads=8,
+            model["attention"] = dict(layers=(prev["layers"] if prev else 0) + target, heads=8,
                                       kv_heads=8, head_dim=max(kvhd // 8, 1), dtype="bfloat16")
         else:
             raise InputError(f"config: unsupported KV cache group spec {g['spec']!r}", where)
@@ -251,8 +291,9 @@ def load_recording(path: str | Path) -> Recording:
     steps = [d for _, d in step_lines]
     summary = next((d for _, d in parsed if d.get("type") == "summary"), None)
     S = int(cfg.get("num_spec_tokens") or 0)
+    layout = recorded_layout(cfg, f"{p}:{cfg_line}")
     try:
-        scenario = Scenario.model_validate({
+        raw = {
             "name": f"vllm-{cfg.get('workload', p.stem)}",
             "seed": 0,
             "model": _geometry_from_groups(cfg["kv_cache_groups"], S, f"{p}:{cfg_line}"),
@@ -272,7 +313,13 @@ def load_recording(path: str | Path) -> Recording:
                             **_drafter(cfg, f"{p}:{cfg_line}")},
             "workload": {"kind": "trace", "format": "vllm-recorded", "path": str(p)},
             "execution": {"max_steps": max(len(steps) * 4, 1000), "check": "full"},
-        })
+        }
+        scenario = Scenario.model_validate(raw)
+        if [(g.kind, len(g.layers), len(g.draft_layers)) for g in scenario_layout(scenario)] != layout:
+            # (the recorded groups are not what the engine's rules form from the default layer
+            # order: the scenario carries them as recorded)
+            raw["model"]["kv_cache_groups"] = [dict(kind=k, layers=n, draft_layers=d) for k, n, d in layout]
+            scenario = Scenario.model_validate(raw)
     except ValidationError as e:
         err = e.errors()[0]
         raise InputError(f"the engine config does not make a scenario this tool can run: "

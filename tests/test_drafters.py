@@ -47,26 +47,40 @@ def test_ngram_is_the_default_and_plans_no_drafter_group():
     assert s.spec_decode.lookahead_slots == 0 and s.spec_decode.prefill_lookahead == 0
 
 
+# the engine's groups for tiny-hybrid (2 Mamba layers, 1 attention layer) and a drafter (vLLM 0.33's
+# get_kv_cache_groups, sched/groups.py): (kind, target layers, drafter layers) per group, and the
+# pool minimum for 96 tokens with 3 drafts (align Mamba: 3 + 3 blocks; attention 6, 7 with 3 slots)
+ENGINE_LAYOUTS = {
+    # an MTP layer shares the target attention's spec: buckets of 2 and 2, one group each
+    ("mtp", None): ([("mamba", (0, 1), ()), ("attention", (0,), (0,))], 6 + 7),
+    # an EAGLE head has a spec of its own: buckets of 2, 1 and 2, groups of one layer
+    ("eagle", 2): ([("mamba", (0,), ()), ("mamba", (1,), ()), ("attention", (0,), ()),
+                    ("attention", (), (0,)), ("attention", (), (1,))], 6 + 6 + 7 + 7 + 7),
+    # 3 MTP layers: the attention bucket holds 4, split strided into 2 groups of 2
+    ("mtp", 3): ([("mamba", (0, 1), ()), ("attention", (0,), (1,)), ("attention", (), (0, 2))], 6 + 7 + 7),
+}
+
+
 @pytest.mark.parametrize("method,layers,prefill_lookahead", [("mtp", None, 1), ("eagle", 2, 1), ("mtp", 3, 3)])
-def test_drafter_group_is_last_and_flagged(method, layers, prefill_lookahead):
+def test_drafter_groups_are_the_engines(method, layers, prefill_lookahead):
     extra = f", method: {method}" + (f", num_draft_layers: {layers}" if layers else "")
     s = _scenario(3, extra).scenario
     groups = kv_groups(s)
-    draft = groups[-1]
-    assert draft.draft and draft.kind == "attention" and len(draft.layers) == (layers or 1)
-    assert not any(g.draft for g in groups[:-1])
+    want, pool = ENGINE_LAYOUTS[(method, layers)]
+    assert [(g.kind, g.layers, g.draft_layers) for g in groups] == want
+    # a group holding any drafter layer is flagged, as the engine flags is_eagle_group
+    assert [g.draft for g in groups] == [bool(d) for _, _, d in want]
     # every attention group (target and drafter) reserves the drafter's lookahead slots
-    assert [g.lookahead for g in groups if not g.is_mamba] == [3, 3]
+    assert {g.lookahead for g in groups if not g.is_mamba} == {3}
     assert s.spec_decode.prefill_lookahead == prefill_lookahead
-    # the trace header marks the drafter's group, and only it; the executor leaves it out
+    # the trace header marks the drafter's groups; the executor runs the target layers only
     head = header_dict(s.model_dump(mode="json"), groups, [], 0)["groups"]
-    assert [g.get("draft", False) for g in head] == [False] * (len(groups) - 1) + [True]
-    assert [g.group_id for g in groups_from_specs(head)] == [g.group_id for g in groups[:-1]]
+    assert [g.get("draft", False) for g in head] == [g.draft for g in groups]
+    run = groups_from_specs(head)
+    assert [(g.group_id, g.layers) for g in run] == [(g.group_id, g.layers) for g in groups if g.layers]
     # the pool minimum counts the drafter's blocks and the lookahead slots
-    ngram = _scenario(3).scenario
-    # (96 tokens: 6 blocks a target attention group, 7 with the 3 slots; the drafter's group 7)
-    n_attn = sum(1 for g in groups[:-1] if not g.is_mamba)
-    assert min_blocks_per_request(s, 96) == min_blocks_per_request(ngram, 96) + n_attn + 7
+    assert min_blocks_per_request(s, 96) == pool
+    assert min_blocks_per_request(_scenario(3).scenario, 96) == 6 + 6 + 6  # (ngram: no slots)
 
 
 def test_lookahead_hashes_cover_the_next_tokens():
@@ -98,7 +112,10 @@ def test_drafter_runs_are_deterministic_and_use_the_drafter_group():
     a = plans()
     assert a == plans()
     rows = [r[3] for _, step in a for r in step if r[3] is not None]
-    assert rows and all(len(r) == len(kv_groups(s)) for r in rows)
-    # the drafter's group holds as many blocks as the target's attention group
-    first = next(r for _, step in a for r in step if r[3] is not None and r[3][-1])
-    assert len(first[3][-1]) == len(first[3][-2])
+    groups = kv_groups(s)
+    assert rows and all(len(r) == len(groups) == 2 for r in rows)
+    # the MTP layer shares the target attention's group (the engine's layout): its row holds the
+    # prompt's blocks plus the lookahead slots
+    assert groups[-1].draft and groups[-1].layers == (0,) and groups[-1].draft_layers == (0,)
+    first = next(r for _, step in a for r in step if r[3] is not None and r[3][-1] and r[1] == 0)
+    assert len(first[3][-1]) >= -(-min(first[2] + 2, 1024) // 16)

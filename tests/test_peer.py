@@ -68,18 +68,22 @@ SEED = int(os.environ.get("HYBRIDSIM_PEER_FUZZ_SEED", "3"))
 @pytest.mark.parametrize("seed,modes,drafts,at_minimum",
                          [(SEED, ("align",), False, False), (SEED + 1, ("none",), False, False),
                           (SEED + 3, ("align",), True, False), (SEED + 4, ("align", "none"), True, True),
-                          (SEED + 24, ("align",), "models", True), (SEED + 30, ("align",), "partial", False)],
-                         ids=["align", "none", "drafts", "at-minimum", "mtp-eagle", "partial-hits"])
+                          (SEED + 24, ("align",), "models", True), (SEED + 30, ("align",), "partial", False),
+                          (SEED + 39, ("align", "none"), "layouts", False)],
+                         ids=["align", "none", "drafts", "at-minimum", "mtp-eagle", "partial-hits", "layouts"])
 def test_random_workloads_identical(seed, modes, drafts, at_minimum, peer, tmp_path, capsys):
     """Every step identical, block ids included (mode none: prefix caching off; drafts: half of
     the workloads draft 1-3 tokens, padded admissions among them; mtp-eagle: those drafts from
     MTP or EAGLE drafters, with the drafter's KV-cache group; partial-hits: block 64 with
-    prefix_match_unit 16 or 32, hits ending inside a block; at-minimum: pools at scenario
+    prefix_match_unit 16 or 32, hits ending inside a block; layouts: random layer patterns and
+    drafters, the groups formed by the engine's rules on both sides; at-minimum: pools at scenario
     validation's minimum or 1-2 blocks above it, where neither side may stall)."""
     from peer_fuzz import compare_dir, write
 
     if drafts == "models":  # MTP (one module) and EAGLE drafters, one or six Mamba groups
         write(tmp_path, 40, seed, modes, True, at_minimum, ("mtp", "eagle"), (1, 6), multi_module=False)
+    elif drafts == "layouts":  # random layer patterns and drafters (0-3 MTP / EAGLE layers), units 4-16
+        write(tmp_path, 12, seed, modes, False, at_minimum, units=(4, 8, 16), layouts=True)
     elif drafts == "partial":  # partial-block prefix hits: block 64, units 16 and 32, every drafter
         write(tmp_path, 30, seed, modes, True, at_minimum, ("ngram", "mtp", "eagle"), (1, 6), 64, (16, 32))
     else:
@@ -89,3 +93,38 @@ def test_random_workloads_identical(seed, modes, drafts, at_minimum, peer, tmp_p
     if at_minimum:  # validation's promise: the longest request can always come back
         for steps in tmp_path.glob("fuzz_*.steps.json"):
             assert json.loads(steps.read_text())["stalled"] is False, steps.name
+
+
+def test_group_formation_is_the_engines(peer, tmp_path):
+    """sched/groups.py's ``form_layout`` beside vLLM 0.33's own grouping (bench/peer_layouts.py:
+    ``get_global_kv_cache_groups`` on the same layer specs) on the issue's layouts and 150 random
+    ones (1-40 Mamba, 1-8 attention layers, interleaved; 0-3 MTP or EAGLE layers): the same
+    groups, in the same order, holding the same layers, flagged alike."""
+    import random
+
+    from peer_fuzz import draw_pattern
+
+    from hybridsim.sched.groups import form_layout
+
+    rnd = random.Random(SEED)
+    cases = [{"layer_pattern": "MMMAMMMA", "spec_method": "mtp", "num_draft_layers": 1, "num_speculative_tokens": 2},
+             {"layer_pattern": "AMM", "spec_method": "eagle", "num_draft_layers": 2, "num_speculative_tokens": 2}]
+    for _ in range(150):
+        layers = rnd.choice([0, 1, 2, 3])
+        method = rnd.choice(["mtp", "eagle"]) if layers else "ngram"
+        cases.append({"layer_pattern": draw_pattern(rnd), "spec_method": method, "num_draft_layers": max(layers, 1),
+                      "num_speculative_tokens": rnd.choice([1, 2, 3]) if layers else 0})
+    path = tmp_path / "cases.json"
+    path.write_text(json.dumps(cases))
+    r = subprocess.run([peer, str(REPO / "bench" / "peer_layouts.py"), str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    engine = json.loads(r.stdout)
+    for case, theirs in zip(cases, engine, strict=True):
+        drafts = case["num_draft_layers"] if case["spec_method"] != "ngram" else 0
+        ours = form_layout(case["layer_pattern"], case["spec_method"], drafts)
+        want = [(g.kind, sorted([["M" if g.kind == "mamba" else "A", i] for i in g.layers]
+                                + [["D", j] for j in g.draft_layers]), bool(g.draft_layers)) for g in ours]
+        got = [({"MambaSpec": "mamba"}.get(g["spec"], "attention"), sorted(g["layers"]), g["is_eagle_group"])
+               for g in theirs]
+        assert got == want, case
+        assert {g["block_size"] for g in theirs} == {16}  # (page-size unification pads Mamba, resizes nothing)

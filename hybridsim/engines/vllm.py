@@ -64,8 +64,8 @@ def scenario_shape(s: Scenario, groups: list[GroupSpec]) -> dict:
             specs.append({"kind": "mamba", "block_size": g.block_size, "layers": len(g.layers),
                           "shapes": ((m.conv_kernel - 1, conv_dim), (m.heads, m.head_dim, m.d_state)),
                           "dtypes": (m.conv_dtype, m.state_dtype)})
-        elif g.draft:
-            specs.append({"kind": "draft", "block_size": g.block_size, "layers": len(g.layers)})
+        elif g.draft and not g.layers:  # a group of the drafter's layers only
+            specs.append({"kind": "draft", "block_size": g.block_size, "layers": g.num_layers})
         elif g.kind == "mla":  # (one latent vector a token; vLLM's KV manager keeps MLA as full attention)
             a = geo.mla
             specs.append({"kind": "attention", "block_size": g.block_size, "layers": len(g.layers),
@@ -73,7 +73,9 @@ def scenario_shape(s: Scenario, groups: list[GroupSpec]) -> dict:
         else:
             a = geo.attention
             specs.append({"kind": "attention", "block_size": g.block_size, "layers": len(g.layers),
-                          "num_kv_heads": a.kv_heads, "head_size": a.head_dim, "dtype": a.dtype})
+                          "num_kv_heads": a.kv_heads, "head_size": a.head_dim, "dtype": a.dtype,
+                          # (a mixed group: the target's attention layers and the drafter's MTP layers)
+                          "draft_layers": len(g.draft_layers)})
     sd = s.spec_decode
     return {"workload": s.name, "block_size": s.cache.block_size, "prefix_match_unit": s.cache.prefix_match_unit,
             "num_blocks": s.cache.num_blocks, "enable_prefix_caching": s.cache.enable_prefix_caching,
@@ -148,7 +150,10 @@ def make_scheduler(w: dict):
     groups = []
     target = None  # the target's first attention spec (an MTP layer is built like it)
     sizes = []
-    for i, g in enumerate(w.get("kv_groups") or _recordings_groups(w)):
+    if w.get("layer_pattern"):  # the groups as the engine forms them from the model's layers
+        groups = engine_groups(cfg, w, S, method, draft_layers, ckpt)
+        sizes = [g.kv_cache_spec.block_size for g in groups]
+    for i, g in enumerate([] if groups else (w.get("kv_groups") or _recordings_groups(w))):
         names = [f"model.layers.{i}.{j}" for j in range(g["layers"])]
         if g["kind"] == "mamba":
             spec = MambaSpec(block_size=g["block_size"], shapes=tuple(tuple(x) for x in g["shapes"]),
@@ -159,7 +164,8 @@ def make_scheduler(w: dict):
             spec = FullAttentionSpec(block_size=g["block_size"], num_kv_heads=g["num_kv_heads"],
                                      head_size=g["head_size"], dtype=_torch_dtype(g["dtype"]))
             target = target or spec
-            groups.append(KVCacheGroupSpec(names, spec))
+            drafts = [f"draft.layers.{j}.attn" for j in range(g.get("draft_layers", 0))]
+            groups.append(KVCacheGroupSpec(names + drafts, spec, is_eagle_group=bool(drafts)))
         else:  # the drafter's attention layers, flagged as the engine flags them. An MTP layer is
             # built like the target's attention (same spec: looked up jointly with it); an EAGLE
             # head is a model of its own (another spec: looked up on its own)
@@ -176,6 +182,37 @@ def make_scheduler(w: dict):
                                  grammar_bitmask=lambda *a, **k: None)
     # the scheduling granularity is the least common multiple of the groups' block sizes
     return Scheduler(cfg, kv, structured, block_size=math.lcm(*sizes), hash_block_size=unit)
+
+
+def engine_groups(cfg, w: dict, S: int, method: str, draft_layers: int, ckpt: dict) -> list:
+    """The KV-cache groups vLLM 0.33 forms (``get_global_kv_cache_groups``: grouping, page-size
+    unification, ``is_eagle_group`` flags) for a layer pattern (M Mamba, A attention, model
+    order; the recordings' geometry) and a drafter's layers (listed after the target's,
+    ``is_draft``: an MTP layer built like the target's attention, an EAGLE head with a spec of its
+    own), in the layer-outer cache layout of FlashAttention (NHD)."""
+    from dataclasses import replace
+
+    import torch
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    mode, bs = w["mamba_cache_mode"], w["block_size"]
+    mamba = MambaSpec(block_size=w["max_model_len"] if mode == "none" else bs, shapes=((3, 288), (8, 32, 16)),
+                      dtypes=(torch.bfloat16, torch.float32), mamba_cache_mode=mode, num_speculative_blocks=S,
+                      **ckpt)
+    attn = FullAttentionSpec(block_size=bs, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    specs = {}
+    for i, letter in enumerate(w["layer_pattern"]):
+        specs[f"model.layers.{i}.mixer" if letter == "M" else f"model.layers.{i}.self_attn.attn"] = \
+            mamba if letter == "M" else attn
+    if S and method in ("mtp", "eagle"):
+        draft = attn if method == "mtp" else FullAttentionSpec(block_size=bs, num_kv_heads=4, head_size=256,
+                                                               dtype=torch.bfloat16)
+        for j in range(draft_layers):
+            specs[f"draft.layers.{j}.attn"] = replace(draft, is_draft=True)
+    cfg.scheduler_config.disable_hybrid_kv_cache_manager = False
+    cfg.cache_config.kv_cache_layout = "NHD"
+    return get_global_kv_cache_groups(cfg, [specs])
 
 
 def request_hasher(w: dict, sched):
@@ -213,7 +250,9 @@ def recording_head(w: dict, sched) -> list[dict]:
         spec = g.kv_cache_spec
         d = {"group_id": gid, "spec": type(spec).__name__, "block_size": spec.block_size,
              "num_layers": len(g.layer_names), "layer_names": list(g.layer_names),
-             "page_size_bytes": spec.page_size_bytes, "is_eagle_group": bool(g.is_eagle_group)}
+             "page_size_bytes": spec.page_size_bytes, "is_eagle_group": bool(g.is_eagle_group),
+             # (the drafter's layers among them: the driver names them draft.layers.N)
+             "num_draft_layers": sum(name.startswith("draft.") for name in g.layer_names)}
         if type(spec).__name__ == "MambaSpec":
             # (the engine's conv state holds kernel - 1 + num_spec rows; the stand-in spec leaves the
             # drafts out, so the recording adds them as the engine's config line has them)
