@@ -35,7 +35,8 @@ def recording_records(rec) -> list[tuple[StepPlan, StepOutcome]]:
                 prefix_hit_tokens=r["num_computed_tokens"],
                 prompt_token_ids=prompts[r["id"]] if first else None,
                 num_prompt_tokens=len(prompts[r["id"]]), spec_token_ids=tuple(spec.get(r["id"], ()))))
-        plan = StepPlan(s["step"], tuple(sched), tuple(s["preempted_req_ids"]), tuple(s["finished_req_ids"]))
+        plan = StepPlan(s["step"], tuple(sched), tuple(s["preempted_req_ids"]), tuple(s["finished_req_ids"]),
+                        block_copies=tuple((a, b) for a, b in s.get("block_copies", ())))
         sampled = {k: tuple(v) for k, v in (s.get("sampled_token_ids") or {}).items() if v}
         accepted = {k: len(sampled.get(k, ())) - 1 for k in spec if sampled.get(k)}
         out.append((plan, StepOutcome(sampled, accepted, tuple(s.get("finished_this_step") or ()))))

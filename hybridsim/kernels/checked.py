@@ -177,6 +177,24 @@ class CheckedKernels:
         self._exact("state_copy", conv[sl_idx, pg_idx], ref_c[0])
         self._exact("state_copy", temporal[sl_idx, pg_idx], ref_t[0])
 
+    def block_copy(self, pages, pairs):
+        """The reference copies staged copies of just the pages involved; the kernel's
+        destination pages are compared with it bit for bit."""
+        self._run_paged_references()  # (the references read the caches as the kernels saw them)
+        p = pairs.to(torch.int64).cpu()
+        self.ref.check_block_pairs(p, pages.shape[1])
+        if not len(p):
+            return
+        touched = sorted(set(p.flatten().tolist()))
+        where = {b: i for i, b in enumerate(touched)}
+        idx = torch.tensor(touched, dtype=torch.int64, device=pages.device)
+        staged = pages[:, idx].clone()
+        local = torch.tensor([[where[a], where[b]] for a, b in p.tolist()], dtype=torch.int64)
+        self.ref.block_copy(staged, local)
+        self.inner.block_copy(pages, pairs)
+        dst = p[:, 1].to(pages.device)
+        self._exact("block_copy", pages[:, dst], staged[:, local[:, 1].to(pages.device)])
+
     def concat_and_cache(self, entries, slots, cache):
         """Compared on the slots written: each holds its entry in the cache's dtype."""
         self._run_paged_references()  # (the references read the caches as the kernels saw them)

@@ -87,8 +87,13 @@ def _paged_bytes(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, *_
     return int(seq_lens.sum()) * 2 * row + q.numel() * (q.element_size() + 4)
 
 
+def _block_copy_bytes(pages, pairs) -> int:
+    return 2 * pairs.shape[0] * pages.shape[0] * pages.shape[2] * pages.element_size()
+
+
 BYTES: dict[str, Callable[..., "int | Callable[[], int]"]] = {
     "state_copy": _state_copy_bytes,
+    "block_copy": _block_copy_bytes,
     "concat_and_cache": _concat_bytes,
     "gather_cache": _gather_bytes,
     "merge_states": _merge_bytes,
