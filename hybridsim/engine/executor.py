@@ -248,8 +248,8 @@ class Executor:
         every cache tensor (each group's pages are whichever tensor holds the block), copied
         whole onto the copy's page by one provider call per tensor."""
         pairs = [(self.blocks.row(src), self.blocks.row(dst)) for src, dst in plan.block_copies]
-        if "block_copy_wrong_source" in self.bugs:  # (injected: the page after the source is read)
-            pairs = [((a % (self.blocks.capacity - 1)) + 1, b) for a, b in pairs]
+        if "block_copy_wrong_source" in self.bugs:  # (injected: the source index is never advanced)
+            pairs = [(pairs[0][0], b) for _, b in pairs]
         t = torch.tensor(pairs, dtype=torch.int64)
         try:
             for pages in self._page_tensors():

@@ -1,0 +1,104 @@
+"""Partial-block prefix hits executed: the step's block copies travel through plans, traces and
+recordings, the executor makes them with the provider's block_copy before the step's writes, and
+the checks compare the hit's tokens and unit checkpoint states bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hybridsim.checks import Checks  # noqa: E402
+from hybridsim.errors import InputError  # noqa: E402
+from hybridsim.execute import make_executor  # noqa: E402
+from hybridsim.config import parse_scenario  # noqa: E402
+from hybridsim.replay import replay_trace  # noqa: E402
+from hybridsim.trace import header_dict, read_trace, write_trace  # noqa: E402
+
+from .helpers import manual_workload, simulate  # noqa: E402
+from .test_partial_hits import PARTIAL, SCENARIO  # noqa: E402
+
+
+def _two_identical_prompts():
+    """r1 hits 96 tokens of r0's 100: block 0 whole, block 1 through a private copy (both groups)."""
+    wl = manual_workload([list(range(1, 101))] * 2 + [list(range(1, 101)) + [7] * 30], [0, 8, 9], [4, 4, 4])
+    return wl, simulate(SCENARIO, wl)
+
+
+def test_plans_carry_the_copies_in_group_order():
+    _, (sim, records) = _two_identical_prompts()
+    hits = {s.req_id: s for p, _ in records for s in p.scheduled if s.is_new}
+    assert hits["r1"].prefix_hit_tokens == 96
+    step = next(p for p, _ in records if any(s.req_id == "r1" and s.is_new for s in p.scheduled))
+    rows = hits["r1"].new_block_ids
+    assert len(step.block_copies) == len(sim.groups) == len(rows)  # (one per group: states and K/V)
+    for (src, dst), row in zip(step.block_copies, rows):
+        assert dst == row[1] and src not in row
+
+
+def test_trace_round_trip_keeps_copies_and_old_traces_read_none(tmp_path):
+    loaded = parse_scenario(SCENARIO, "t.yaml")
+    wl, (sim, records) = _two_identical_prompts()
+    header = header_dict(loaded.scenario.model_dump(mode="json"), sim.groups, wl.requests, "test")
+    path = tmp_path / "t.jsonl"
+    write_trace(path, header, records)
+    back = read_trace(path)
+    assert [p for _, p, _ in back.steps] == [p for p, _ in records]
+    assert any(p.block_copies for _, p, _ in back.steps)
+    lines = path.read_text().splitlines()
+    old = tmp_path / "old.jsonl"  # a trace from before copies were written: read as none
+    old.write_text("\n".join([lines[0]] + [json.dumps({k: v for k, v in json.loads(ln).items() if k != "copies"})
+                                             for ln in lines[1:]]) + "\n")
+    assert not any(p.block_copies for _, p, _ in read_trace(old).steps)
+    with pytest.raises(InputError, match="no block copies"):  # executing it would read unfilled copies
+        replay_trace(old)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join([lines[0]] + [ln.replace('"copies":[[', '"copies":[[-') for ln in lines[1:]]) + "\n")
+    with pytest.raises(InputError, match="'copies' must be a list of"):
+        read_trace(bad)
+
+
+def test_triton_block_copy_executes_the_hits_green():
+    """The Triton provider (interpreter on a CPU) inside the executor: every copy equals the
+    reference's, and the hits' K/V and Mamba states equal what their tokens give."""
+    loaded = parse_scenario(SCENARIO, "t.yaml")
+    _, (sim, records) = _two_identical_prompts()
+    checks = Checks()
+    ex = make_executor(loaded.scenario, sim.groups, checks, "full", set(), "triton", "cpu", [])
+    for plan, outcome in records:
+        ex.step(plan, outcome)
+    ex.finish()
+    bad = [(t.name, t.first_failure) for t in checks.tallies.values() if t.failures]
+    assert not bad, bad
+    counts = {t.name: t.count for t in checks.tallies.values()}
+    for name in ("kernel.block_copy", "attn.cached_blocks", "ssm.cached_blocks", "ssm.output", "attn.output"):
+        assert counts.get(name, 0) > 0, counts
+
+
+@pytest.mark.parametrize("bug,check", [("block_copy_after_writes", "attn.cached_blocks"),
+                                       ("block_copy_wrong_source", "attn.cached_blocks")])
+def test_copy_bugs_are_caught_on_the_first_hit(bug, check):
+    loaded = parse_scenario(SCENARIO, "t.yaml")
+    _, (sim, records) = _two_identical_prompts()
+    checks = Checks()
+    ex = make_executor(loaded.scenario, sim.groups, checks, "full", {bug}, "reference", "cpu", [])
+    for plan, outcome in records:
+        ex.step(plan, outcome)
+    ex.finish()
+    t = checks.get(check)
+    assert t.failures > 0 and "96-token prefix hit" in t.first_failure.message
+
+
+def test_a_recording_without_copies_is_refused_with_checks(tmp_path):
+    src = PARTIAL[0]
+    lines = src.read_text().splitlines()
+    old = tmp_path / "old.jsonl"
+    old.write_text("\n".join(json.dumps({k: v for k, v in json.loads(ln).items() if k != "block_copies"})
+                             for ln in lines) + "\n")
+    with pytest.raises(InputError, match="re-record it"):
+        replay_trace(old)
