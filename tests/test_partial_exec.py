@@ -102,3 +102,21 @@ def test_a_recording_without_copies_is_refused_with_checks(tmp_path):
                              for ln in lines) + "\n")
     with pytest.raises(InputError, match="re-record it"):
         replay_trace(old)
+
+
+def test_summary_shows_what_partial_hits_buy():
+    """The run plans the same workload with whole-block units and reports its hit tokens beside
+    its own (planning only); a scenario whose unit is the block reports nothing extra."""
+    from hybridsim.config import load_scenario
+    from hybridsim.report import summary_table
+    from hybridsim.runner import plan_scenario
+
+    from .conftest import REPO
+
+    res = plan_scenario(load_scenario(REPO / "scenarios/partial_hits.yaml"), check="off")
+    assert res.whole_block_hit_tokens is not None and 0 < res.whole_block_hit_tokens < res.stats.prefix_hit_tokens
+    assert res.as_dict()["summary"]["whole_block_hit_tokens"] == res.whole_block_hit_tokens
+    cells = [c for col in summary_table(res).columns for c in col._cells]
+    assert "prefix hits with whole-block units" in cells
+    plain = plan_scenario(load_scenario(REPO / "scenarios/quickstart.yaml"), check="off")
+    assert plain.whole_block_hit_tokens is None and "whole_block_hit_tokens" not in plain.as_dict()["summary"]
