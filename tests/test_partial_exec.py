@@ -120,3 +120,27 @@ def test_summary_shows_what_partial_hits_buy():
     assert "prefix hits with whole-block units" in cells
     plain = plan_scenario(load_scenario(REPO / "scenarios/quickstart.yaml"), check="off")
     assert plain.whole_block_hit_tokens is None and "whole_block_hit_tokens" not in plain.as_dict()["summary"]
+
+
+@pytest.mark.parametrize("skip_copies", [False, True])
+def test_mla_latents_of_a_hit_inside_a_block(skip_copies, monkeypatch):
+    """A Mamba + MLA model: the copy carries the latent pages too; ``mla.cached_blocks`` compares
+    the hit's latents bit for bit, and fails when the copies are not made."""
+    from hybridsim.engine.executor import Executor
+
+    text = SCENARIO.replace("preset: tiny-hybrid}", "preset: tiny-hybrid-mla}")
+    loaded = parse_scenario(text, "t.yaml")
+    wl = manual_workload([list(range(1, 101))] * 2, [0, 8], [4, 4])
+    sim, records = simulate(text, wl)
+    if skip_copies:
+        monkeypatch.setattr(Executor, "_block_copies", lambda self, plan: None)
+    checks = Checks()
+    ex = make_executor(loaded.scenario, sim.groups, checks, "full", set(), "reference", "cpu", [])
+    for plan, outcome in records:
+        ex.step(plan, outcome)
+    ex.finish()
+    t = checks.get("mla.cached_blocks")
+    assert t.count > 0
+    assert (t.failures > 0) == skip_copies
+    if not skip_copies:
+        assert not [n for n, x in checks.tallies.items() if x.failures]
