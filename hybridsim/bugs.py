@@ -44,6 +44,9 @@ BUGS: dict[str, tuple[str, str]] = {
     "block_copy_wrong_source": ("every private copy of a step reads the step's first source page (the "
                                 "source index is never advanced): a hit's K/V come from another group's block",
                                 "attn.cached_blocks"),
+    "partial_hit_not_copied": ("a prefix hit that ends inside a block takes that block itself, not a private "
+                               "copy: the request writes past the hit into a block others hold",
+                               "attn.cached_blocks"),
     "unit_checkpoint_at_block": ("a chunk exporting the Mamba state at the prompt's unit checkpoint writes the "
                                  "state at the block boundary before it", "ssm.cached_blocks"),
 }

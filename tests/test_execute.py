@@ -53,6 +53,7 @@ BUG_SCENARIOS = {
     "block_copy_after_writes": "partial_hits",
     "block_copy_wrong_source": "partial_hits",
     "unit_checkpoint_at_block": "partial_hits",
+    "partial_hit_not_copied": "partial_hits",
 }
 
 

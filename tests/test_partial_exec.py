@@ -144,3 +144,18 @@ def test_mla_latents_of_a_hit_inside_a_block(skip_copies, monkeypatch):
     assert (t.failures > 0) == skip_copies
     if not skip_copies:
         assert not [n for n, x in checks.tallies.items() if x.failures]
+
+
+def test_ownership_invariant_catches_a_hit_without_its_copy():
+    """The scheduler bug ``partial_hit_not_copied`` keeps the partly hit block in the row: the
+    invariants see a row write past the hit into a block two rows hold (the executor's
+    ``attn.cached_blocks`` sees the same write)."""
+    from hybridsim.config import load_scenario
+    from hybridsim.runner import plan_scenario
+
+    from .conftest import REPO
+
+    res = plan_scenario(load_scenario(REPO / "scenarios/partial_hits.yaml"), bugs={"partial_hit_not_copied"})
+    inv = res.checks.tallies["sched.invariants"]
+    assert inv.failures > 0 and "took no private copy" in inv.first_failure.message
+    assert res.checks.tallies["attn.cached_blocks"].failures > 0

@@ -80,6 +80,8 @@ class InvariantChecker:
                 self._fail(step, r.req_id, f"align-mode prefill chunk ends at {end}, not a multiple of {bs}")
             ok += 1
         self._check_blocks(step)
+        if s.kv.fine:
+            self._check_unit_writes(plan)
         self.tally.passed(ok)
 
     def _unit_stop(self, req, start: int, end: int) -> bool:
@@ -92,6 +94,28 @@ class InvariantChecker:
 
         look = kv.mamba[0].lookahead if kv.mamba else 0
         return end == checkpoint_position(req.num_prompt_tokens, kv.unit, look) or (end - start) % self.sched.bs == 0
+
+    def _check_unit_writes(self, plan: StepPlan) -> None:
+        """Partial-block hits: a block may be shared up to a unit boundary inside it (a hit there),
+        but whoever writes past that boundary writes into a block of its own — the private copy.
+        No scheduled row writes into an attention block another row holds."""
+        s = self.sched
+        ref = s.kv.pool.ref_cnt
+        ok = 0
+        for r in plan.scheduled:
+            req = s.requests[r.req_id]
+            c, n = r.num_computed_tokens, r.num_scheduled_tokens
+            for m in s.kv.attn:
+                row = m.rows.get(req.index, ())
+                for col in range(c // m.bs, min(-(-(c + n) // m.bs), len(row))):
+                    b = row[col]
+                    if b != NULL_BLOCK and ref[b] > 1:
+                        self._fail(plan.step, r.req_id, f"writes from position {c} into block {b} (column {col} of "
+                                                        f"group {m.spec.group_id}), which {ref[b]} rows hold: a hit "
+                                                        "inside a block took no private copy")
+                    else:
+                        ok += 1
+        self.tally.passed(ok)
 
     def _check_blocks(self, step: int) -> None:
         s = self.sched
