@@ -159,3 +159,22 @@ def test_ownership_invariant_catches_a_hit_without_its_copy():
     inv = res.checks.tallies["sched.invariants"]
     assert inv.failures > 0 and "took no private copy" in inv.first_failure.message
     assert res.checks.tallies["attn.cached_blocks"].failures > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("what", ["scenario", *[p.stem for p in PARTIAL]])
+def test_partial_hits_on_the_gpu_with_triton(what):
+    """On the GPU: the partial-hit scenario and both vLLM recordings, Triton kernels, every check
+    green, the block copies checked against the reference and timed."""
+    from hybridsim.config import load_scenario
+    from hybridsim.runner import plan_scenario
+
+    from .conftest import REPO
+
+    if what == "scenario":
+        res = plan_scenario(load_scenario(REPO / "scenarios/partial_hits.yaml"), kernels="triton", device="cuda")
+    else:
+        res = replay_trace(next(p for p in PARTIAL if p.stem == what), kernels="triton", device="cuda")
+    assert not res.failed, [(t.name, t.first_failure) for t in res.checks.tallies.values() if t.failures]
+    assert res.checks.tallies["kernel.block_copy"].count > 0
+    assert any(r["kernel"] == "block_copy" and r["calls"] + r["untimed"] > 0 for r in res.kernel_timings["kernels"])
