@@ -199,7 +199,9 @@ def fidelity_table(rep: FidelityReport) -> Table:
     by_group = ", ".join(f"group {g} {n}" for g, n in enumerate(rep.block_ids_equal_by_group))
     t.caption = (f"identical steps: {rep.identical_steps}/{max(rep.steps_recorded, rep.steps_ours)} "
                  f"({rep.identical_steps_pct:.2f}%); free-block counts equal on {rep.free_blocks_equal} steps; "
-                 f"block ids equal on {rep.block_ids_equal} steps ({by_group})")
+                 f"block ids equal on {rep.block_ids_equal} steps ({by_group})"
+                 + (f"; block copies equal on {rep.block_copies_equal} steps" if rep.block_copies_equal is not None
+                    else ""))
     return t
 
 

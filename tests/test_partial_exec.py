@@ -178,3 +178,12 @@ def test_partial_hits_on_the_gpu_with_triton(what):
     assert not res.failed, [(t.name, t.first_failure) for t in res.checks.tallies.values() if t.failures]
     assert res.checks.tallies["kernel.block_copy"].count > 0
     assert any(r["kernel"] == "block_copy" and r["calls"] + r["untimed"] > 0 for r in res.kernel_timings["kernels"])
+
+
+@pytest.mark.parametrize("rec", PARTIAL, ids=lambda p: p.stem)
+def test_our_copies_are_the_engines_pair_for_pair(rec):
+    """The recordings carry vLLM's ``kv_cache_block_copies``: ours are the same on every step."""
+    from hybridsim.fidelity import run_fidelity
+
+    rep = run_fidelity(str(rec))
+    assert rep.block_copies_equal == rep.steps_recorded > 0, [d.__dict__ for d in rep.block_diffs[:5]]
