@@ -46,7 +46,7 @@ clean:
 
 # Re-record the golden traces from scenarios/ and the vLLM recordings, then rewrite their expected files.
 GOLDEN_SCENARIOS := quickstart chunked_prefill align_prefix_hits all_mode no_prefix_cache memory_pressure \
-                    forced_preemption spec_decode spec_padding mla_long_context mixed_hybrid_mla
+                    forced_preemption spec_decode spec_padding mla_long_context mixed_hybrid_mla partial_hits
 golden: $(STAMP)
 	@for s in $(GOLDEN_SCENARIOS); do $(BIN)/hybridsim run scenarios/$$s.yaml -q --check off --record traces/$$s.jsonl || exit 1; done
 	@for r in data/vllm-recorded/*.jsonl; do $(BIN)/hybridsim convert $$r --out traces/vllm_$$(basename $$r) || exit 1; done

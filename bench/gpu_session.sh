@@ -2,7 +2,7 @@
 # One device call: GPU tests, kernel benchmarks, and scenarios executed with the Triton provider on
 # the GPU, each printing its tables. Carry .whl (pydantic and its needs; the image lacks them):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl pydantic==...
-# WHAT: comma list of tests, bench, tiny, real, scale (default tests,real).
+# WHAT: comma list of tests, bench, tiny, real, scale, units (default tests,real).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}
@@ -15,7 +15,7 @@ python3 -c "import torch,triton;print(torch.cuda.get_device_name(0), torch.__ver
 run() { timeout "$1" python3 -m hybridsim.cli run "scenarios/$2.yaml" --kernels triton --device cuda "${@:3}"; }
 if [[ $WHAT == *tests* ]]; then
   python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_probe.py tests/test_kernels_triton.py tests/test_paged_attention.py tests/test_ceilings.py \
-    tests/test_gpu_run.py 2>&1 | tail -15 | tee $OUT/gpu_tests.log
+    tests/test_gpu_run.py tests/test_block_copy.py tests/test_partial_exec.py 2>&1 | tail -15 | tee $OUT/gpu_tests.log
 fi
 if [[ $WHAT == *bench* ]]; then
   python3 bench/bench_kernels.py --out $OUT/kernels.json ${BENCH_ARGS:-} 2>&1 | tail -40
@@ -34,4 +34,8 @@ if [[ $WHAT == *scale* ]]; then
   for s in nemotron_h_8b_mooncake deepseek_v3_mooncake; do
     run 330 $s --json $OUT/run_$s.json 2>&1 | tail -60; echo "$s exit=${PIPESTATUS[0]}"
   done 2>&1 | tee $OUT/scale.log
+fi
+if [[ $WHAT == *units* ]]; then  # partial-block prefix hits at real scale (16-token units)
+  run 330 nemotron_h_8b_mooncake_units --json $OUT/run_nemotron_h_8b_mooncake_units.json 2>&1 | tail -60
+  echo "nemotron_h_8b_mooncake_units exit=${PIPESTATUS[0]}"
 fi

@@ -38,6 +38,17 @@ BUGS: dict[str, tuple[str, str]] = {
                             "row's sequence length: its queries see K/V past the row's end", "attn.output"),
     "paged_attn_past_end": ("the paged-attention loop runs one block-table column past the row's last block "
                             "without masking it", "attn.output"),
+    # partial-block prefix hits (a prefix_match_unit below the block size)
+    "block_copy_after_writes": ("the private copy of a partly hit block is made after the step's writes, not "
+                                "before: the hit's tokens are read from an empty copy", "attn.cached_blocks"),
+    "block_copy_wrong_source": ("every private copy of a step reads the step's first source page (the "
+                                "source index is never advanced): a hit's K/V come from another group's block",
+                                "attn.cached_blocks"),
+    "partial_hit_not_copied": ("a prefix hit that ends inside a block takes that block itself, not a private "
+                               "copy: the request writes past the hit into a block others hold",
+                               "attn.cached_blocks"),
+    "unit_checkpoint_at_block": ("a chunk exporting the Mamba state at the prompt's unit checkpoint writes the "
+                                 "state at the block boundary before it", "ssm.cached_blocks"),
 }
 
 

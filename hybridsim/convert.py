@@ -42,7 +42,8 @@ def recorded_step(s: dict, prompts: dict[str, tuple[int, ...]], admitted: set[st
             prompt_token_ids=prompts[r["id"]] if first else None,
             num_prompt_tokens=len(prompts[r["id"]]), spec_token_ids=tuple(spec.get(r["id"], ()))))
     plan = StepPlan(s["step"], tuple(sched), tuple(s["preempted_req_ids"]), tuple(s["finished_req_ids"]),
-                    tuple(s.get("faults") or ()), tuple(s.get("forced") or ()))
+                    tuple(s.get("faults") or ()), tuple(s.get("forced") or ()),
+                    block_copies=tuple((a, b) for a, b in s.get("block_copies", ())))
     sampled = {k: tuple(v) for k, v in (s.get("sampled_token_ids") or {}).items() if v}
     accepted = s.get("accepted")
     if accepted is None:

@@ -79,11 +79,6 @@ def make_executor(s: Scenario, groups, checks: Checks, check: str, bugs: set[str
     by default ``cache.num_blocks``."""
     from .engine.memory import check_fits, plan_memory
 
-    unit = s.cache.prefix_match_unit
-    if unit is not None and unit < s.cache.block_size:
-        raise InputError(f"cache.prefix_match_unit: {unit} is below block_size ({s.cache.block_size}); partial-block "
-                         "prefix hits are planned but not executed yet (the executor does not copy a partly hit "
-                         "block): plan with --check off (or execution.check: off)", where)
     dev = resolve_device(device)
     on_gpu = torch.device(dev).type == "cuda"
     if kernels == "auto":  # the Triton kernels where they are fast, the reference elsewhere

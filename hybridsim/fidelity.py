@@ -37,6 +37,9 @@ class FidelityReport:
     # the first steps whose free-block count or block ids differ (block ids: per group)
     block_diffs: list[StepDiff] = field(default_factory=list)
     block_ids_equal_by_group: list[int] = field(default_factory=list)
+    # steps whose private block copies (partial-block hits) are the engine's, pair for pair; None: the
+    # recording predates its ``block_copies`` key
+    block_copies_equal: "int | None" = None
 
     @property
     def identical_steps_pct(self) -> float:
@@ -53,6 +56,7 @@ class FidelityReport:
             "free_blocks_equal_steps": self.free_blocks_equal,
             "block_ids_equal_steps": self.block_ids_equal,
             "block_ids_equal_steps_by_group": self.block_ids_equal_by_group,
+            **({"block_copies_equal_steps": self.block_copies_equal} if self.block_copies_equal is not None else {}),
             "first_diffs": [d.__dict__ for d in self.diffs[:20]],
             "first_block_diffs": [d.__dict__ for d in self.block_diffs[:20]],
         }
@@ -66,7 +70,8 @@ def _recorded_view(s: dict) -> dict:
         if r["new_block_ids"] is not None:
             blocks[r["id"]] = [list(g) for g in r["new_block_ids"]]
     return {"sched": sched, "preempted": sorted(s["preempted_req_ids"]), "hits": hits,
-            "free": s["num_free_blocks"], "blocks": blocks}
+            "free": s["num_free_blocks"], "blocks": blocks,
+            "copies": [tuple(c) for c in s["block_copies"]] if "block_copies" in s else None}
 
 
 def _fmt(d: dict) -> str:
@@ -88,6 +93,7 @@ def run_fidelity(path: str, keep_diffs: int = 50, keep_block_diffs: int = 5) -> 
             "hits": {s.req_id: s.prefix_hit_tokens for s in plan.scheduled if s.is_new},
             "free": pool.num_free,
             "blocks": blocks,
+            "copies": list(plan.block_copies),
         }
     recorded = {s["step"]: _recorded_view(s) for s in rec.steps}
     report = FidelityReport(str(path), len(recorded), len(ours), 0, 0)
@@ -108,6 +114,11 @@ def run_fidelity(path: str, keep_diffs: int = 50, keep_block_diffs: int = 5) -> 
                     fmt = _fmt if isinstance(r[key], dict) else (lambda x: ",".join(x) or "-")
                     report.diffs.append(StepDiff(step, what, fmt(r[key]), fmt(o[key])))
         report.identical_steps += same
+        if r["copies"] is not None:
+            same_copies = r["copies"] == o["copies"]
+            report.block_copies_equal = (report.block_copies_equal or 0) + same_copies
+            if not same_copies and _room(report, step, "block copies", keep_block_diffs):
+                report.block_diffs.append(StepDiff(step, "block copies", str(r["copies"]), str(o["copies"])))
         report.free_blocks_equal += r["free"] == o["free"]
         report.block_ids_equal += r["blocks"] == o["blocks"]
         if r["free"] != o["free"] and _room(report, step, "free blocks", keep_block_diffs):

@@ -84,6 +84,8 @@ def verify_recorded(path: str | Path) -> Verified:
         scenario = Scenario.model_validate(tr.header["scenario"])
     except ValidationError as e:
         raise InputError(f"the header's scenario is invalid: {e.errors()[0]['msg']}", f"{path}:1") from None
+    if check != "off":
+        _refuse_uncopied_hits(tr.steps, scenario.cache.block_size, path)
     checks = Checks()
     t0 = perf_counter()
     ok = verify_trace(tr, scenario, checks)  # (first: ``sched.recorded`` leads the checks table)
@@ -127,11 +129,28 @@ def replay_trace(path: str | Path, *, check: str = "full", bugs: Optional[set[st
                         ex.memory_report())
 
 
+def _refuse_uncopied_hits(steps, block_size: int, path) -> None:
+    """Hits inside a block hand out private copies that the worker fills (``StepPlan.block_copies``).
+    A trace or recording with such hits and not one copy was written before copies were recorded:
+    executing it would read unfilled pages, so it is refused rather than failed."""
+    if any(plan.block_copies for _, plan, _ in steps):
+        return
+    for _, plan, _ in steps:
+        for s in plan.scheduled:
+            if s.is_new and s.prefix_hit_tokens % block_size:
+                raise InputError(f"step {plan.step}: {s.req_id} hits {s.prefix_hit_tokens} tokens, inside a "
+                                 f"{block_size}-token block, but the file records no block copies (written before "
+                                 "they were recorded: re-record it with bench/peer_vllm.py --record, or "
+                                 "`hybridsim run --record`); replay it with --check off", str(path))
+
+
 def _distinct_blocks(steps) -> int:
     """Pages a replay needs: the distinct block ids the trace hands out, and the null block (a
     recorded engine's pool is often far larger than what its trace touches)."""
     seen: set[int] = set()
     for _, plan, _ in steps:
+        for pair in plan.block_copies:  # (a running request's copy is in no row)
+            seen.update(pair)
         for s in plan.scheduled:
             if s.new_block_ids is not None:
                 for row in s.new_block_ids:

@@ -42,6 +42,8 @@ def summary_table(res: RunResult) -> Table:
         ("scheduled tokens (prefill / decode)", f"{st.scheduled_tokens:,} ({st.prefill_tokens:,} / {st.decode_tokens:,})"),
         ("preemptions (scheduler / forced)", f"{st.preemptions:,} / {st.forced_preemptions:,}"),
         ("prefix hit tokens (rate)", f"{st.prefix_hit_tokens:,} ({100 * st.hit_rate:.1f}% of prompt tokens)"),
+        *([("prefix hits with whole-block units", _whole_block_hits(st, res.whole_block_hit_tokens))]
+          if res.whole_block_hit_tokens is not None else []),
         ("drafts scheduled / accepted", f"{st.drafts_scheduled:,} / {st.drafts_accepted:,}"
                                         + (f" ({100 * st.acceptance_rate:.1f}%)" if st.drafts_scheduled else "")),
         *([("admissions padded with placeholder drafts", f"{st.padded_rows:,}")] if st.padded_rows else []),
@@ -66,6 +68,12 @@ def summary_table(res: RunResult) -> Table:
     for k, v in rows:
         t.add_row(k, v)
     return t
+
+
+def _whole_block_hits(st, whole: int) -> str:
+    """The same workload planned with the unit equal to the block (``units.py``), beside this run."""
+    rate = 100 * whole / st.prefix_queries if st.prefix_queries else 0.0
+    return f"{whole:,} ({rate:.1f}%; the same workload planned with unit = block)"
 
 
 def checks_table(res: RunResult) -> Table:
@@ -219,7 +227,9 @@ def fidelity_table(rep: FidelityReport) -> Table:
     by_group = ", ".join(f"group {g} {n}" for g, n in enumerate(rep.block_ids_equal_by_group))
     t.caption = (f"identical steps: {rep.identical_steps}/{max(rep.steps_recorded, rep.steps_ours)} "
                  f"({rep.identical_steps_pct:.2f}%); free-block counts equal on {rep.free_blocks_equal} steps; "
-                 f"block ids equal on {rep.block_ids_equal} steps ({by_group})")
+                 f"block ids equal on {rep.block_ids_equal} steps ({by_group})"
+                 + (f"; block copies equal on {rep.block_copies_equal} steps" if rep.block_copies_equal is not None
+                    else ""))
     return t
 
 

@@ -51,6 +51,7 @@ class RunResult:
     executed: bool = False  # steps executed and/or checked: wall_s is not planning alone
     planner: Optional[str] = None  # whose scheduler planned the steps, when not hybridsim's
     memory: Optional[dict] = None  # the memory plan (engine/memory.py) and, on a GPU, the measured peak
+    whole_block_hit_tokens: Optional[int] = None  # partial-block hits: the same workload's with whole-block units
 
     @property
     def failed(self) -> bool:
@@ -60,7 +61,8 @@ class RunResult:
         steps = max(self.stats.steps, 1)
         return {
             "scenario": self.scenario_name,
-            "summary": self.stats.as_dict(),
+            "summary": {**self.stats.as_dict(), **({"whole_block_hit_tokens": self.whole_block_hit_tokens}
+                                                    if self.whole_block_hit_tokens is not None else {})},
             "checks": self.checks.as_list(),
             "first_divergence": dict(sorted(self.checks.divergence.items(), key=lambda kv: kv[1])),
             "timings": [
@@ -174,6 +176,8 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
     sim.stats.notes.extend(notes)
     res = RunResult(s.name, sim.stats, checks, wall, sim.schedule_s, sim.update_s, wl, record, steps=records,
                     executed=executor is not None or check != "off", planner=planner)
+    from .units import whole_block_hit_tokens
+    res.whole_block_hit_tokens = whole_block_hit_tokens(s, wl)  # (planning only: after the timed loop)
     if executor is not None:
         res.timings = [{"phase": k, "total_s": round(v, 6)} for k, v in executor.timings.items()]
         if executor.kernel_timer is not None:

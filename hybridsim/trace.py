@@ -20,7 +20,9 @@ Every further line is one step::
 (drafts included), ``blocks`` the new tail of each KV group's block row (the
 whole row for ``new`` requests), ``spec`` the draft tokens (-1: a placeholder draft, padding that is
 computed and never accepted; see ``sched.plan.PLACEHOLDER_DRAFT``), ``out`` the tokens
-committed after the step, ``acc`` the drafts accepted, ``done`` the requests that finished with this step. Keys at their default
+committed after the step, ``acc`` the drafts accepted, ``done`` the requests that finished with this step,
+``copies`` the [source, copy] block pairs the worker copies before the step's writes (partial-block
+prefix hits; vLLM's ``kv_cache_block_copies``; absent in traces written before it existed: none). Keys at their default
 (empty, 0, false) are left out. The writer is deterministic: same plans, same bytes.
 """
 
@@ -89,6 +91,8 @@ def step_dict(plan: StepPlan, outcome: StepOutcome) -> dict:
                      ("forced", plan.forced_preempted)):
         if val:
             out[key] = list(val)
+    if plan.block_copies:
+        out["copies"] = [list(c) for c in plan.block_copies]
     if outcome.sampled:
         out["out"] = {k: list(v) for k, v in outcome.sampled.items()}
     if outcome.accepted:
@@ -203,7 +207,8 @@ def _parse_step(d: dict, where: str) -> tuple[StepPlan, StepOutcome]:
     if not isinstance(faults, (list, tuple)):
         raise InputError("'faults' must be a list", where)
     plan = StepPlan(step, tuple(sched), _ids(d, "preempted", where), _ids(d, "finished", where),
-                    tuple(faults), _ids(d, "forced", where))
+                    tuple(faults), _ids(d, "forced", where),
+                    block_copies=parse_block_copies(d.get("copies", []), "copies", where))
     out = d.get("out", {})
     if not isinstance(out, dict) or not all(_ints(v) for v in out.values()):
         raise InputError("'out' must map request ids to token lists", where)
@@ -212,6 +217,14 @@ def _parse_step(d: dict, where: str) -> tuple[StepPlan, StepOutcome]:
         raise InputError("'acc' must map request ids to numbers of accepted drafts", where)
     outcome = StepOutcome({k: tuple(v) for k, v in out.items()}, dict(acc), _ids(d, "done", where))
     return plan, outcome
+
+
+def parse_block_copies(v, key: str, where: str) -> tuple[tuple[int, int], ...]:
+    """A step's block copies, [[source, copy], ...] of positive block ids (absent: none)."""
+    if not (isinstance(v, list) and all(isinstance(c, list) and len(c) == 2 and all(type(b) is int and b > 0 for b in c)
+                                        for c in v)):
+        raise InputError(f"{key!r} must be a list of [source, copy] block id pairs (positive integers)", where)
+    return tuple((c[0], c[1]) for c in v)
 
 
 def _lines(path: Path) -> Iterator[tuple[int, dict]]:

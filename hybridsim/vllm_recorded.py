@@ -233,6 +233,9 @@ def _check_step(d: dict, where: str) -> None:
         if v is not None and not (isinstance(v, dict) and all(isinstance(t, list) and all(type(x) is int for x in t)
                                                             for t in v.values())):
             raise InputError(f"step: key {key!r} should map request ids to token-id lists", where)
+    if "block_copies" in d:
+        from .trace import parse_block_copies
+        parse_block_copies(d["block_copies"], "block_copies", where)
     proposed = {rid for rid, t in (d.get("drafts_proposed") or {}).items() if t}
     if proposed:
         after = d.get("after")

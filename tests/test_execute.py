@@ -50,6 +50,10 @@ BUG_SCENARIOS = {
     "slot_off_by_one": "chunked_prefill",
     "rejected_kv_visible": "spec_decode",
     "paged_attn_past_end": "chunked_prefill",
+    "block_copy_after_writes": "partial_hits",
+    "block_copy_wrong_source": "partial_hits",
+    "unit_checkpoint_at_block": "partial_hits",
+    "partial_hit_not_copied": "partial_hits",
 }
 
 

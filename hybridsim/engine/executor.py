@@ -102,6 +102,7 @@ class Executor:
         self.attn: Optional[AttentionExecution] = None
         layout = arena_layout(scenario, groups)
         arena = PageArena(layout[0], self.blocks.capacity, layout[1], self.device) if layout is not None else None
+        self.arena = arena
         if self.geo.mamba is not None:
             MambaExecution.needs_executing(scenario)
             if oracle_scan is None:
@@ -191,6 +192,9 @@ class Executor:
                 for tail in s.new_block_ids:
                     for b in tail:
                         self.blocks.row(b)
+        late = "block_copy_after_writes" in self.bugs
+        if plan.block_copies and not late:
+            self._block_copies(plan)
         if not plan.scheduled:
             return
         reqs = [self.reqs[s.req_id] for s in plan.scheduled]
@@ -217,6 +221,8 @@ class Executor:
             attn_fwd = self.attn.forward(plan, reqs, inputs)
         if self.mla is not None:
             mla_fwd = self.mla.forward(plan, reqs, inputs, meta)
+        if plan.block_copies and late:  # (the injected bug: the copies land on this step's writes)
+            self._block_copies(plan)
         # -- outcome: commit tokens, then check everything committed
         committed = []
         for s, r in zip(plan.scheduled, reqs):
@@ -238,6 +244,37 @@ class Executor:
             self.attn.check(plan, reqs, attn_fwd, committed)
         if mla_fwd is not None:
             self.mla.check(plan, reqs, mla_fwd, committed)
+
+    def _block_copies(self, plan: StepPlan) -> None:
+        """The step's private copies of partly hit blocks (``StepPlan.block_copies``), made as the
+        engine's worker makes them before the step's writes: every page of the source block, in
+        every cache tensor (each group's pages are whichever tensor holds the block), copied
+        whole onto the copy's page by one provider call per tensor."""
+        pairs = [(self.blocks.row(src), self.blocks.row(dst)) for src, dst in plan.block_copies]
+        if "block_copy_wrong_source" in self.bugs:  # (injected: the source index is never advanced)
+            pairs = [(pairs[0][0], b) for _, b in pairs]
+        t = torch.tensor(pairs, dtype=torch.int64)
+        try:
+            for pages in self._page_tensors():
+                self.k.block_copy(pages, t)
+        except ValueError as e:  # copies that depend on each other: the plan is inconsistent
+            raise InputError(f"step {plan.step}: block copies {list(plan.block_copies)}: {e}") from None
+
+    def _page_tensors(self) -> list[torch.Tensor]:
+        """Every cache tensor as (slots, pages, elements) views: the shared arena (Mamba states and
+        attention K/V), or the Mamba state tensors, and each MLA layer's latent pages."""
+        out = []
+        cap = self.blocks.capacity
+        if self.arena is not None:
+            out.append(self.arena.data)
+        else:
+            if self.mamba is not None:
+                out += [self.mamba.cache.conv.data.flatten(2), self.mamba.cache.temporal.data.flatten(2)]
+            if self.attn is not None:
+                out += [c.view(1, cap, -1) for kv in self.attn.caches for c in kv]
+        if self.mla is not None:
+            out += [c.data.view(1, cap, -1) for c in self.mla.caches]
+        return out
 
     def memory_report(self) -> Optional[dict]:
         """The memory plan, with the device's measured peak on a GPU."""

@@ -83,6 +83,9 @@ class MambaExecution:
         self.bs = self.groups[0].block_size
         self.mode = scenario.cache.resolved_mode()
         self.tracker = TRACKERS[self.mode](self.bs, self.S, bugs, scenario.spec_decode.prefill_lookahead)
+        unit = scenario.cache.prefix_match_unit or self.bs
+        # partial-block prefix hits: prefill checkpoints at unit boundaries (vLLM 0.33's worker rule)
+        self.unit = unit if self.mode == "align" and unit < self.bs else 0
         self.oracle = MambaOracle(self.tables, scenario.scheduler.max_num_seqs, device, oracle_scan)
         self.page_bytes = scenario.cache.page_size_bytes or geo.state_bytes(self.S)
         self.int32_pages = "int32_block_offset" in bugs
@@ -185,12 +188,15 @@ class MambaExecution:
     def forward(self, plan: StepPlan, reqs, inputs: list[np.ndarray]) -> Forward:
         from ..kernels.probe_scan import ScanBuilder
 
+        self._check_partial_hits(plan, reqs)
         plans: list[RowPlan] = []
         for s, r in zip(plan.scheduled, reqs):
             p = self.tracker.plan_row(s.req_id, s.num_computed_tokens, s.num_scheduled_tokens,
                                       len(s.spec_token_ids))
             end = prefill_end(r.prompt_len, len(r.tokens))
-            if self.mode == "align" and s.num_computed_tokens < end and not s.spec_token_ids:
+            if self.unit and not s.spec_token_ids:
+                self._unit_checkpoint(p, r, plan.step)
+            elif self.mode == "align" and s.num_computed_tokens < end and not s.spec_token_ids:
                 self.tracker.checkpoint(p, end)
             plans.append(p)
         self.apply_copies([(r, cp) for r, p in zip(reqs, plans) for cp in p.pre], plan.step)
@@ -214,6 +220,8 @@ class MambaExecution:
                 b.write(row, p.n - 1, fp, fp)
             for t_b, col in p.boundary:
                 bp = self._pages(r, col, plan.step)
+                if "unit_checkpoint_at_block" in self.bugs and self.unit:  # (injected: the block boundary's state)
+                    t_b = max((p.c + t_b + 1) // self.bs * self.bs - p.c - 1, 0)
                 b.write(row, t_b, bp, bp)
             y_start.append(total)
             total += p.n
@@ -224,6 +232,44 @@ class MambaExecution:
         self.k.mamba_scan(self.tables, launch)
         self.timings["mamba"] += perf_counter() - t0
         return Forward(plans, y, y_start)
+
+    def _check_partial_hits(self, plan: StepPlan, reqs) -> None:
+        """A hit that ends inside a block hands out the private copy of that block, and the
+        step's own state may land in the same block: its state is compared with the oracle's
+        (the hit's tokens from the zero state) now, before the step writes anything."""
+        rows = []
+        for s, r in zip(plan.scheduled, reqs):
+            h = s.prefix_hit_tokens
+            if s.is_new and h % self.bs:
+                row = OracleRow(s.req_id, r.tokens, h, 0, 0)
+                col = (h - 1) // self.bs
+                self._compare(row, r, plan.step, "hit", h, col, 0, col)
+                rows.append(row)
+        if not rows:
+            return
+        t0 = perf_counter()
+        cache = (self.cache.conv.data, self.cache.temporal.data, self.slot_of_layer)
+        stats, tags = self.oracle.check(rows, cache, torch.zeros(1, self.L, self.HP, dtype=torch.int32,
+                                                                 device=self.device))
+        step = plan.step
+        self.verdicts.add(stats, lambda st: self._tally(step, rows, st, tags))
+        self.timings["oracle"] += perf_counter() - t0
+
+    def _unit_checkpoint(self, p: RowPlan, r, step: int) -> None:
+        """Partial-block prefix hits: a chunk that can export the state at the prompt's unit
+        checkpoint writes it into its checkpoint column, ``cdiv(end, bs) - 2``, as the engine's
+        worker decides it from the row's lengths alone (``compute_mamba_prefill_checkpoints``);
+        a column holding the null block takes nothing (the worker's write there is discarded)."""
+        from ..sched.partial import checkpoint_position, checkpoint_valid
+
+        start, end = p.c, p.c + p.n
+        pos = checkpoint_position(end, self.unit, self.tracker.lookahead)
+        if not checkpoint_valid(start, end, pos, self.unit, self.bs):
+            return
+        col = -(-end // self.bs) - 2
+        row = r.rows[self.groups[0].group_id]
+        if col < len(row) and row[col] != 0:
+            p.boundary.append((pos - start - 1, col))
 
     def stage_windows(self, pages: list[list[int]], offsets: list[int]) -> torch.Tensor:
         """Every row's starting conv window (B, L, K-1, dim), read from the cache before the scan
@@ -253,8 +299,8 @@ class MambaExecution:
         for i, (s, r, p) in enumerate(zip(plan.scheduled, reqs, fwd.plans)):
             c, k = s.num_computed_tokens, committed[i]
             row = OracleRow(s.req_id, r.tokens, c, k, fwd.y_start[i])
-            if s.is_new and s.prefix_hit_tokens > 0:
-                col = s.prefix_hit_tokens // self.bs - 1
+            if s.is_new and s.prefix_hit_tokens > 0 and not s.prefix_hit_tokens % self.bs:
+                col = s.prefix_hit_tokens // self.bs - 1  # (a hit inside a block: _check_partial_hits)
                 self._compare(row, r, plan.step, "hit", s.prefix_hit_tokens, col, 0, col)
             if s.req_id not in finished:
                 col, off, tcol = self.tracker.resume_location(s.req_id, c + k)

@@ -160,6 +160,9 @@ def plan_memory(s: Scenario, groups, device: torch.device, checked_kernels: bool
         if checked_kernels:
             plan.items.append(MemoryItem("checked state copies", 2 * STAGED_PAGES * page,
                                          f"the reference's copy of at most {STAGED_PAGES} touched pages"))
+    unit = s.cache.prefix_match_unit
+    if checked_kernels and unit is not None and unit < s.cache.block_size:
+        plan.items.append(_block_copy_staging(s, groups, arena))
     if geo.mla is not None:
         g = geo.mla
         bs = next(gr.block_size for gr in groups if gr.kind == "mla")
@@ -187,6 +190,24 @@ def plan_memory(s: Scenario, groups, device: torch.device, checked_kernels: bool
         plan.items.append(MemoryItem("MLA oracle (estimate)", oracle, "float64 expected outputs, scores, key tables"))
     plan.available = free_bytes(device)
     return plan
+
+
+def _block_copy_staging(s: Scenario, groups, arena) -> MemoryItem:
+    """Partial-block hits under checked kernels: a block_copy batch's staged pages for the
+    reference, the kernel's destination pages read back, and the comparison's two float copies."""
+    from ..kernels.checked import BLOCK_COPY_STAGED
+
+    geo = s.geometry()
+    if arena is not None:
+        page = arena[1]
+    else:
+        conv_rows, dim, (H, P, N) = mamba_page(s) if geo.mamba is not None else (0, 0, (0, 0, 0))
+        page = 4 * (conv_rows * dim + H * P * N)
+        if geo.mla is not None:
+            bs = next(gr.block_size for gr in groups if gr.kind == "mla")
+            page = max(page, bs * geo.mla.entry_dim() * DTYPE_BYTES[geo.mla.dtype])
+    return MemoryItem("checked block copies", 3 * BLOCK_COPY_STAGED * page,
+                      f"the reference's copy of at most {BLOCK_COPY_STAGED} touched pages, and the comparison's")
 
 
 def check_fits(plan: MemoryPlan, s: Scenario, where: str) -> None:

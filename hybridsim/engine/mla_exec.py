@@ -22,7 +22,7 @@ import torch
 
 from ..checks import Checks, Failure
 from ..config import Scenario
-from ..kernels.segments import rel_errors
+from ..kernels.segments import bits_differ, rel_errors
 from ..layers.exact import pages_digest, prepare_rope
 from ..layers.mla import MLAProbe
 from ..oracle import MLAOracle
@@ -131,8 +131,43 @@ class MLAExecution:
                 paths.append((i, layer, decoded[i], pre))
                 layer_out.append(pre)
             outs.append(layer_out)
+        partial = [i for i, s in enumerate(plan.scheduled) if s.is_new and s.num_computed_tokens % self.bs]
+        if partial:
+            self._check_partial_hits(plan, reqs, partial, tables)
         self.timings["mla"] += perf_counter() - t0
         return MLAForward(outs, paths)
+
+    def _check_partial_hits(self, plan: StepPlan, reqs, hit_rows: list[int], tables) -> None:
+        """``mla.cached_blocks``: a hit that ends inside a block (partial-block prefix hits) hands
+        out a private copy of that block; every latent entry of the hit's tokens, in every block the
+        hit handed out, must equal, bit for bit, what the tokens give (cast to the cache's dtype)."""
+        dev, bs = self.device, self.bs
+        cs = [plan.scheduled[i].num_computed_tokens for i in hit_rows]
+        tok = upload(np.concatenate([reqs[i].tokens[:c] for i, c in zip(hit_rows, cs)]), dev)
+        pos = upload(np.concatenate([np.arange(c) for c in cs]), dev)
+        row_of = upload(np.repeat(np.asarray(hit_rows), cs), dev)
+        which = upload(np.repeat(np.arange(len(hit_rows)), cs), dev)
+        bad = torch.zeros(len(hit_rows), len(self.probes), dtype=torch.int64, device=dev)
+        for layer, probe in enumerate(self.probes):
+            cache = self.caches[layer].data
+            lat = probe.project(tok, pos, max(cs))[0].to(cache.dtype)
+            got = cache[tables[self.layer_group[layer]][row_of, pos // bs], pos % bs]
+            bad[:, layer] = torch.zeros(len(hit_rows), dtype=torch.int64, device=dev).index_add_(
+                0, which, bits_differ(got, lat).sum(1).to(torch.int64))
+        step = plan.step
+        rids = [plan.scheduled[i].req_id for i in hit_rows]
+        self.verdicts.add(bad, lambda res: self._tally_hits(step, rids, cs, res.tolist()))
+
+    def _tally_hits(self, step: int, rids: list[str], cs: list[int], bad: list[list[int]]) -> None:
+        tally = self.checks.get("mla.cached_blocks")
+        for rid, c, per_layer in zip(rids, cs, bad):
+            for layer, n in enumerate(per_layer):
+                if n:
+                    tally.failed(Failure(step, rid, f"{n} latent elements of a {c}-token prefix hit (inside a "
+                                                    "block) differ from their tokens' latents",
+                                         layer=f"mla{layer}", position=0))
+                else:
+                    tally.passed()
 
     def _prefill_path(self, probe: MLAProbe, q_nope, q_pe, cache, block_row, c, n):
         """With a bf16/fp16 cache the engine runs this path on the matrix units; here its float32

@@ -292,7 +292,9 @@ def recording_step(step: int, out) -> dict:
                 for rid, c, b in zip(cached.req_ids, cached.num_computed_tokens, cached.new_block_ids)],
             "num_scheduled_tokens": dict(out.num_scheduled_tokens),
             "scheduled_spec_decode_tokens": {r: list(t) for r, t in out.scheduled_spec_decode_tokens.items()},
-            "preempted_req_ids": sorted(out.preempted_req_ids or ())}
+            "preempted_req_ids": sorted(out.preempted_req_ids or ()),
+            # the private copies of partly hit blocks the worker makes before the step's writes
+            "block_copies": [[c.src_block_id, c.dst_block_id] for c in (out.kv_cache_block_copies or ())]}
 
 
 def in_schedule_order(line: dict, out) -> dict:

@@ -26,6 +26,7 @@ LOW_PRECISION_TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 REFERENCE_MAX_QUERIES = 16  # mla_decode calls with more query tokens a request are prefill rows (see mla_decode)
 REFERENCE_ROWS = 8  # paged_attention rows a call re-runs through the reference (the oracle checks every row)
 STAGED_PAGES = 256  # state pages one checked state_copy batch copies for the reference (about 1 GB at real sizes)
+BLOCK_COPY_STAGED = 64  # (slot, page) pairs one checked block_copy batch stages for the reference
 
 
 @dataclass
@@ -176,6 +177,28 @@ class CheckedKernels:
                               items.index_select(0, sel.to(items.device)))
         self._exact("state_copy", conv[sl_idx, pg_idx], ref_c[0])
         self._exact("state_copy", temporal[sl_idx, pg_idx], ref_t[0])
+
+    def block_copy(self, pages, pairs):
+        """The reference copies staged copies of just the pages involved, and the kernel's
+        destination pages are compared with it bit for bit; in batches of at most
+        ``BLOCK_COPY_STAGED`` staged (slot, page) pairs (a page is megabytes at real sizes)."""
+        self._run_paged_references()  # (the references read the caches as the kernels saw them)
+        p = pairs.to(torch.int64).cpu()
+        self.ref.check_block_pairs(p, pages.shape[1])
+        per = max(1, BLOCK_COPY_STAGED // (2 * pages.shape[0]))
+        for k in range(0, len(p), per):
+            self._block_copy_batch(pages, p[k:k + per])
+
+    def _block_copy_batch(self, pages, p):
+        touched = sorted(set(p.flatten().tolist()))
+        where = {b: i for i, b in enumerate(touched)}
+        idx = torch.tensor(touched, dtype=torch.int64, device=pages.device)
+        staged = pages[:, idx].clone()
+        local = torch.tensor([[where[a], where[b]] for a, b in p.tolist()], dtype=torch.int64)
+        self.ref.block_copy(staged, local)
+        self.inner.block_copy(pages, p)
+        dst = p[:, 1].to(pages.device)
+        self._exact("block_copy", pages[:, dst], staged[:, local[:, 1].to(pages.device)])
 
     def concat_and_cache(self, entries, slots, cache):
         """Compared on the slots written: each holds its entry in the cache's dtype."""

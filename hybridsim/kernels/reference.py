@@ -79,6 +79,30 @@ class ReferenceKernels:
                                  f"copy of the same step reads or writes")
             written.add((l, d))
 
+    # ------------------------------------------------------------------ block copies
+    def block_copy(self, pages: torch.Tensor, pairs: torch.Tensor) -> None:
+        """Whole-page copies of one step (vLLM's ``kv_cache_block_copies``): pages (slots,
+        capacity, elems) of any dtype, pairs (n, 2) of page rows (source, destination):
+        pages[s, dst] = pages[s, src] for every slot s, bit for bit. The copies must not depend
+        on each other (no page is both written and read or written twice), so they may all run
+        at once."""
+        p = pairs.to(torch.int64).cpu()
+        self.check_block_pairs(p, pages.shape[1])
+        if len(p):
+            src, dst = p[:, 0].to(pages.device), p[:, 1].to(pages.device)
+            pages[:, dst] = pages[:, src]
+
+    @staticmethod
+    def check_block_pairs(pairs: torch.Tensor, capacity: int) -> None:
+        """Refuse copies that depend on each other or leave the cache (a ValueError naming them)."""
+        src, dst = pairs[:, 0].tolist(), pairs[:, 1].tolist()
+        for k, (a, b) in enumerate(zip(src, dst)):
+            if not (0 <= a < capacity and 0 <= b < capacity):
+                raise ValueError(f"block_copy: copy {k} ({a} -> {b}) names a page outside the cache ({capacity})")
+        if len(set(dst)) < len(dst) or set(dst) & set(src):
+            raise ValueError(f"block_copy: copies {list(zip(src, dst))} write a page twice or write a page "
+                             "another copy of the same step reads")
+
     # ------------------------------------------------------------------ MLA cache ops
     def concat_and_cache(self, entries: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor) -> None:
         """cache viewed as (num_blocks * block_size, dim): write entries (n, dim) at slots (n,)."""

@@ -120,8 +120,15 @@ def _paged_traffic(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, 
     return Traffic(int(seq_lens.sum()) * 2 * row + q.numel() * q.element_size(), q.numel() * 4, flops)
 
 
+def _block_copy_traffic(pages, pairs) -> Traffic:
+    """Each (source, copy) pair reads one whole page of every slot and writes it again."""
+    moved = pairs.shape[0] * pages.shape[0] * pages.shape[2] * pages.element_size()
+    return Traffic(moved, moved)
+
+
 TRAFFIC: dict[str, Callable[..., "Traffic | Callable[[], Traffic]"]] = {
     "state_copy": _state_copy_traffic,
+    "block_copy": _block_copy_traffic,
     "concat_and_cache": _concat_traffic,
     "gather_cache": _gather_traffic,
     "merge_states": _merge_traffic,

@@ -95,6 +95,42 @@ def fused_state_copy(conv: torch.Tensor, temporal: torch.Tensor, table: torch.Te
         BLOCK=block, CONV_BLOCK=conv_block, num_warps=8)
 
 
+# ----------------------------------------------------------------------------- block copies
+
+
+@triton.jit
+def _block_copy_kernel(pages, pairs, slots, slot_stride, page_stride, elems, BLOCK: tl.constexpr):
+    """grid (copies x slots, tiles): one BLOCK of one page of one slot per program; page rows
+    and offsets in int64 (a slot of pages is tens of GB at real sizes)."""
+    i = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1).to(tl.int64)
+    k = i // slots
+    s = i % slots
+    src = tl.load(pairs + 2 * k).to(tl.int64)
+    dst = tl.load(pairs + 2 * k + 1).to(tl.int64)
+    idx = tile * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    m = idx < elems
+    base = pages + s * slot_stride
+    v = tl.load(base + src * page_stride + idx, mask=m)
+    tl.store(base + dst * page_stride + idx, v, mask=m)
+
+
+def block_copy(pages: torch.Tensor, pairs: torch.Tensor, block: int = 4096) -> None:
+    """pages (slots, capacity, elems), the last axis contiguous; pairs (n, 2) int64 page rows
+    (source, destination) on the device. Floating pages are moved as integers of their width,
+    so every bit (NaN payloads included) arrives."""
+    n = pairs.shape[0]
+    if n == 0:
+        return
+    if pages.stride(2) != 1:
+        raise ValueError("block_copy: a page's elements must be contiguous")
+    if pages.dtype.is_floating_point:
+        pages = pages.view({2: torch.int16, 4: torch.int32, 8: torch.int64, 1: torch.int8}[pages.element_size()])
+    slots, _, elems = pages.shape
+    _block_copy_kernel[(n * slots, triton.cdiv(elems, block))](
+        pages, pairs, slots, pages.stride(0), pages.stride(1), elems, BLOCK=block, num_warps=4)
+
+
 # ----------------------------------------------------------------------------- cache ops
 
 
@@ -308,6 +344,11 @@ class TritonKernels(ReferenceKernels):
     def state_copy(self, conv, temporal, table, items):
         fused_state_copy(conv, temporal, table.to(conv.device, torch.int64).contiguous(),
                          items.to(conv.device, torch.int64).contiguous())
+
+    def block_copy(self, pages, pairs):
+        p = pairs.to(torch.int64).cpu()
+        self.check_block_pairs(p, pages.shape[1])
+        block_copy(pages, p.to(pages.device).contiguous())
 
     def concat_and_cache(self, entries, slots, cache):
         n = entries.shape[0]

@@ -12,10 +12,13 @@ from .block_pool import NULL_BLOCK, BlockPool
 from .kv_cache import KVCacheManager
 from .managers import AttentionManager
 
-SCHEDULER_BUGS = ("attn_hit_not_cut", "free_shared_block")
+SCHEDULER_BUGS = ("attn_hit_not_cut", "free_shared_block", "partial_hit_not_copied")
 
 
 def inject(kv: KVCacheManager, bugs: set[str]) -> None:
+    if "partial_hit_not_copied" in bugs and kv.partial:
+        for m in kv.managers:
+            m.admit = _admit_without_copy(m)
     if "attn_hit_not_cut" in bugs:
         kv.uncut_attention_hits = True
     if "free_shared_block" in bugs:
@@ -59,3 +62,15 @@ def _free_ignoring_references(m: AttentionManager):
                 ref[b] = 1
         pool.free(list(reversed(row)))
     return free
+
+
+def _admit_without_copy(m):
+    """Partial-block hits: a hit that ends inside a block keeps the hit block itself in the row
+    (no private copy): the request writes past the hit into a block that others hold or find
+    cached up to the hit."""
+    admit = m.admit
+
+    def without_copy(req, hit_row, hit) -> None:
+        admit(req, hit_row, hit)
+        m.cow.pop(req.index, None)
+    return without_copy

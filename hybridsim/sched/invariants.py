@@ -75,10 +75,46 @@ class InvariantChecker:
                                                f"{r.num_computed_tokens} without preemption")
             end = r.num_computed_tokens + r.num_scheduled_tokens
             prefill_end = max(req.num_prompt_tokens, req.num_tokens - 1)
-            if cfg.align_split and r.num_computed_tokens < prefill_end and end < prefill_end and end % bs:
+            if cfg.align_split and r.num_computed_tokens < prefill_end and end < prefill_end and end % bs \
+                    and not self._unit_stop(req, r.num_computed_tokens, end):
                 self._fail(step, r.req_id, f"align-mode prefill chunk ends at {end}, not a multiple of {bs}")
             ok += 1
         self._check_blocks(step)
+        if s.kv.fine:
+            self._check_unit_writes(plan)
+        self.tally.passed(ok)
+
+    def _unit_stop(self, req, start: int, end: int) -> bool:
+        """Partial-block hits (``sched.partial``): a chunk may also stop at the prompt's unit
+        checkpoint, or a whole number of blocks after a start inside a block (a hit's end)."""
+        kv = self.sched.kv
+        if not kv.fine:
+            return False
+        from .partial import checkpoint_position
+
+        look = kv.mamba[0].lookahead if kv.mamba else 0
+        return end == checkpoint_position(req.num_prompt_tokens, kv.unit, look) or (end - start) % self.sched.bs == 0
+
+    def _check_unit_writes(self, plan: StepPlan) -> None:
+        """Partial-block hits: a block may be shared up to a unit boundary inside it (a hit there),
+        but whoever writes past that boundary writes into a block of its own — the private copy.
+        No scheduled row writes into an attention block another row holds."""
+        s = self.sched
+        ref = s.kv.pool.ref_cnt
+        ok = 0
+        for r in plan.scheduled:
+            req = s.requests[r.req_id]
+            c, n = r.num_computed_tokens, r.num_scheduled_tokens
+            for m in s.kv.attn:
+                row = m.rows.get(req.index, ())
+                for col in range(c // m.bs, min(-(-(c + n) // m.bs), len(row))):
+                    b = row[col]
+                    if b != NULL_BLOCK and ref[b] > 1:
+                        self._fail(plan.step, r.req_id, f"writes from position {c} into block {b} (column {col} of "
+                                                        f"group {m.spec.group_id}), which {ref[b]} rows hold: a hit "
+                                                        "inside a block took no private copy")
+                    else:
+                        ok += 1
         self.tally.passed(ok)
 
     def _check_blocks(self, step: int) -> None:
@@ -105,6 +141,11 @@ class InvariantChecker:
                 self._fail(step, None, f"block {b} is in {n} rows but its ref count is {pool.ref_cnt[b]}")
             elif n > 1 and pool.block_key[b] is None:
                 self._fail(step, None, f"block {b} is shared by {n} rows but holds no cached prefix")
+            elif n > 1 and pool.ktok.get(b, 0) % s.bs:
+                # (partial-block hits: a block cached up to a unit boundary inside it is reused only
+                # through a private copy; its owner goes on writing past that boundary)
+                self._fail(step, None, f"block {b} is shared by {n} rows but its cached prefix ends inside it "
+                                       f"({pool.ktok[b]} tokens): a hit inside a block took no private copy")
             if b in pool.free_queue:
                 self._fail(step, None, f"block {b} is in use and in the free queue")
         in_use = len(owners)

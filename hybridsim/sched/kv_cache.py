@@ -599,9 +599,10 @@ class KVCacheManager:
         block, else whole blocks."""
         return ntok if self.fine else ntok // self.block_size * self.block_size
 
-    def end_schedule(self) -> None:
+    def end_schedule(self) -> tuple[tuple[int, int], ...]:
         """The end of a schedule pass: the endpoints of this pass's private copies are let go,
-        group by group (vLLM 0.33 frees them once the copies are queued)."""
+        group by group (vLLM 0.33 frees them once the copies are queued). Returns the copies,
+        (source, copy) in group order, for the worker (``StepPlan.block_copies``)."""
         held = []
         for m in self.managers:
             if m.held:
@@ -609,6 +610,7 @@ class KVCacheManager:
                 m.held = []
         if held:
             self.pool.free(held)
+        return tuple(zip(held[0::2], held[1::2]))
 
     def free(self, req: Request) -> None:
         for m in self.managers:

@@ -118,14 +118,17 @@ class StepPlan:
     """One step's plan (immutable). ``scheduled`` lists every row in the engine's order."""
 
     __slots__ = ("step", "_rows", "preempted", "finished", "faults", "forced_preempted", "_cruise", "_explicit",
-                 "num_rows", "num_bulk")
+                 "num_rows", "num_bulk", "block_copies")
 
     def __init__(self, step: int, scheduled: tuple[ScheduledRequest, ...], preempted: tuple[str, ...] = (),
                  finished: tuple[str, ...] = (), faults: tuple[str, ...] = (),
                  forced_preempted: tuple[str, ...] = (), cruise: Optional[Cruise] = None,
-                 admitted: tuple[ScheduledRequest, ...] = ()):
+                 admitted: tuple[ScheduledRequest, ...] = (), block_copies: tuple[tuple[int, int], ...] = ()):
         set_ = object.__setattr__
         set_(self, "step", step)
+        # (source, copy) block ids the worker copies, whole pages in every group, before the
+        # step's writes: the private copies of partly hit blocks (vLLM 0.33's KVCacheBlockCopy)
+        set_(self, "block_copies", block_copies)
         set_(self, "preempted", preempted)
         set_(self, "finished", finished)  # finished after the previous step (their blocks are free)
         set_(self, "faults", faults)
@@ -195,14 +198,16 @@ class StepPlan:
     def __eq__(self, other) -> bool:
         if not isinstance(other, StepPlan):
             return NotImplemented
-        return (self.step, self.scheduled, self.preempted, self.finished, self.faults, self.forced_preempted) == \
-            (other.step, other.scheduled, other.preempted, other.finished, other.faults, other.forced_preempted)
+        return (self.step, self.scheduled, self.preempted, self.finished, self.faults, self.forced_preempted,
+                self.block_copies) == (other.step, other.scheduled, other.preempted, other.finished, other.faults,
+                                       other.forced_preempted, other.block_copies)
 
     __hash__ = None
 
     def __repr__(self) -> str:
         return (f"StepPlan(step={self.step}, scheduled={self.scheduled!r}, preempted={self.preempted!r}, "
-                f"finished={self.finished!r}, faults={self.faults!r}, forced_preempted={self.forced_preempted!r})")
+                f"finished={self.finished!r}, faults={self.faults!r}, forced_preempted={self.forced_preempted!r}"
+                + (f", block_copies={self.block_copies!r})" if self.block_copies else ")"))
 
 
 class StepOutcome:

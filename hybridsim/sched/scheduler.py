@@ -405,8 +405,7 @@ class Scheduler:
             pad = cfg.num_speculative_tokens > 0 and not prefill_ran
             self._schedule_waiting(scheduled, budget, long_thr, pad, bool(scheduled or cruise))
 
-        if kv.partial:
-            kv.end_schedule()
+        copies = kv.end_schedule() if kv.partial else ()
         self.pass_preempted = tuple(r.req_id for r in preempted)  # for sched.invariants
         preempted_ids = tuple(self._pending_preempted) + self.pass_preempted
         self._pending_preempted = []
@@ -414,10 +413,10 @@ class Scheduler:
         finished = tuple(self._finished_since_last)
         self._finished_since_last = []
         if snapshot is None:
-            return StepPlan(step, tuple(scheduled), preempted_ids, finished, faults, forced)
+            return StepPlan(step, tuple(scheduled), preempted_ids, finished, faults, forced, block_copies=copies)
         n_running_rows = len(snapshot[1])
         return StepPlan(step, (), preempted_ids, finished, faults, forced, cruise=Cruise(*snapshot),
-                        admitted=tuple(scheduled[n_running_rows:]))
+                        admitted=tuple(scheduled[n_running_rows:]), block_copies=copies)
 
     def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int, long_thr: int,
                           pad: bool = False, ran: bool = False) -> None:
