@@ -110,9 +110,8 @@ def check_one(task: GoldenTask) -> GoldenRow:
     if update:
         old = _read_expected(exp_path) if exp_path.exists() else None
         diffs = ["created"] if old is None else _diff(old, got)
-        tmp = exp_path.with_name(exp_path.name + ".partial")
-        tmp.write_text(json.dumps(got, indent=2, sort_keys=True) + "\n")
-        tmp.replace(exp_path)
+        from .output_files import write_output
+        write_output(exp_path, "--update-expected", json.dumps(got, indent=2, sort_keys=True) + "\n")
         return GoldenRow(trace.name, res.steps, comparisons, "updated" if diffs else "unchanged", diffs)
     if not exp_path.exists():
         return GoldenRow(trace.name, res.steps, comparisons, "no expected file",

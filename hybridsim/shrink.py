@@ -21,7 +21,7 @@ from .execute import make_executor
 from .outputs import RecordedContinuation
 from .sched.plan import StepOutcome, StepPlan
 from .simulate import Simulation
-from .trace import header_dict, read_trace, write_trace
+from .trace import header_dict, read_trace, trace_in_memory, write_trace
 from .workload.base import Workload, WorkloadRequest
 
 Records = list[tuple[StepPlan, StepOutcome]]
@@ -134,7 +134,8 @@ def shrink_trace(path: str | Path, out: str | Path, check: Optional[str] = None,
     kept = set(current_ids) if current is not records else set(admitted)
     wl = workload([r for r in meta if r in kept])
     source = f"hybridsim shrink {Path(path).name} ({check})"
-    write_trace(out, header_dict(header["scenario"], [], wl.requests, source, tuple(sorted(bugs))) |
-                {"groups": groups}, current)
-    read_trace(out)  # the shrunk trace must itself be consistent
+    shrunk = header_dict(header["scenario"], [], wl.requests, source, tuple(sorted(bugs))) | {"groups": groups}
+    # the shrunk trace must itself be consistent (checked before it is written: ``out`` may be a pipe)
+    trace_in_memory(out, shrunk, ((i + 2, p, o) for i, (p, o) in enumerate(current)))
+    write_trace(out, shrunk, current)
     return ShrinkResult(check, before_steps, len(current), before_reqs, len(wl.requests), tests, Path(out))
