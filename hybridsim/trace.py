@@ -31,8 +31,9 @@ import json
 from pathlib import Path
 from typing import IO, Iterator
 
-from .errors import InputError, not_json, not_text
+from .errors import InputError, not_text
 from .output_files import Output
+from .safe_load import bounded_lines, load_json
 from .sched.groups import GroupSpec
 from .sched.plan import PLACEHOLDER_DRAFT, ScheduledRequest, StepOutcome, StepPlan
 from .workload.base import WorkloadRequest
@@ -180,13 +181,10 @@ def _lines(path: Path) -> Iterator[tuple[int, dict]]:
     ln = 0
     with f:
         try:
-            for ln, line in enumerate(f, 1):
+            for ln, line in bounded_lines(f, str(path)):  # (hostile lines refused: safe_load)
                 if not line.strip():
                     continue
-                try:
-                    d = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise not_json(e, f"{path}:{ln}") from None
+                d = load_json(line, f"{path}:{ln}")
                 if not isinstance(d, dict):
                     raise InputError("each line is a JSON object", f"{path}:{ln}")
                 yield ln, d
