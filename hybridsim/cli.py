@@ -237,6 +237,8 @@ def replay(
                                          help="rewrite the NAME.expected.json files and say what changed"),
     check_mode: CheckMode = typer.Option(CheckMode.full, "--check-mode", help="full | sampled | off"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write summary, checks and timings as JSON"),
+    junit: Optional[Path] = typer.Option(None, "--junit", help="with --check: write the verdicts as JUnit XML for CI "
+                                                             "(one test case per trace; bad traces are errors)"),
     kernels: str = typer.Option("reference", help="reference | triton | auto (reference by default: the golden "
                                                    "digests are the reference provider's)"),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
@@ -264,7 +266,9 @@ def replay(
         bugs = check_bugs(inject_bug)
         _check_choice(kernels, ("auto", "reference", "triton"), "--kernels")
         _check_choice(device, ("auto", "cpu", "cuda"), "--device")
-        _check_outputs((json_out, "--json"))
+        _check_outputs((json_out, "--json"), (junit, "--junit"))
+        if junit is not None and not golden:
+            raise InputError("writes the golden gate's verdicts: use it with --check", "--junit")
         if update_expected:  # the expected files are what full checks of the reference kernels find
             clash = [flag for flag, on in ((f"--check-mode {check_mode.value}", check_mode != CheckMode.full),
                                            ("--inject-bug", bool(bugs)), (f"--kernels {kernels}", kernels != "reference"))
@@ -288,12 +292,22 @@ def replay(
 
             files = trace_files(traces)  # (a missing trace is refused before Ray starts)
             with ray_in_background(ray) as backend:  # (starting while the replay engine is named)
-                rows = check_traces(files, update=update_expected, jobs=jobs, ray=backend, per_gpu=per_gpu, **kw)
+                rows = check_traces(files, update=update_expected, jobs=jobs, ray=backend, per_gpu=per_gpu,
+                                    keep_going=junit is not None, **kw)
             out.print(golden_table(rows, update_expected))
             if json_out is not None:
                 _write_json(json_out, {"traces": [r.__dict__ for r in rows]})
+            if junit is not None:
+                from .junit import junit_xml
+                from .output_files import write_output
+                write_output(junit, "--junit", junit_xml(rows, files))
             if any(r.result in ("died", "error") for r in rows):
                 return 3
+            bad = [r for r in rows if r.result == "bad input"]  # (only with --junit: else the first stops the gate)
+            for r in bad:
+                err.print(f"[bold red]error:[/] {escape(r.differences[0])}", highlight=False)
+            if bad:
+                return 2
             return 0 if update_expected else (1 if any(r.result != "pass" for r in rows) else 0)
         from .replay import replay_trace
 

@@ -264,3 +264,59 @@ def test_sweep_outputs(tmp_path):
     assert r.returncode == 0, r.stderr
     assert (real / "results.csv").exists() and (real / "results.parquet").is_symlink()
     assert (real / "elsewhere.parquet").read_bytes()[:4] in (b"PAR1", b"old")  # (old: no pyarrow here)
+
+
+# ----------------------------------------------------------------------------- JUnit for CI
+
+
+def test_junit_report_of_the_gate(tmp_path):
+    """replay --check --junit: one test case per trace, a failing trace's failure message its
+    earliest failing check with that check's first divergence (as --json reports it), a bad trace
+    an error; written through a symlink like every output; XML that xml.etree reads."""
+    import shutil
+    import xml.etree.ElementTree as ET
+
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    for suffix in (".jsonl", ".expected.json"):
+        shutil.copy(REPO / "traces" / f"spec_padding{suffix}", gate / f"spec_padding{suffix}")
+    (gate / "bad.jsonl").write_text('{"format": "hybridsim-trace", "version": 3}\n')
+    report = tmp_path / "reports" / "junit.xml"
+    report.parent.mkdir()
+    link = tmp_path / "junit-link.xml"
+    link.symlink_to(report)
+    js = tmp_path / "gate.json"
+    code, _, err = _invoke(["replay", gate, "--check", "--junit", link, "--json", js, "--inject-bug",
+                            "rejected_state_kept"])
+    assert code == 2 and f"{gate / 'bad.jsonl'}:1" in "".join(err.split()), err  # (bad input outranks a failure)
+    assert link.is_symlink()
+    root = ET.parse(report).getroot()
+    assert root.tag == "testsuites" and (root.get("tests"), root.get("failures"), root.get("errors")) == ("2", "1", "1")
+    cases = {c.get("name"): c for c in root.iter("testcase")}
+    assert set(cases) == {"bad.jsonl", "spec_padding.jsonl"}
+    error = cases["bad.jsonl"].find("error")
+    assert error is not None and error.get("type") == "bad input" and "header is missing" in error.get("message")
+    row = next(r for r in json.loads(js.read_text())["traces"] if r["trace"] == "spec_padding.jsonl")
+    assert row["result"] == "FAIL" and row["first_failures"]
+    first_check, first_where = next(iter(row["first_failures"].items()))
+    failure = cases["spec_padding.jsonl"].find("failure")
+    assert failure.get("message") == f"{first_check}: {first_where}" and "step " in first_where
+    steps = [int(w.split(",")[0].split(":")[0].split()[1]) for w in row["first_failures"].values()]
+    assert steps == sorted(steps)  # earliest divergence first
+    for name in row["first_failures"]:
+        assert name in failure.text
+
+    passing = tmp_path / "pass"
+    passing.mkdir()
+    for suffix in (".jsonl", ".expected.json"):
+        shutil.copy(REPO / "traces" / f"spec_padding{suffix}", passing / f"spec_padding{suffix}")
+    code, _, err = _invoke(["replay", passing, "--check", "--junit", report, "-q"])
+    assert code == 0, err
+    root = ET.parse(report).getroot()
+    (case,) = root.iter("testcase")
+    assert root.get("failures") == "0" and list(case) == [] and float(case.get("time")) > 0
+
+
+def test_junit_needs_the_gate(tmp_path):
+    code, _, err = _invoke(["replay", SMALL_TRACE, "--junit", tmp_path / "j.xml"])
+    assert code == 2 and "--junit" in err and "--check" in err and not (tmp_path / "j.xml").exists()
