@@ -154,11 +154,11 @@ def load_json(text: str | bytes, where: str) -> Any:
         raise not_json(e, where) from None
     except RecursionError:
         raise InputError("not valid JSON here: nested too deeply", where) from None
+    except UnicodeDecodeError as e:  # (bytes given)
+        raise not_text(e, where) from None
     except ValueError as e:  # (a number past Python's integer-string limit)
         what = "a number too long to read" if "digits" in str(e) else str(e)
         raise InputError(f"not valid JSON here: {what}", where) from None
-    except UnicodeDecodeError as e:
-        raise not_text(e, where) from None
 
 
 def bounded_lines(f: IO[str], where: str) -> Iterator[tuple[int, str]]:

@@ -320,3 +320,15 @@ def test_junit_report_of_the_gate(tmp_path):
 def test_junit_needs_the_gate(tmp_path):
     code, _, err = _invoke(["replay", SMALL_TRACE, "--junit", tmp_path / "j.xml"])
     assert code == 2 and "--junit" in err and "--check" in err and not (tmp_path / "j.xml").exists()
+
+
+def test_dev_stdout_piped_carries_the_data_alone():
+    """`run ... --json /dev/stdout | jq`: standard output (a pipe) gets the JSON alone, the tables go
+    to standard error; the same with --record."""
+    r = hs("run", QUICK, "--check", "off", "--json", "/dev/stdout")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["summary"]["steps"] > 0 and "run summary" in r.stderr
+    r = hs("run", QUICK, "--check", "off", "--record", "/dev/stdout")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert json.loads(lines[0])["format"] == "hybridsim-trace" and all(json.loads(x)["step"] >= 0 for x in lines[1:])
