@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from pydantic import ValidationError
+
 from .checks import Checks
 from .config import Scenario
 from .errors import InputError
@@ -65,7 +67,10 @@ def shrink_trace(path: str | Path, out: str | Path, check: Optional[str] = None,
     tr = read_trace(path)
     header = tr.header
     bugs = set(bugs if bugs is not None else header.get("inject_bug", ()))
-    scenario = Scenario.model_validate(header["scenario"])
+    try:
+        scenario = Scenario.model_validate(header["scenario"])
+    except ValidationError as e:  # (as replay says it)
+        raise InputError(f"the header's scenario is invalid: {e.errors()[0]['msg']}", f"{path}:1") from None
     groups = header["groups"]
     records: Records = [(p, o) for _, p, o in tr.steps]
     wanted, ran = check, set()

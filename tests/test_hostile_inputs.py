@@ -189,3 +189,14 @@ def test_cli_says_one_line_and_exits_2(args, tmp_path):
     assert r.exit_code == 2 and isinstance(r.exception, SystemExit), (r.output, r.exception)
     assert r.stderr.count("error:") == 1 and "Traceback" not in r.output
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_shrink_names_a_trace_whose_header_scenario_is_invalid(tmp_path):
+    """A header scenario with a key the schema lacks (here a deep list) is one message, line 1."""
+    lines = (REPO / "traces" / "spec_padding.jsonl").read_text().splitlines()
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join([lines[0].replace('"scenario":{', '"scenario":{"zz":' + "[" * 900 + "]" * 900 + ",", 1),
+                               *lines[1:]]) + "\n")
+    r = CliRunner().invoke(app, ["shrink", str(path), "--out", str(tmp_path / "s.jsonl")])
+    assert r.exit_code == 2 and isinstance(r.exception, SystemExit), (r.output, r.exception)
+    assert f"{path}:1" in "".join(r.stderr.split()) and "header's scenario is invalid" in " ".join(r.stderr.split())
