@@ -94,6 +94,10 @@ def _guard(fn: Callable[[], int]) -> None:
     except KeyboardInterrupt:
         err.print("interrupted")
         raise typer.Exit(130)
+    except BrokenPipeError:  # (an output streamed to standard output or a pipe whose reader went away)
+        out.on_broken_pipe()
+    finally:
+        out.file = None  # (tables back on standard output: see _check_outputs)
     raise typer.Exit(code)
 
 
@@ -115,19 +119,32 @@ def _announce(lines: list[str]) -> None:
 
 
 def _writable(path: Optional[Path], flag: str) -> None:
-    if path is None:
-        return
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.exists():
-        raise InputError(f"folder {parent} does not exist", flag)
-    if path.exists() and path.is_dir():
-        raise InputError(f"{path} is a folder", flag)
+    """Refuse, before any work, an output path that cannot be written (output_files)."""
+    from .output_files import check_writable
+
+    check_writable(path, flag)
 
 
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
+def _check_outputs(*outputs: tuple[Optional[Path], str]) -> None:
+    """Every output path checked before any work. One of them may be standard output (``-``, or
+    ``/dev/stdout`` piped): then standard output carries that data alone and the tables go to
+    standard error."""
+    from .output_files import to_stdout
+
+    on_stdout = [flag for path, flag in outputs if to_stdout(path)]
+    if len(on_stdout) > 1:
+        raise InputError(f"only one output can go to standard output, and {on_stdout[0]} already does",
+                         on_stdout[1])
+    for path, flag in outputs:
+        _writable(path, flag)
+    if on_stdout:
+        out.file = sys.stderr
+
+
+def _write_json(path: Path, data: dict, flag: str = "--json") -> None:
+    from .output_files import write_output
+
+    write_output(path, flag, json.dumps(data, indent=2) + "\n")
 
 
 @app.command()
@@ -167,13 +184,9 @@ def run(
         _check_choice(device, ("auto", "cpu", "cuda"), "--device")
         from .engines import SCHEDULERS
         _check_choice(scheduler, SCHEDULERS, "--scheduler")
-        _writable(record, "--record")
-        _writable(json_out, "--json")
-        _writable(plot, "--plot")
-        if csv_dir is not None and csv_dir.exists() and not csv_dir.is_dir():
-            raise InputError(f"{csv_dir} exists and is not a folder", "--csv")
-        if csv_dir is not None and not csv_dir.parent.exists():
-            raise InputError(f"folder {csv_dir.parent} does not exist", "--csv")
+        _check_outputs((record, "--record"), (json_out, "--json"), (plot, "--plot"))
+        from .output_files import check_folder
+        check_folder(csv_dir, "--csv")
         loaded = load_scenario(scenario)
         announce = None if quiet else _announce
         if max_steps is not None:
@@ -229,6 +242,8 @@ def replay(
                                          help="rewrite the NAME.expected.json files and say what changed"),
     check_mode: CheckMode = typer.Option(CheckMode.full, "--check-mode", help="full | sampled | off"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write summary, checks and timings as JSON"),
+    junit: Optional[Path] = typer.Option(None, "--junit", help="with --check: write the verdicts as JUnit XML for CI "
+                                                             "(one test case per trace; bad traces are errors)"),
     kernels: str = typer.Option("reference", help="reference | triton | auto (reference by default: the golden "
                                                    "digests are the reference provider's)"),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
@@ -256,7 +271,9 @@ def replay(
         bugs = check_bugs(inject_bug)
         _check_kernels(kernels)
         _check_choice(device, ("auto", "cpu", "cuda"), "--device")
-        _writable(json_out, "--json")
+        _check_outputs((json_out, "--json"), (junit, "--junit"))
+        if junit is not None and not golden:
+            raise InputError("writes the golden gate's verdicts: use it with --check", "--junit")
         if update_expected:  # the expected files are what full checks of the reference kernels find
             clash = [flag for flag, on in ((f"--check-mode {check_mode.value}", check_mode != CheckMode.full),
                                            ("--inject-bug", bool(bugs)), (f"--kernels {kernels}", kernels != "reference"))
@@ -280,12 +297,22 @@ def replay(
 
             files = trace_files(traces)  # (a missing trace is refused before Ray starts)
             with ray_in_background(ray) as backend:  # (starting while the replay engine is named)
-                rows = check_traces(files, update=update_expected, jobs=jobs, ray=backend, per_gpu=per_gpu, **kw)
+                rows = check_traces(files, update=update_expected, jobs=jobs, ray=backend, per_gpu=per_gpu,
+                                    keep_going=junit is not None, **kw)
             out.print(golden_table(rows, update_expected))
             if json_out is not None:
                 _write_json(json_out, {"traces": [r.__dict__ for r in rows]})
+            if junit is not None:
+                from .junit import junit_xml
+                from .output_files import write_output
+                write_output(junit, "--junit", junit_xml(rows, files))
             if any(r.result in ("died", "error") for r in rows):
                 return 3
+            bad = [r for r in rows if r.result == "bad input"]  # (only with --junit: else the first stops the gate)
+            for r in bad:
+                err.print(f"[bold red]error:[/] {escape(r.differences[0])}", highlight=False)
+            if bad:
+                return 2
             return 0 if update_expected else (1 if any(r.result != "pass" for r in rows) else 0)
         from .replay import replay_trace
 
@@ -329,8 +356,8 @@ def sweep(
             raise InputError("give --workers (local pool) or --ray (Ray decides), not both", "--workers")
         if ray is not None and not ray.strip():
             raise InputError("give auto or a cluster address", "--ray")
-        if out_dir.exists() and not out_dir.is_dir():
-            raise InputError(f"{out_dir} exists and is not a folder", "--out")
+        from .output_files import check_folder
+        check_folder(out_dir, "--out")  # (before any work: a folder that cannot be made is exit 2)
         from .sweep.jobs import exit_on_signals
         exit_on_signals()  # (workers stopped, results.parquet written, exit 143)
         if ray is None:
@@ -441,7 +468,7 @@ def shrink(
         from .shrink import shrink_trace
 
         bugs = check_bugs(inject_bug) if inject_bug else None
-        _writable(out_path, "--out")
+        _check_outputs((out_path, "--out"))
         with err.status("shrinking: replaying the trace to its first failure") as status:
             def progress(phase: str, tests: int, steps: int, reqs: int) -> None:
                 status.update(f"shrinking ({phase}): candidate {tests}; smallest failing so far: {steps} steps, "
@@ -537,7 +564,7 @@ def fidelity(
         from .fidelity import run_fidelity
         from .report import fidelity_table
 
-        _writable(json_out, "--json")
+        _check_outputs((json_out, "--json"))
         reports = [run_fidelity(str(r)) for r in recordings]
         for rep in reports:
             out.print(fidelity_table(rep))
@@ -559,7 +586,7 @@ def convert(
     def body() -> int:
         from .convert import convert_recording
 
-        _writable(out_path, "--out")
+        _check_outputs((out_path, "--out"))
         n = convert_recording(recording, out_path)
         out.print(f"wrote {out_path}: {n} steps")
         return 0

@@ -536,13 +536,9 @@ class _LineMap:
     def __init__(self, text: str, source: str):
         self.source = source
         self.lines: dict[tuple, int] = {}
-        try:
-            node = yaml.compose(text)
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f"{source}:{mark.line + 1}" if mark is not None else source
-            problem = getattr(e, "problem", None) or str(e)
-            raise InputError(f"not valid YAML: {problem}", where) from None
+        from .safe_load import compose_yaml
+
+        node = compose_yaml(text, source)  # (hostile documents refused: safe_load)
         if node is not None:
             self._walk(node, ())
 
@@ -631,8 +627,10 @@ def _format_pydantic(e: ValidationError, raw: Any, lines: _LineMap) -> InputErro
 
 
 def parse_scenario(text: str, source: str = "<scenario>", base_dir: Path | None = None) -> "LoadedScenario":
+    from .safe_load import load_yaml
+
     lines = _LineMap(text, source)
-    raw = yaml.safe_load(text)
+    raw = load_yaml(text, source)
     if not isinstance(raw, dict):
         raise InputError("a scenario is a YAML mapping (name, model, cache, workload, ...)", source)
     try:

@@ -8,6 +8,7 @@ import pandas as pd
 
 from .checks import Checks
 from .errors import EnvironmentProblem
+from .output_files import make_folder, open_output
 
 
 def steps_frame(records) -> pd.DataFrame:
@@ -26,15 +27,17 @@ def checks_frame(checks: Checks) -> pd.DataFrame:
                                        "first_failure_step", "first_failure_request", "first_failure"])
 
 
-def write_csv(folder: Path, records, checks: Checks) -> list[Path]:
-    folder.mkdir(parents=True, exist_ok=True)
+def write_csv(folder: Path, records, checks: Checks, flag: str = "--csv") -> list[Path]:
+    """steps.csv and checks.csv, each written safely (output_files: a link followed, a pipe streamed)."""
+    make_folder(folder, flag)
     out = [folder / "steps.csv", folder / "checks.csv"]
-    steps_frame(records).to_csv(out[0], index=False)
-    checks_frame(checks).to_csv(out[1], index=False)
+    for path, frame in zip(out, (steps_frame(records), checks_frame(checks))):
+        with open_output(path, flag) as f:
+            frame.to_csv(f, index=False)
     return out
 
 
-def plot_timeline(records, path: Path, title: str) -> None:
+def plot_timeline(records, path: Path, title: str, flag: str = "--plot") -> None:
     """Four stacked panels sharing the step axis: tokens (prefill vs decode), requests
     (running vs waiting), blocks in use, and state copies with step time."""
     try:
@@ -75,5 +78,10 @@ def plot_timeline(records, path: Path, title: str) -> None:
     for a in ax:
         a.grid(axis="y", alpha=0.3)
     fig.suptitle(title)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    kind = Path(path).suffix.lstrip(".").lower()  # (the format the name asks for; PNG for "-" or no suffix)
+    kind = kind if kind in fig.canvas.get_supported_filetypes() else "png"
+    try:
+        with open_output(path, flag, binary=True) as f:
+            fig.savefig(f, dpi=110, format=kind)
+    finally:
+        plt.close(fig)

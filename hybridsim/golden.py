@@ -50,8 +50,10 @@ class GoldenRow:
     trace: str
     steps: int
     comparisons: int
-    result: str  # pass | FAIL | updated | unchanged | no expected file
+    result: str  # pass | FAIL | updated | unchanged | no expected file | bad input (with keep_going)
     differences: list[str] = field(default_factory=list)
+    first_failures: dict[str, str] = field(default_factory=dict)  # failing check -> its first divergence
+    wall_s: float = 0.0
 
 
 def traces_in(folder: Path) -> list[Path]:
@@ -77,21 +79,40 @@ def trace_files(paths: list[Path]) -> list[Path]:
 
 
 def _read_expected(path: Path) -> dict:
+    from .safe_load import load_json
+
+    text = read_text(path)
     try:
-        return json.loads(read_text(path))
+        return json.loads(text)
     except json.JSONDecodeError as e:
         raise not_json(e, f"{path}:{e.lineno}") from None
+    except (ValueError, RecursionError):  # (a number too long, nested too deeply: safe_load names them)
+        return load_json(text, str(path))
 
 
 def check_traces(paths: list[Path], update: bool = False, jobs: int = 1, ray: str | RayBackend | None = None,
-                 per_gpu: int = 1, **replay_kw) -> list[GoldenRow]:
+                 per_gpu: int = 1, keep_going: bool = False, **replay_kw) -> list[GoldenRow]:
     """Replay each trace (files, or folders of them) and compare it with its NAME.expected.json;
     with ``jobs`` > 1 or ``ray``, the traces fan out over processes or Ray tasks (rows in trace order).
-    ``ray``, ``per_gpu``: see ``sweep.run.backend_for``."""
+    ``ray``, ``per_gpu``: see ``sweep.run.backend_for``. A trace that is bad input stops the gate with
+    its message; with ``keep_going`` (a JUnit report wants every trace) it is a row of its own."""
     traces = trace_files(paths)
     if jobs <= 1 and ray is None:
-        return [check_one(GoldenTask(t, update, replay_kw)) for t in traces]
-    return _fan_out(traces, update, jobs, ray, per_gpu, replay_kw)
+        return [_checked(GoldenTask(t, update, replay_kw), keep_going) for t in traces]
+    return _fan_out(traces, update, jobs, ray, per_gpu, replay_kw, keep_going)
+
+
+def _checked(task: GoldenTask, keep_going: bool) -> GoldenRow:
+    if not keep_going:
+        return check_one(task)
+    try:
+        return check_one(task)
+    except InputError as e:
+        return bad_input_row(task.trace, str(e))
+
+
+def bad_input_row(trace: Path, message: str) -> GoldenRow:
+    return GoldenRow(trace.name, 0, 0, "bad input", [message])
 
 
 @dataclass(frozen=True)
@@ -110,20 +131,29 @@ def check_one(task: GoldenTask) -> GoldenRow:
     got = expected_of(res)
     exp_path = trace.with_name(trace.name[: -len(".jsonl")] + ".expected.json")
     comparisons = sum(t.count for t in res.checks.tallies.values())
+    failing = sorted((t for t in res.checks.tallies.values() if t.first_failure is not None),
+                     key=lambda t: (t.name != "sched.recorded", t.first_failure.step))  # (earliest first)
+    first = {t.name: _divergence(t) for t in failing}
     if update:
         old = _read_expected(exp_path) if exp_path.exists() else None
         diffs = ["created"] if old is None else _diff(old, got)
-        tmp = exp_path.with_name(exp_path.name + ".partial")
-        tmp.write_text(json.dumps(got, indent=2, sort_keys=True) + "\n")
-        tmp.replace(exp_path)
+        from .output_files import write_output
+        write_output(exp_path, "--update-expected", json.dumps(got, indent=2, sort_keys=True) + "\n")
         return GoldenRow(trace.name, res.steps, comparisons, "updated" if diffs else "unchanged", diffs)
     if not exp_path.exists():
         return GoldenRow(trace.name, res.steps, comparisons, "no expected file",
-                         [f"run with --update-expected to create {exp_path.name}"])
+                         [f"run with --update-expected to create {exp_path.name}"], first, res.wall_s)
     want = _read_expected(exp_path)
     diffs = _diff(want, got)
     failed = [f"{t.name}: {t.failures} failures" for t in res.checks.tallies.values() if t.failures]
-    return GoldenRow(trace.name, res.steps, comparisons, "FAIL" if diffs or failed else "pass", diffs + failed)
+    return GoldenRow(trace.name, res.steps, comparisons, "FAIL" if diffs or failed else "pass", diffs + failed,
+                     first, res.wall_s)
+
+
+def _divergence(tally) -> str:
+    """A check's first failure in one line: where (step, request) and what."""
+    f = tally.first_failure
+    return f"step {f.step}" + (f", request {f.request}" if f.request is not None else "") + f": {f.message}"
 
 
 def _cost(trace: Path) -> int:
@@ -137,7 +167,7 @@ def _cost(trace: Path) -> int:
 
 
 def _fan_out(traces: list[Path], update: bool, jobs: int, ray: str | RayBackend | None, per_gpu: int,
-             replay_kw: dict) -> list[GoldenRow]:
+             replay_kw: dict, keep_going: bool = False) -> list[GoldenRow]:
     """The traces as jobs of the sweep backends: a bad trace is the same one message (exit 2) as
     serially; a trace whose worker died twice is a row of its own (``died``, exit 3)."""
     from .errors import EnvironmentProblem
@@ -153,6 +183,8 @@ def _fan_out(traces: list[Path], update: bool, jobs: int, ray: str | RayBackend 
             i = int(o.key)
             if o.kind == OK:
                 rows[i] = o.value
+            elif o.kind == INPUT and keep_going:
+                rows[i] = bad_input_row(traces[i], o.message)
             elif o.kind == INPUT:
                 raise InputError(o.message)
             elif o.kind == ENVIRONMENT:

@@ -22,6 +22,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
+from pydantic import ValidationError
+
 from .checks import Checks
 from .config import Scenario
 from .errors import InputError
@@ -30,7 +32,7 @@ from .outputs import RecordedContinuation
 from .sched.plan import StepOutcome, StepPlan
 from .simulate import Simulation
 from .sched.injected import SCHEDULER_BUGS, inject
-from .trace import Trace, header_dict, read_trace, write_trace
+from .trace import Trace, header_dict, read_trace, trace_in_memory, write_trace
 from .trace_verify import CHECK as VERIFY_CHECK, verify_trace
 from .workload.base import Workload, WorkloadRequest
 
@@ -204,7 +206,10 @@ def shrink_trace(path: str | Path, out: str | Path, check: Optional[str] = None,
     tr = read_trace(path)
     header = tr.header
     bugs = set(bugs if bugs is not None else header.get("inject_bug", ()))
-    scenario = Scenario.model_validate(header["scenario"])
+    try:
+        scenario = Scenario.model_validate(header["scenario"])
+    except ValidationError as e:  # (as replay says it)
+        raise InputError(f"the header's scenario is invalid: {e.errors()[0]['msg']}", f"{path}:1") from None
     groups = header["groups"]
     records: Records = [(p, o) for _, p, o in tr.steps]
     wanted, ran = check, {VERIFY_CHECK}
@@ -262,7 +267,9 @@ def shrink_trace(path: str | Path, out: str | Path, check: Optional[str] = None,
     scenario_json = header["scenario"]
     if sh.scenario is not scenario:  # (faults left out or moved)
         scenario_json = scenario_json | {"faults": [f.model_dump(mode="json") for f in sh.scenario.faults]}
-    write_trace(out, header_dict(scenario_json, [], sorted(kept, key=lambda r: r.arrival_step), source,
-                                 tuple(sorted(bugs))) | {"groups": groups}, sh.records)
-    read_trace(out)  # the shrunk trace must itself be consistent
+    shrunk = header_dict(scenario_json, [], sorted(kept, key=lambda r: r.arrival_step), source,
+                         tuple(sorted(bugs))) | {"groups": groups}
+    # the shrunk trace must itself be consistent (checked before it is written: ``out`` may be a pipe)
+    trace_in_memory(out, shrunk, ((i + 2, p, o) for i, (p, o) in enumerate(sh.records)))
+    write_trace(out, shrunk, sh.records)
     return ShrinkResult(check, before_steps, len(sh.records), before_reqs, len(kept), sh.tests, Path(out))

@@ -33,7 +33,9 @@ import json
 from pathlib import Path
 from typing import IO, Iterator
 
-from .errors import InputError, not_json, not_text
+from .errors import InputError, not_text
+from .output_files import Output
+from .safe_load import bounded_lines, load_json
 from .sched.groups import GroupSpec
 from .sched.plan import PLACEHOLDER_DRAFT, ScheduledRequest, StepOutcome, StepPlan
 from .workload.base import WorkloadRequest
@@ -103,28 +105,24 @@ def step_dict(plan: StepPlan, outcome: StepOutcome) -> dict:
 
 
 class TraceWriter:
-    """Writes to ``path`` through a temporary file, renamed on close: an interrupted
-    run never leaves a truncated trace where a good one was."""
+    """Writes to ``path`` as ``output_files`` writes every output: a regular file through a
+    temporary file, renamed on close (an interrupted run never leaves a truncated trace where a good
+    one was); a pipe, a device or standard output (``-``) streamed."""
 
-    def __init__(self, path: str | Path, header: dict):
+    def __init__(self, path: str | Path, header: dict, flag: str = "--record"):
         self.path = Path(path)
-        self.tmp = self.path.with_name(self.path.name + ".partial")
-        try:
-            self.f: IO[str] = self.tmp.open("w")
-        except OSError as e:
-            raise InputError(f"cannot write the trace: {e.strerror}", str(self.path)) from None
-        self.f.write(_dumps(header) + "\n")
+        self.out = Output(path, flag)
+        self.out.open()
+        self.out.write(_dumps(header) + "\n")
 
     def write(self, plan: StepPlan, outcome: StepOutcome) -> None:
-        self.f.write(_dumps(step_dict(plan, outcome)) + "\n")
+        self.out.write(_dumps(step_dict(plan, outcome)) + "\n")
 
     def close(self) -> None:
-        self.f.close()
-        self.tmp.replace(self.path)
+        self.out.commit()
 
     def abort(self) -> None:
-        self.f.close()
-        self.tmp.unlink(missing_ok=True)
+        self.out.abort()
 
 
 # ----------------------------------------------------------------------------- reading
@@ -235,13 +233,10 @@ def _lines(path: Path) -> Iterator[tuple[int, dict]]:
     ln = 0
     with f:
         try:
-            for ln, line in enumerate(f, 1):
+            for ln, line in bounded_lines(f, str(path)):  # (hostile lines refused: safe_load)
                 if not line.strip():
                     continue
-                try:
-                    d = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise not_json(e, f"{path}:{ln}") from None
+                d = load_json(line, f"{path}:{ln}")
                 if not isinstance(d, dict):
                     raise InputError("each line is a JSON object", f"{path}:{ln}")
                 yield ln, d
@@ -434,10 +429,15 @@ def read_trace_requests(path: str | Path) -> Iterator[tuple[WorkloadRequest, int
                               r.get("priority", 0), r.get("output_seed", 0)), 1
 
 
-def write_trace(path: str | Path, header: dict, records: list[tuple[StepPlan, StepOutcome]]) -> None:
-    w = TraceWriter(path, header)
-    for plan, outcome in records:
-        w.write(plan, outcome)
+def write_trace(path: str | Path, header: dict, records: list[tuple[StepPlan, StepOutcome]],
+                flag: str = "--out") -> None:
+    w = TraceWriter(path, header, flag)
+    try:
+        for plan, outcome in records:
+            w.write(plan, outcome)
+    except BaseException:
+        w.abort()
+        raise
     w.close()
 
 

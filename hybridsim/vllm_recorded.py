@@ -17,7 +17,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from .config import Scenario
-from .errors import InputError, not_json, read_text
+from .errors import InputError
+from .safe_load import MAX_LINE_CHARS, read_json_lines
 from .outputs import RecordedContinuation, RecordedDrafts
 from .sched.groups import scenario_layout
 from .workload.base import Workload, WorkloadRequest
@@ -251,11 +252,11 @@ def is_vllm_recording(path: str | Path) -> bool:
     unreadable or not JSON answers False (the trace reader then names what is wrong)."""
     try:
         with Path(path).open("rb") as f:
-            for raw in f:
+            while raw := f.readline(MAX_LINE_CHARS + 1):  # (bounded: a hostile line is never held whole)
                 if raw.strip():
-                    d = json.loads(raw)
+                    d = json.loads(raw) if len(raw) <= MAX_LINE_CHARS else None
                     return isinstance(d, dict) and d.get("type") == "config" and "format" not in d
-    except (OSError, ValueError):  # (a folder, no such file, not JSON, not UTF-8)
+    except (OSError, ValueError, RecursionError):  # (a folder, no such file, not JSON, not UTF-8, too deep)
         pass
     return False
 
@@ -266,15 +267,7 @@ def load_recording(path: str | Path) -> Recording:
         raise InputError("no such file", str(p))
     if p.is_dir():
         raise InputError("is a folder, not a vLLM recording", str(p))
-    lines = read_text(p).splitlines()
-    parsed = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            parsed.append((i, json.loads(line)))
-        except json.JSONDecodeError as e:
-            raise not_json(e, f"{p}:{i}") from None
+    parsed = list(read_json_lines(p))  # (hostile lines refused: safe_load)
     if (len(parsed) < 2 or not all(isinstance(d, dict) for _, d in parsed)
             or parsed[0][1].get("type") != "config" or parsed[1][1].get("type") != "requests"):
         bad = next((i for i, d in parsed if not isinstance(d, dict)), None)

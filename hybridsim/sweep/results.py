@@ -14,7 +14,8 @@ from typing import Any, Optional
 
 import pandas as pd
 
-from ..errors import InputError
+from ..errors import EnvironmentProblem, InputError
+from ..output_files import open_output, write_output
 
 MEASURED = ["outcome", "exit_code", "steps", "requests", "finished", "checks_run", "checks_failed",
             "failed_checks", "first_divergence", "preemptions", "prefix_hit_tokens", "peak_blocks",
@@ -48,9 +49,7 @@ class ResultsFile:
         text = self.path.read_text()
         if text and not text.endswith("\n"):  # a row torn by an interrupted write: drop it
             text = text[: text.rfind("\n") + 1]
-            tmp = self.path.with_name(self.path.name + ".partial")
-            tmp.write_text(text)
-            tmp.replace(self.path)
+            write_output(self.path, "--out", text)
         if not text.strip():
             self.path.unlink()
             return
@@ -77,10 +76,14 @@ class ResultsFile:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         new = not self.path.exists()
         line = pd.DataFrame([row], columns=self.columns).to_csv(index=False, header=new, lineterminator="\n")
-        with open(self.path, "a") as f:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(self.path, "a") as f:
+                f.write(line)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:  # (a full disk: the rows before this one are whole)
+            raise EnvironmentProblem(f"cannot write {self.path} (--out): {e.strerror}; its earlier rows are "
+                                     "intact") from None
 
     def frame(self) -> pd.DataFrame:
         """Every row so far: numbers as numbers (missing: NaN), texts as texts (missing: empty)."""
@@ -108,14 +111,12 @@ def write_parquet(df: pd.DataFrame, out_dir: Path) -> Optional[str]:
     and removes a results.parquet left by an earlier run (under --resume it would hold fewer rows than
     results.csv)."""
     path = out_dir / "results.parquet"
-    tmp = path.with_name(path.name + ".partial")
     try:
-        df.astype({c: str for c in df.columns if _is_text(df[c])}).to_parquet(tmp, index=False)
+        with open_output(path, "--out", binary=True) as f:
+            df.astype({c: str for c in df.columns if _is_text(df[c])}).to_parquet(f, index=False)
     except ImportError:
-        tmp.unlink(missing_ok=True)
         if path.exists():
             path.unlink()
             return PARQUET_SKIPPED + " (the earlier results.parquet, now out of date, was removed)"
         return PARQUET_SKIPPED
-    tmp.replace(path)
     return None

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import pandas as pd
 
+from ..output_files import make_folder, write_output
 from .jobs import DIED, ENVIRONMENT, ERROR, INPUT, OK, Job, Outcome, runs_on_gpu
 from .pool import default_workers, run_local, visible_gpus
 from .results import ResultsFile, write_parquet
@@ -87,7 +88,7 @@ def run_sweep(sweep: Sweep, out_dir: Path, *, workers: Optional[int] = None,
     fn = cell_fn or run_cell
     jobs = [Job(c.label, fn, CellTask(c, tuple(sweep.bugs), record_failures), runs_on_gpu(c.raw.get("execution", {})))
             for c in todo]
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_folder(out_dir, "--out")
     t0 = perf_counter()
     try:
         with backend_for(workers, ray, per_gpu) as (run, name, start_s):
@@ -97,8 +98,8 @@ def run_sweep(sweep: Sweep, out_dir: Path, *, workers: Optional[int] = None,
                 text = row.pop(TRACE_KEY, None)
                 if text is not None:
                     path = out_dir / "failures" / f"{cell.slug}.jsonl"
-                    path.parent.mkdir(exist_ok=True)
-                    path.write_text(text)
+                    make_folder(path.parent, "--out")
+                    write_output(path, "--out", text)
                     row["trace"] = str(path.relative_to(out_dir))
                 results.append(row)
                 if on_row is not None:

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..config import LoadedScenario, Scenario, _format_pydantic, _LineMap
 from ..errors import InputError, read_text
+from ..safe_load import load_yaml
 
 
 class SweepFile(BaseModel):
@@ -135,7 +135,7 @@ def load_sweep(path: str | Path) -> Sweep:
         raise InputError("no such sweep file" if not p.exists() else "is a folder, not a sweep file", str(p))
     text = read_text(p)
     lines = _LineMap(text, str(p))
-    raw = yaml.safe_load(text)
+    raw = load_yaml(text, str(p))
     if not isinstance(raw, dict):
         raise InputError("a sweep file is a YAML mapping (base, grid, seeds, zip, exclude)", str(p))
     try:
@@ -151,7 +151,7 @@ def load_sweep(path: str | Path) -> Sweep:
         raise InputError(f"base: no such scenario file {base}", lines.where(("base",)))
     base_text = read_text(base)
     base_lines = _LineMap(base_text, str(base))
-    base_raw = yaml.safe_load(base_text)
+    base_raw = load_yaml(base_text, str(base))
     if not isinstance(base_raw, dict):
         raise InputError("a scenario is a YAML mapping (name, model, cache, workload, ...)", str(base))
     if spec.inject_bug:

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..config import StepsArrival, TimestampArrival, TraceWorkload
 from ..errors import InputError
+from ..safe_load import bounded_lines
 from .base import Workload, WorkloadRequest
 from .synthetic import arrival_steps
 from .tokens import combine, combine_many, token_block, token_rows
@@ -49,7 +50,7 @@ def _read_jsonl(path: Path, limit: int | None, what: str, expected: str, row_of)
     such a record is one message naming it (``what`` it should be, the ``expected`` keys)."""
     rows = []
     with path.open() as f:
-        for ln, line in enumerate(f, 1):
+        for ln, line in bounded_lines(f, str(path)):  # (hostile lines refused: safe_load)
             if not line.strip():
                 continue
             try:
@@ -57,6 +58,8 @@ def _read_jsonl(path: Path, limit: int | None, what: str, expected: str, row_of)
                 if not isinstance(d, dict):
                     raise TypeError("a record must be a JSON object")
                 rows.append(row_of(d, ln))
+            except RecursionError:
+                raise InputError(f"not {what} (nested too deeply); expected {expected}", f"{path}:{ln}") from None
             except (ValueError, KeyError, TypeError) as e:
                 raise InputError(f"not {what} ({type(e).__name__}: {e}); expected {expected}", f"{path}:{ln}") from None
             if limit and len(rows) >= limit:
