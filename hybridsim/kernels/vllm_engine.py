@@ -284,20 +284,35 @@ class VllmKernels(TritonKernels):
         low = cache.dtype in (torch.bfloat16, torch.float16)
         q = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1).to(cache.dtype if low else torch.float32)
         q = q.reshape(B * nq, H, -1).contiguous()
-        lens = seq_lens.to(dev, torch.int32)
-        table = block_table.to(dev, torch.int32)
-        if nq > 1:
-            table = table.repeat_interleave(nq, dim=0)
-            lens = (lens[:, None] + torch.arange(1 - nq, 1, device=dev, dtype=torch.int32)).flatten().clamp_min(0)
-        splits = num_splits if num_splits > 0 else self._mla_splits(
-            int(seq_lens.max()) if max_seq_len is None else int(max_seq_len), dev)
+        table, lens, splits = self.prepare_mla_decode(q_lat, q_pe, cache, block_table, seq_lens, kv_lora_rank, scale,
+                                                      num_splits, max_seq_len)
         o = self._out((B * nq, H, L), torch.float32, dev)
         lse = self._out((B * nq, H), torch.float32, dev)
         logits = torch.empty((B * nq, H, splits, L + 1), dtype=torch.float32, device=dev)
         kv = cache.unsqueeze(2)  # (blocks, page, 1 head, L + R)
-        self.fns["mla_decode"](q, kv, kv[..., :L], o, lse, table.contiguous(), lens.contiguous(), logits, splits,
+        self.fns["mla_decode"](q, kv, kv[..., :L], o, lse, table, lens, logits, splits,
                                float(scale), cache.shape[1], is_mla=True)
         return o.view(B, nq, H, L), lse.view(B, nq, H)
+
+    def prepare_mla_decode(self, q_lat, q_pe, cache, block_table, seq_lens, kv_lora_rank, scale, num_splits=0,
+                           max_seq_len=None, **_):
+        """The engine's decode metadata for a call (int32 block table and per-row key extents, one
+        row per query token; the split count), made before the call's timing starts and kept for
+        the call (keyed by identity)."""
+        key = (id(block_table), id(seq_lens), q_lat.shape[1], num_splits, max_seq_len)
+        kept = getattr(self, "_mla_meta", None)
+        if kept is None or kept[0] != key:
+            dev, nq = cache.device, q_lat.shape[1]
+            lens = (seq_lens.to(dev, torch.int32) if seq_lens.device == dev else upload(seq_lens, dev, torch.int32))
+            table = (block_table.to(dev, torch.int32) if block_table.device == dev
+                     else upload(block_table, dev, torch.int32))
+            if nq > 1:
+                table = table.repeat_interleave(nq, dim=0)
+                lens = (lens[:, None] + torch.arange(1 - nq, 1, device=dev, dtype=torch.int32)).flatten().clamp_min(0)
+            splits = num_splits if num_splits > 0 else self._mla_splits(
+                int(seq_lens.max()) if max_seq_len is None else int(max_seq_len), dev)
+            self._mla_meta = kept = (key, (table.contiguous(), lens.contiguous(), splits), (block_table, seq_lens))
+        return kept[1]
 
     def _mla_splits(self, max_len: int, dev: torch.device) -> int:
         """The split count the engine's Triton MLA backend picks for this length and card (its own
