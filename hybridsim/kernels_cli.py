@@ -77,7 +77,7 @@ def check_provider(name: str, device: str, only: tuple[str, ...], quick: bool, s
     for col in ("op", "runs", "cases", "worst", "verdict"):
         t.add_column(col, justify="right" if col in ("cases", "worst") else "left")
     if dev.type == "cuda":
-        t.add_column("median time", justify="right")
+        t.add_column("median time (after a warm-up call)", justify="right")
     failed = 0
     for r in checker.run(only):
         failed += r.failed

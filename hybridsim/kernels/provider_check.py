@@ -121,6 +121,7 @@ class Checker:
     def _timed(self, fn: Callable[[], object]):
         if self.dev.type != "cuda":
             return fn(), None
+        fn()  # a warm-up call (each case's shapes compile once); every case's op leaves the same result twice
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         out = fn()
