@@ -2,7 +2,7 @@
 # One device call: GPU tests, kernel benchmarks, and scenarios executed with the Triton provider on
 # the GPU, each printing its tables. Carry .whl (pydantic and its needs; the image lacks them):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl pydantic==...
-# WHAT: comma list of tests, bench, tiny, real, scale, units (default tests,real).
+# WHAT: comma list of tests, bench, tiny, real, scale, units, vllm (default tests,real).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}
@@ -11,11 +11,20 @@ if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PWD:/tmp/site
 fi
+if [ -f .gpu-carry/vllm_py.tgz ]; then  # vLLM's Python files (bench/pack_vllm_for_device.sh), for --kernels vllm
+  mkdir -p /tmp/vl && tar -xzf .gpu-carry/vllm_py.tgz -C /tmp/vl && export PYTHONPATH=$PYTHONPATH:/tmp/vl
+fi
 python3 -c "import torch,triton;print(torch.cuda.get_device_name(0), torch.__version__, triton.__version__)"
 run() { timeout "$1" python3 -m hybridsim.cli run "scenarios/$2.yaml" --kernels triton --device cuda "${@:3}"; }
 if [[ $WHAT == *tests* ]]; then
   python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_probe.py tests/test_kernels_triton.py tests/test_paged_attention.py tests/test_ceilings.py \
     tests/test_gpu_run.py tests/test_block_copy.py tests/test_partial_exec.py 2>&1 | tail -15 | tee $OUT/gpu_tests.log
+fi
+if [[ $WHAT == *vllm* ]]; then  # the engine's kernels: each op against the reference, then both Mooncake runs
+  python3 -m hybridsim kernels check vllm --device cuda 2>&1 | tee $OUT/check_vllm.txt | tail -20
+  for s in nemotron_h_8b_mooncake deepseek_v3_mooncake; do
+    run 330 $s --kernels vllm --json $OUT/run_${s}_vllm.json 2>&1 | tail -40; echo "$s exit=${PIPESTATUS[0]}"  # (the later --kernels wins)
+  done 2>&1 | tee $OUT/vllm.log
 fi
 if [[ $WHAT == *bench* ]]; then
   python3 bench/bench_kernels.py --out $OUT/kernels.json ${BENCH_ARGS:-} 2>&1 | tail -40

@@ -84,8 +84,6 @@ def verify_recorded(path: str | Path) -> Verified:
         scenario = Scenario.model_validate(tr.header["scenario"])
     except ValidationError as e:
         raise InputError(f"the header's scenario is invalid: {e.errors()[0]['msg']}", f"{path}:1") from None
-    if check != "off":
-        _refuse_uncopied_hits(tr.steps, scenario.cache.block_size, path)
     checks = Checks()
     t0 = perf_counter()
     ok = verify_trace(tr, scenario, checks)  # (first: ``sched.recorded`` leads the checks table)
@@ -98,6 +96,8 @@ def replay_trace(path: str | Path, *, check: str = "full", bugs: Optional[set[st
     """``strict_bugs``: a bug in a layer kind this trace's model lacks is bad input (one trace named);
     else (a folder, a golden gate) a note on this trace."""
     v = verify_recorded(path)
+    if check != "off":  # (a recording from before block copies were recorded: its partial hits cannot execute)
+        _refuse_uncopied_hits(v.trace.steps, v.scenario.cache.block_size, path)
     tr, scenario, checks, notes, t_verify = v.trace, v.scenario, v.checks, v.notes, v.seconds
     if not v.ok:  # (executing a schedule the engine could not have made proves nothing more)
         notes.append(f"the recorded schedule breaks the engine's rules ({VERIFY_CHECK}): no step was executed")

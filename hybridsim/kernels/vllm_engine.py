@@ -290,8 +290,9 @@ class VllmKernels(TritonKernels):
         lse = self._out((B * nq, H), torch.float32, dev)
         logits = torch.empty((B * nq, H, splits, L + 1), dtype=torch.float32, device=dev)
         kv = cache.unsqueeze(2)  # (blocks, page, 1 head, L + R)
+        one = self._unit_scale(dev)  # (the engine passes its layer's scales; unscaled: a bf16 cache)
         self.fns["mla_decode"](q, kv, kv[..., :L], o, lse, table, lens, logits, splits,
-                               float(scale), cache.shape[1], is_mla=True)
+                               float(scale), cache.shape[1], k_scale=one, v_scale=one, is_mla=True)
         return o.view(B, nq, H, L), lse.view(B, nq, H)
 
     def prepare_mla_decode(self, q_lat, q_pe, cache, block_table, seq_lens, kv_lora_rank, scale, num_splits=0,
@@ -313,6 +314,15 @@ class VllmKernels(TritonKernels):
                 int(seq_lens.max()) if max_seq_len is None else int(max_seq_len), dev)
             self._mla_meta = kept = (key, (table.contiguous(), lens.contiguous(), splits), (block_table, seq_lens))
         return kept[1]
+
+    def _unit_scale(self, dev: torch.device) -> torch.Tensor:
+        """A float32 1.0 kept on the device (made per call, it would be an upload that waits for
+        the device's queue)."""
+        kept = getattr(self, "_ones", {})
+        if dev not in kept:
+            kept[dev] = torch.ones((), dtype=torch.float32, device=dev)
+            self._ones = kept
+        return kept[dev]
 
     def _mla_splits(self, max_len: int, dev: torch.device) -> int:
         """The split count the engine's Triton MLA backend picks for this length and card (its own
@@ -336,7 +346,7 @@ class VllmKernels(TritonKernels):
             return super().reshape_and_cache(key, value, slots, k_cache, v_cache)
         if key.shape[0] == 0:
             return self._count("reshape_and_cache", True)
-        one = torch.ones((), dtype=torch.float32, device=k_cache.device)
+        one = self._unit_scale(k_cache.device)
         fn = self.fns["reshape_and_cache"]
         if not self._first_call("reshape_and_cache", lambda: fn(
                 key.to(k_cache.device, k_cache.dtype), value.to(v_cache.device, v_cache.dtype), k_cache, v_cache,
