@@ -424,7 +424,7 @@ def sweep(
 
 
 def _check_kernels(value: Optional[str]) -> None:
-    from .kernels import provider_names
+    from .kernel_registry import provider_names
 
     _check_choice(value, ("auto", *provider_names()), "--kernels")
 

@@ -350,7 +350,7 @@ class ExecutionSection(_Strict):
     @field_validator("kernels")
     @classmethod
     def _known_provider(cls, v: str) -> str:
-        from .kernels import provider_names
+        from .kernel_registry import provider_names
 
         names = ("auto", *provider_names())
         if v not in names:

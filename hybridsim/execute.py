@@ -10,7 +10,7 @@ from .checks import Checks
 from .config import Scenario
 from .engine.executor import Executor, GroupInfo
 from .errors import EnvironmentProblem, InputError
-from .kernels import get_kernels
+from .kernel_registry import get_kernels
 
 def resolve_device(requested: str) -> str:
     if requested == "cuda" and not torch.cuda.is_available():
@@ -24,7 +24,7 @@ def resolve_kernels(requested: str, notes: list[str]):
     try:
         return get_kernels(requested)
     except KeyError:
-        from .kernels import provider_names
+        from .kernel_registry import provider_names
         raise InputError(f"no kernel provider {requested!r} (this environment has: auto, "
                          f"{', '.join(provider_names())}; `hybridsim kernels` lists them)", "--kernels") from None
     except ImportError as e:
@@ -34,7 +34,7 @@ def resolve_kernels(requested: str, notes: list[str]):
 def provenance_notes(k) -> list[str]:
     """Whose code each op of a provider that mixes sources ran (the vLLM provider's bindings and
     their fallbacks), with its calls: one note per op, engine ops first."""
-    from .kernels import op_sources
+    from .kernel_registry import op_sources
 
     counts = getattr(k, "call_counts", None)
     if counts is None:

@@ -12,7 +12,7 @@ from .errors import EnvironmentProblem, InputError
 
 
 def _load(name: str):
-    from .kernels import get_kernels, providers
+    from .kernel_registry import get_kernels, providers
 
     if name not in providers():
         raise InputError(f"no kernel provider {name!r}; `hybridsim kernels` lists them "
@@ -25,7 +25,7 @@ def _load(name: str):
 
 def providers_table() -> Table:
     """One row per (provider, op): which code runs it here. A provider that cannot load here says why."""
-    from .kernels import OPS, op_sources, providers
+    from .kernel_registry import OPS, op_sources, providers
 
     t = Table(title="kernel providers", caption="plugins register in the entry-point group hybridsim.kernels; "
                                                 "`hybridsim kernels check NAME` holds one to the reference")
@@ -56,7 +56,7 @@ def check_provider(name: str, device: str, only: tuple[str, ...], quick: bool, s
     import torch
 
     from .execute import resolve_device
-    from .kernels import OPS, op_sources
+    from .kernel_registry import OPS, op_sources
     from .kernels.provider_check import Checker
 
     bad = [op for op in only if op not in OPS]
