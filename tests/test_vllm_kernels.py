@@ -64,11 +64,11 @@ def test_tiny_scenarios_run_clean_with_the_engines_kernels(scenario, steps):
     assert "ran the engine's kernel" in r.stdout
 
 
-@pytest.mark.parametrize("bug, scenario, check", [
-    ("no_conv_shift_on_accept", "spec_decode", "ssm.running_state"),
-    ("lse_base2", "mla_long_context", "mla.output"),
+@pytest.mark.parametrize("bug, scenario, steps, check", [
+    ("no_conv_shift_on_accept", "spec_decode", 12, "ssm.running_state"),
+    ("lse_base2", "mla_long_context", 2, "mla.output"),  # (caught at its first step)
 ])
-def test_injected_bugs_are_caught_under_the_engines_kernels(bug, scenario, check):
-    r = hs("run", SCENARIOS / f"{scenario}.yaml", "--kernels", "vllm", "--inject-bug", bug, "--max-steps", 12)
+def test_injected_bugs_are_caught_under_the_engines_kernels(bug, scenario, steps, check):
+    r = hs("run", SCENARIOS / f"{scenario}.yaml", "--kernels", "vllm", "--inject-bug", bug, "--max-steps", steps)
     assert r.returncode == 1, r.stdout[-4000:] + r.stderr[-3000:]
     assert check in r.stdout
