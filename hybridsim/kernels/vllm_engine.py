@@ -129,6 +129,8 @@ class VllmKernels(TritonKernels):
                 self.why_not[op] = f"{mod}.{fn} cannot be loaded here ({type(e).__name__}: {e})"
         self.calls: dict[str, list[int]] = {}  # op -> [engine calls, hybridsim calls]
         self.fallback_reasons: dict[str, int] = {}  # why state copies ran hybridsim's op -> calls
+        self.tried: set[str] = set()  # ops whose engine function has run once (``_first_call``)
+        self.split_note: str | None = None  # why MLA decode uses a fixed split count, where it does
 
     # ------------------------------------------------------------------ provenance
     def op_sources(self) -> dict[str, str]:
@@ -139,7 +141,7 @@ class VllmKernels(TritonKernels):
             if op in self.fns:
                 mod, fn = ENGINE_OPS[op]
                 out[op] = f"vLLM {self.version}: {mod}.{fn}" + (
-                    f" ({self.why_not[op + ' splits']})" if op + " splits" in self.why_not else "")
+                    f" ({self.split_note})" if op == "mla_decode" and self.split_note else "")
             else:
                 out[op] = f"hybridsim triton ({self.why_not.get(op, 'not bound')})"
         return out
@@ -156,7 +158,8 @@ class VllmKernels(TritonKernels):
         here (its wrapper asks the GPU for its compute capability, say): then the op is hybridsim's
         from now on, with the reason kept, and False tells the caller to run its own op (which
         rewrites whatever the failed call wrote). A later failure is raised: it is a finding."""
-        first = op not in self.calls
+        first = op not in self.tried  # (an empty call counts but does not run the function)
+        self.tried.add(op)
         try:
             call()
         except Exception as e:  # noqa: BLE001 (any failure of a first call means "cannot run here")
@@ -334,7 +337,7 @@ class VllmKernels(TritonKernels):
                 self._split_rule = _compute_num_kv_splits
             except Exception as e:  # noqa: BLE001 (the backend module pulls in much of the engine)
                 self._split_rule = None
-                self.why_not["mla_decode splits"] = f"4 splits (the engine's split rule did not load: {e})"
+                self.split_note = f"4 splits (the engine's split rule did not load: {e})"
         if self._split_rule is None:
             return 4
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
