@@ -53,6 +53,8 @@ def main() -> None:
     ap.add_argument("--timed", type=int, default=0, help="first, this many runs without the profiler, each timed")
     ap.add_argument("--sync-debug", action="store_true", help="also count the host-device syncs per source line")
     ap.add_argument("--cuda-profile", action="store_true", help="also print device time per operator")
+    ap.add_argument("--sync-phases", action="store_true",
+                    help="also a run whose phase timers wait for the device at every boundary: each phase's own device time")
     a = ap.parse_args()
     res, first = once(a.scenario, a.max_steps, a.kernels, a.device)
     if a.cuda_profile:  # device time by operator (a third run, so host timings stay clean)
@@ -63,6 +65,25 @@ def main() -> None:
     for k in range(a.timed):  # cProfile slows a host-bound loop: these are the honest numbers
         r, _ = once(a.scenario, a.max_steps, a.kernels, a.device)
         print(f"timed run {k + 1}: whole loop {r.wall_s:.3f} s = {1e3 * r.wall_s / r.stats.steps:.1f} ms/step; "
+              + ", ".join(f"{t['phase']} {1e3 * t['total_s'] / r.stats.steps:.1f}" for t in r.timings) + " ms/step")
+    if a.sync_phases and torch.cuda.is_available():
+        # the engine's phase timers read the clock after the device has finished what was queued:
+        # each phase then holds its own device time, not whichever phase waits for it later
+        import hybridsim.engine.attn_exec as ae
+        import hybridsim.engine.mamba_exec as me
+        import hybridsim.engine.mla_exec as mle
+        import hybridsim.engine.verdicts as ve
+
+        def synced() -> float:
+            torch.cuda.synchronize()
+            return perf_counter()
+        mods = (ae, me, mle, ve)
+        for m in mods:
+            m.perf_counter = synced
+        r, _ = once(a.scenario, a.max_steps, a.kernels, a.device)
+        for m in mods:
+            m.perf_counter = perf_counter
+        print(f"synced phases: whole loop {r.wall_s:.3f} s = {1e3 * r.wall_s / r.stats.steps:.1f} ms/step; "
               + ", ".join(f"{t['phase']} {1e3 * t['total_s'] / r.stats.steps:.1f}" for t in r.timings) + " ms/step")
     if a.sync_debug:  # a run with torch's sync warnings on: which lines make the host wait
         import collections
