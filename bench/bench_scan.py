@@ -59,7 +59,7 @@ def ceiling_rate(programs: int = 132 * 16, steps: int = 512) -> float:
     return programs * steps * 32 * 128 / t
 
 
-def case(tab, rows: int, tokens: int, compare: bool):
+def case(tab, rows: int, tokens: int, compare: bool, **kw):
     """rows x tokens through all layers; each row starts from a cached state and writes the state
     after every token (decode rows) or after its last (prefill rows); pages as the engine's slots."""
     L, K, dim = tab.layers, tab.K, tab.dim
@@ -80,16 +80,16 @@ def case(tab, rows: int, tokens: int, compare: bool):
     window = torch.randint(0, Q, (rows, L, K - 1, dim), device="cuda", dtype=torch.float32)
     y = torch.empty(rows * tokens, L, tab.H * tab.P, dtype=torch.int32, device="cuda")
     starts = torch.arange(rows, device="cuda") * tokens
-    kw = dict(y_out=y)
+    opts, kw = kw, dict(y_out=y)
     if compare:  # as the oracle runs: the system's outputs and states are there and agree
         state = (conv.clone(), temporal.clone())  # the oracle's own copy of the starting states
         ref, _ = b.build(window, conv, temporal, slot, "cuda", y_start=starts, y_out=y)
-        scan_triton(tab, ref)  # the system under test writes its states and outputs
+        scan_triton(tab, ref, **opts)  # the system under test writes its states and outputs
         kw = dict(cmp=(conv, temporal, slot), y_ref=y)
         conv, temporal = state
     ln, _ = b.build(window, conv, temporal, slot, "cuda", y_start=starts, **kw)
-    scan_triton(tab, ln)  # compile
-    t = triton.testing.do_bench(lambda: scan_triton(tab, ln), warmup=50, rep=400, return_mode="median") * 1e-3
+    scan_triton(tab, ln, **opts)  # compile
+    t = triton.testing.do_bench(lambda: scan_triton(tab, ln, **opts), warmup=20, rep=200, return_mode="median") * 1e-3
     elem = rows * tokens * L * tab.H * tab.P * tab.N
     page = tab.H * tab.P * tab.N * 4
     writes = sum(len(range(tokens) if tokens <= 4 else [0]) for _ in range(rows))
@@ -108,9 +108,17 @@ def main() -> None:
     dev = torch.cuda.get_device_name()
     print(f"{dev}, {date.today()}: update ceiling {ceil / 1e12:.2f} T element-updates/s; {rates.line()}")
     rows = []
-    for name, r, n, cmp in (("decode 128 rows x 4 tokens", 128, 4, False), ("decode, oracle mode", 128, 4, True),
-                            ("prefill 4 rows x 1024 tokens", 4, 1024, False), ("prefill 32 x 128", 32, 128, False)):
-        t, elem, read, written = case(tab, r, n, cmp)
+    cases = [("decode 128 rows x 4 tokens", 128, 4, False, {}), ("decode, oracle mode", 128, 4, True, {})]
+    for bt, warps in ((64, 4), (32, 4), (128, 8)):  # chunked (tensor cores): tile sweep
+        kw = dict(chunk_tokens=bt, chunk_warps=warps)
+        cases += [(f"prefill 4 x 1024, chunks of {bt}, {warps} warps", 4, 1024, False, kw),
+                  (f"prefill 4 x 1024, oracle mode, chunks of {bt}, {warps} warps", 4, 1024, True, kw)]
+    cases += [("prefill 32 x 128 (chunked)", 32, 128, False, {}),
+              ("prefill 4 x 1024, token by token", 4, 1024, False, dict(chunked=False)),
+              ("prefill 4 x 1024, oracle mode, token by token", 4, 1024, True, dict(chunked=False)),
+              ("prefill 32 x 128, token by token", 32, 128, False, dict(chunked=False))]
+    for name, r, n, cmp, kw in cases:
+        t, elem, read, written = case(tab, r, n, cmp, **kw)
         bw_floor, upd_floor = rates.floor(read, written).seconds, elem / ceil
         floor, bound = (upd_floor, "updates") if upd_floor > bw_floor else (bw_floor, "bandwidth")
         pct = 100 * floor / t

@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--cuda-profile", action="store_true", help="also print device time per operator")
     ap.add_argument("--sync-phases", action="store_true",
                     help="also a run whose phase timers wait for the device at every boundary: each phase's own device time")
+    ap.add_argument("--no-cprofile", action="store_true", help="skip the last run, under cProfile")
     a = ap.parse_args()
     res, first = once(a.scenario, a.max_steps, a.kernels, a.device)
     if a.cuda_profile:  # device time by operator (a third run, so host timings stay clean)
@@ -64,7 +65,8 @@ def main() -> None:
         print(tp.key_averages().table(sort_by="self_cuda_time_total", row_limit=a.top))
     for k in range(a.timed):  # cProfile slows a host-bound loop: these are the honest numbers
         r, _ = once(a.scenario, a.max_steps, a.kernels, a.device)
-        print(f"timed run {k + 1}: whole loop {r.wall_s:.3f} s = {1e3 * r.wall_s / r.stats.steps:.1f} ms/step; "
+        print(f"timed run {k + 1}: {r.stats.steps} steps, failures {sum(t.failures for t in r.checks.tallies.values())}; "
+              f"whole loop {r.wall_s:.3f} s = {1e3 * r.wall_s / r.stats.steps:.1f} ms/step; "
               + ", ".join(f"{t['phase']} {1e3 * t['total_s'] / r.stats.steps:.1f}" for t in r.timings) + " ms/step")
     if a.sync_phases and torch.cuda.is_available():
         # the engine's phase timers read the clock after the device has finished what was queued:
@@ -97,6 +99,8 @@ def main() -> None:
         print(f"host-device syncs: {len(caught)} in {res.stats.steps} steps")
         for loc, n in where.most_common(a.top):
             print(f"  {n:6d}  {loc}")
+    if a.no_cprofile:
+        return
     prof = cProfile.Profile()
     prof.enable()
     res, second = once(a.scenario, a.max_steps, a.kernels, a.device)

@@ -179,6 +179,55 @@ def test_comparisons_count_exactly_the_differing_elements(provider):
     assert int(st[..., 0].sum()) == 1
 
 
+CHUNKED = MambaGeometry(layers=2, heads=4, head_dim=16, d_state=16, n_groups=2, conv_kernel=4)
+
+
+@INTERPRETER
+@pytest.mark.parametrize("K", [4, 2])
+def test_chunked_triton_scan_equals_reference_bit_for_bit(K):
+    """Long rows go to the chunked tensor-core kernel (short ones and draft rows stay token by
+    token): outputs, state writes at the end and in the middle of chunks, and conv windows
+    straddling the starting window all equal the torch form."""
+    from hybridsim.kernels.probe_scan_triton import _routes
+    _, tab, _, ln, _ = _case(CHUNKED.model_copy(update={"conv_kernel": K}), 5, [3, 34, 70], spec_rows=(0,))
+    assert _routes(tab, ln) == ([0], [1, 2])
+    tri = _clone(ln)
+    scan_reference(tab, ln)
+    scan_triton(tab, tri)
+    same = lambda a, b: torch.equal(torch.nan_to_num(a, -1.0), torch.nan_to_num(b, -1.0))  # noqa: E731
+    assert same(ln.state_conv, tri.state_conv) and same(ln.state_temporal, tri.state_temporal)
+    assert torch.equal(ln.y_out, tri.y_out)
+
+
+@INTERPRETER
+def test_chunked_comparisons_count_what_the_reference_counts():
+    """The oracle's mode in the chunked kernel: one changed temporal element, one NaN conv
+    element, one changed output in a long row are counted exactly as the torch form counts them."""
+    from hybridsim.kernels.probe_scan_triton import _routes
+    _, tab, b, ln, expect = _case(CHUNKED, 3, [40, 66], pages=32)
+    scan_reference(tab, ln)
+    L = CHUNKED.layers
+    cb = ScanBuilder(L)
+    for row, (toks, _, _) in enumerate(expect):
+        cb.add_row(toks, ln.init_tpage[row].tolist(), y_from=1, y_count=len(toks) - 1)
+    for row, t, tpages, cpages in b.events:
+        cb.compare(row, t, tpages, cpages, 0, (row, t))
+    conv, temporal, y_ref = ln.state_conv.clone(), ln.state_temporal.clone(), ln.y_out.clone()
+    e_row, e_t, e_tp, e_cp = b.events[0]
+    temporal[1, e_tp[1], 0, 1, 2] += 5
+    conv[0, e_cp[0], 1, 3] = float("nan")
+    y_ref[int(ln.y_start[1]) + 30, 1, 4] += 3
+    stats = []
+    for scan in (scan_reference, scan_triton):
+        launch, tags = cb.build(ln.init_window, ln.state_conv.clone(), ln.state_temporal.clone(), torch.arange(L),
+                                "cpu", y_start=ln.y_start + 1, cmp=(conv, temporal, torch.arange(L)), y_ref=y_ref)
+        assert _routes(tab, launch) == ([], [0, 1])
+        scan(tab, launch)
+        stats.append(launch.stats)
+    assert torch.equal(stats[0], stats[1])
+    assert int(stats[1][..., 0].sum()) == 3
+
+
 def test_every_state_element_depends_on_the_first_token():
     """Change only the first token of 40: (nearly) every element of the final state moves."""
     probe = MambaProbe(build_preset("tiny-hybrid").mamba, 0, seed=1)

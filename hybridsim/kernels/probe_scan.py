@@ -78,6 +78,9 @@ class ScanLaunch:
     y_from: Optional[torch.Tensor] = None  # (B,) outputs of tokens y_from .. y_from+y_count-1 are
     y_count: Optional[torch.Tensor] = None  # (B,)    compared with y_ref[y_start + j - y_from]
     stats: Optional[torch.Tensor] = None  # (C + B, L, 3) int64: mismatches, max |diff|, first index
+    # on the host too (``build`` knows them): which kernel takes a row needs no read-back
+    host_len: Optional[list[int]] = None  # (B,) row_len
+    host_hist: Optional[list[bool]] = None  # (B,) whether the row writes a conv history
 
     @property
     def rows(self) -> int:
@@ -159,7 +162,8 @@ class ScanBuilder:
             tokens=dev["tokens"], row_start=dev["row_start"], row_len=dev["row_len"], init_window=init_window,
             init_tpage=dev["init_tpage"], state_conv=state_conv, state_temporal=state_temporal, state_slot=state_slot,
             ev_ptr=dev["ev_ptr"], ev_t=dev["ev_t"], ev_tpage=dev["ev_tpage"], ev_cpage=dev["ev_cpage"],
-            hist_cpage=dev.get("hist_cpage"), y_out=y_out, y_start=y_start)
+            hist_cpage=dev.get("hist_cpage"), y_out=y_out, y_start=y_start,
+            host_len=list(self.row_len), host_hist=[h is not None and any(p >= 0 for p in h) for h in self.hist])
         if cmp is not None:
             launch.cmp_conv, launch.cmp_temporal, launch.cmp_slot = cmp
             launch.cmp_ptr, launch.cmp_t, launch.cmp_off = dev["cmp_ptr"], dev["cmp_t"], dev["cmp_off"]

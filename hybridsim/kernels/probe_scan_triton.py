@@ -21,6 +21,7 @@ import triton.language as tl
 
 from ..layers.exact import Q, pow_table
 from ..layers.mamba import StackedTables
+from ..engine.transfer import upload
 from .probe_scan import ScanLaunch
 
 
@@ -110,7 +111,7 @@ def _cmp_window(src, row_stride, ch, m, v0, v1, v2, st, KM1: tl.constexpr, DIM: 
 
 @triton.jit(do_not_specialize=["L"])  # a model of one Mamba layer must not turn L into a constant
 def _probe_scan_kernel(
-        tokens, row_start, row_len, init_window, init_tpage,
+        row_ids, tokens, row_start, row_len, init_window, init_tpage,
         conv, temporal, state_slot, c_ss, c_sp, c_sr, t_ss, t_sp,
         ev_ptr, ev_t, ev_tpage, ev_cpage, hist_cpage,
         y_out, y_start,
@@ -122,7 +123,7 @@ def _probe_scan_kernel(
         WRITE_Y: tl.constexpr, HAS_HIST: tl.constexpr, COMPARE: tl.constexpr, QQ: tl.constexpr):
     pid0 = tl.program_id(0)
     pid1 = tl.program_id(1)
-    b = pid0 // L
+    b = tl.load(row_ids + pid0 // L).to(tl.int64)
     lay = pid0 % L
     hd = pid1 // NPT
     pt = pid1 % NPT
@@ -319,15 +320,42 @@ def pack_tables(t: StackedTables) -> dict:
             "pow": i32(pow_table().to(dev))}
 
 
-def scan_triton(tables: StackedTables, ln: ScanLaunch, block_p: int = 32, num_warps: int = 4) -> None:
+CHUNK_MIN_TOKENS = 32  # a row this long or longer goes to the chunked kernel (where its shapes fit)
+CHUNK_TOKENS = 64  # tokens per chunk
+CHUNK_WARPS = 4  # (8 warps at 64-token chunks: Triton 3.6 miscompiles it, an out-of-range shared access on the H200)
+
+
+def _routes(tables: StackedTables, ln: ScanLaunch) -> tuple[list[int], list[int]]:
+    """Rows for the token-by-token kernel, and rows for the chunked one (``probe_scan_chunked``):
+    long rows without a draft's conv history, where the model's shapes fit tensor-core tiles."""
+    from .probe_scan_chunked import chunked_fits
+    lens = ln.host_len if ln.host_len is not None else ln.row_len.tolist()
+    if not chunked_fits(tables.H, tables.P, tables.G, tables.N, tables.K, tables.bc_from_conv):
+        return list(range(len(lens))), []
+    hist = ln.host_hist if ln.host_hist is not None else (
+        (ln.hist_cpage >= 0).any(1).tolist() if ln.hist_cpage is not None else [False] * len(lens))
+    seq, chunked = [], []
+    for b, (n, hh) in enumerate(zip(lens, hist)):
+        (chunked if n >= CHUNK_MIN_TOKENS and not hh else seq).append(b)
+    return seq, chunked
+
+
+def scan_triton(tables: StackedTables, ln: ScanLaunch, block_p: int = 32, num_warps: int = 4,
+                chunked: bool = True, chunk_tokens: int = CHUNK_TOKENS, chunk_warps: int = CHUNK_WARPS) -> None:
+    """The launch on the GPU (or the interpreter): long rows in chunks on tensor cores, the rest
+    token by token; the same results bit for bit either way. ``chunked=False``: every row token by token."""
     pk = tables.derived.get("triton")
     if pk is None:
         pk = tables.derived["triton"] = pack_tables(tables)
-    B, L = ln.rows, tables.layers
-    H, P, G, N, K = tables.H, tables.P, tables.G, tables.N, tables.K
-    BP = min(triton.next_power_of_2(P), block_p)
-    BN = triton.next_power_of_2(N)
-    npt = triton.cdiv(P, BP)
+    seq, chk = _routes(tables, ln) if chunked else (list(range(ln.rows)), [])
+    if seq:
+        _scan_rows(tables, ln, pk, seq, block_p, num_warps)
+    if chk:
+        _scan_rows_chunked(tables, ln, pk, chk, chunk_tokens, chunk_warps)
+
+
+def _args(tables: StackedTables, ln: ScanLaunch):
+    """The launch's tensors as both kernels take them (placeholders where a part is absent)."""
     dummy_f = ln.state_temporal
     dummy_i = ln.row_len
     compare = ln.compares
@@ -335,24 +363,50 @@ def scan_triton(tables: StackedTables, ln: ScanLaunch, block_p: int = 32, num_wa
     ctemp = ln.cmp_temporal if compare else dummy_f
     conv, temporal = ln.state_conv, ln.state_temporal
     assert conv.stride(-1) == 1 and temporal[0, 0].is_contiguous() and ln.init_window.is_contiguous()
-    _probe_scan_kernel[(B * L, H * npt)](
-        ln.tokens, ln.row_start, ln.row_len, ln.init_window, ln.init_tpage,
-        conv, temporal, ln.state_slot, conv.stride(0), conv.stride(1), conv.stride(2),
-        temporal.stride(0), temporal.stride(1),
-        ln.ev_ptr, ln.ev_t if ln.ev_t.numel() else dummy_i, ln.ev_tpage if ln.ev_tpage.numel() else dummy_i,
-        ln.ev_cpage if ln.ev_cpage.numel() else dummy_i,
-        ln.hist_cpage if ln.hist_cpage is not None else dummy_i,
-        ln.y_out if ln.y_out is not None else dummy_i, ln.y_start if ln.y_start is not None else dummy_i,
-        cconv, ctemp, ln.cmp_slot if compare else dummy_i, cconv.stride(0), cconv.stride(1), cconv.stride(2),
-        ctemp.stride(0), ctemp.stride(1),
-        ln.cmp_ptr if compare else dummy_i, ln.cmp_t if compare and ln.cmp_t.numel() else dummy_i,
-        ln.cmp_tpage if compare and ln.cmp_tpage.numel() else dummy_i,
-        ln.cmp_cpage if compare and ln.cmp_cpage.numel() else dummy_i,
-        ln.cmp_off if compare and ln.cmp_off.numel() else dummy_i,
-        ln.y_ref if compare and ln.y_ref is not None else dummy_i,
-        ln.y_from if compare else dummy_i, ln.y_count if compare else dummy_i,
-        ln.stats if compare else dummy_i, ln.cmp_t.numel() if compare else 0,
+    head = (ln.tokens, ln.row_start, ln.row_len, ln.init_window, ln.init_tpage,
+            conv, temporal, ln.state_slot, conv.stride(0), conv.stride(1), conv.stride(2),
+            temporal.stride(0), temporal.stride(1),
+            ln.ev_ptr, ln.ev_t if ln.ev_t.numel() else dummy_i, ln.ev_tpage if ln.ev_tpage.numel() else dummy_i,
+            ln.ev_cpage if ln.ev_cpage.numel() else dummy_i)
+    hist = (ln.hist_cpage if ln.hist_cpage is not None else dummy_i,)
+    tail = (ln.y_out if ln.y_out is not None else dummy_i, ln.y_start if ln.y_start is not None else dummy_i,
+            cconv, ctemp, ln.cmp_slot if compare else dummy_i, cconv.stride(0), cconv.stride(1), cconv.stride(2),
+            ctemp.stride(0), ctemp.stride(1),
+            ln.cmp_ptr if compare else dummy_i, ln.cmp_t if compare and ln.cmp_t.numel() else dummy_i,
+            ln.cmp_tpage if compare and ln.cmp_tpage.numel() else dummy_i,
+            ln.cmp_cpage if compare and ln.cmp_cpage.numel() else dummy_i,
+            ln.cmp_off if compare and ln.cmp_off.numel() else dummy_i,
+            ln.y_ref if compare and ln.y_ref is not None else dummy_i,
+            ln.y_from if compare else dummy_i, ln.y_count if compare else dummy_i,
+            ln.stats if compare else dummy_i, ln.cmp_t.numel() if compare else 0)
+    return head, hist, tail
+
+
+def _row_ids(rows: list[int], ln: ScanLaunch) -> torch.Tensor:
+    return upload(rows, ln.tokens.device)
+
+
+def _scan_rows(tables: StackedTables, ln: ScanLaunch, pk: dict, rows: list[int], block_p: int, num_warps: int):
+    L = tables.layers
+    H, P, G, N, K = tables.H, tables.P, tables.G, tables.N, tables.K
+    BP = min(triton.next_power_of_2(P), block_p)
+    BN = triton.next_power_of_2(N)
+    npt = triton.cdiv(P, BP)
+    head, hist, tail = _args(tables, ln)
+    _probe_scan_kernel[(len(rows) * L, H * npt)](
+        _row_ids(rows, ln), *head, *hist, *tail,
         pk["emb"], pk["conv_w"], pk["conv_b"], pk["head"], pk["D"], pk["bc"], pk["pow"], L,
         H=H, P=P, G=G, N=N, KM1=K - 1, DIM=tables.dim, BP=BP, BN=BN, NPT=npt, BC_CONV=tables.bc_from_conv,
-        WRITE_Y=ln.y_out is not None, HAS_HIST=ln.hist_cpage is not None, COMPARE=compare, QQ=Q,
+        WRITE_Y=ln.y_out is not None, HAS_HIST=ln.hist_cpage is not None, COMPARE=ln.compares, QQ=Q,
         num_warps=num_warps)
+
+
+def _scan_rows_chunked(tables: StackedTables, ln: ScanLaunch, pk: dict, rows: list[int], bt: int, num_warps: int):
+    from .probe_scan_chunked import _chunked_scan_kernel
+    L = tables.layers
+    head, _, tail = _args(tables, ln)
+    _chunked_scan_kernel[(len(rows) * L, tables.H)](
+        _row_ids(rows, ln), *head, *tail,
+        pk["emb"], pk["conv_w"], pk["conv_b"], pk["head"], pk["D"], pk["pow"], L,
+        H=tables.H, P=tables.P, G=tables.G, N=tables.N, KM1=tables.K - 1, DIM=tables.dim, BT=bt,
+        WRITE_Y=ln.y_out is not None, COMPARE=ln.compares, QQ=Q, num_warps=num_warps)

@@ -1,0 +1,276 @@
+"""The Mamba probe scan in chunks on tensor cores (semantics: ``probe_scan.ScanLaunch``).
+
+The token-by-token kernel (``probe_scan_triton``) spends about ten integer operations on every
+state element for every token, on the CUDA cores. Here a program (row, layer, head) takes its
+row ``BT`` tokens at a time in the chunked form of ``probe_scan.scan_reference``:
+
+    h_t = A_t (h_0 + sum_{i<=t} w_i B_i^T),   w_i = x'_i / A_i,   A_t = gamma**E_t
+    y_t = A_t (C_t . h_0 + sum_{i<=t} (C_t . B_i) w_i) + D x_t
+
+so a chunk is four matrix products of residues (C h_0^T, C B^T, (C B^T) W, W^T B) plus
+element-wise work on (BT x P), (BT x N) and (P x N) tiles. The products are exact on int8
+tensor cores: a residue r < Q = 2039 is 64 r_hi + r_lo with both digits below 64, so a product
+of residue matrices is 4096 hh + 64 (hl + lh) + ll over four int8 products with int32 sums;
+for an inner size up to 128 every sum stays below 2**30 (``_mdot``), and one reduction mod Q
+follows. The result equals the token-by-token definition bit for bit.
+
+A chunk ends early where the row has an event or a comparison, so every state that is written
+or compared is a chunk's end state. Rows with a draft's conv history, and rows too short to
+fill a chunk, stay with the token-by-token kernel (``scan_triton`` routes them).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .probe_scan_triton import _cmp_window, _keys, _residue, _store_window, _weights
+
+
+@triton.jit
+def _mdot(a, b, QQ: tl.constexpr):
+    """(a @ b) mod Q for residue matrices (int32 in [0, Q)), exact: four int8 products."""
+    ah = (a >> 6).to(tl.int8)
+    al = (a & 63).to(tl.int8)
+    bh = (b >> 6).to(tl.int8)
+    bl = (b & 63).to(tl.int8)
+    # one accumulator: ((hh * 64 + hl + lh) * 64 + ll), every partial sum below 2**30
+    acc = tl.dot(ah, bh, out_dtype=tl.int32)
+    acc = tl.dot(ah, bl, acc * 64, out_dtype=tl.int32)
+    acc = tl.dot(al, bh, acc, out_dtype=tl.int32)
+    acc = tl.dot(al, bl, acc * 64, out_dtype=tl.int32)
+    return acc % QQ
+
+
+@triton.jit
+def _hash2(lo, hi, k, QQ: tl.constexpr):
+    """Channel hashes of tokens (T,) x channels (C,) -> (T, C)."""
+    v = (lo[:, None] * k[0][None, :] + hi[:, None] * k[1][None, :] + k[2][None, :]) % QQ
+    return (v * v + k[3][None, :]) % QQ
+
+
+@triton.jit
+def _u_tile(tokens, start, j, jm, lo, hi, k, iw, ch, cm, KM1: tl.constexpr, DIM: tl.constexpr, QQ: tl.constexpr):
+    """Conv inputs u of row tokens j (T,) on channels ch (C,): the hash of the token, or for j < 0
+    the starting window's row KM1 + j (zero before it)."""
+    u = _hash2(lo, hi, k, QQ)
+    wr = KM1 + j
+    wmask = (j < 0) & (wr >= 0)
+    wv = _residue(tl.load(iw + tl.maximum(wr, 0)[:, None] * DIM + ch[None, :], mask=wmask[:, None] & cm[None, :],
+                          other=0.0))
+    return tl.where((j >= 0)[:, None], u, wv)
+
+
+@triton.jit
+def _token_parts(tokens, start, j, jm, QQ: tl.constexpr):
+    tok = tl.load(tokens + start + tl.maximum(j, 0), mask=jm & (j >= 0), other=0)
+    return (tok % QQ).to(tl.int32), ((tok // QQ) % QQ).to(tl.int32)
+
+
+@triton.jit
+def _conv_tile(tokens, start, j, jm, embl, cwl, cbl, iw, ch, cm, KM1: tl.constexpr, DIM: tl.constexpr,
+               QQ: tl.constexpr):
+    """z = (bias + sum of 4 taps) mod Q for tokens j (T,) on channels ch: taps u(j-3) .. u(j).
+    Keys and weights are read here, chunk by chunk (cached), not held in registers for the row."""
+    k = _keys(embl, ch, cm)
+    w = _weights(cwl, cbl, ch, cm, DIM)
+    z = tl.zeros([j.shape[0], ch.shape[0]], dtype=tl.int32) + w[4][None, :]
+    for tap in tl.static_range(4):
+        jj = j - 3 + tap
+        lo, hi = _token_parts(tokens, start, jj, jm, QQ)
+        z += w[tap][None, :] * _u_tile(tokens, start, jj, jm, lo, hi, k, iw, ch, cm, KM1, DIM, QQ)
+    return z % QQ
+
+
+@triton.jit
+def _u_row(tokens, start, j, k, iw, ch, cm, KM1: tl.constexpr, DIM: tl.constexpr, QQ: tl.constexpr):
+    """u of one row token j (scalar; j < 0 reads the starting window) on channels ch."""
+    tok = tl.load(tokens + start + tl.maximum(j, 0))
+    lo = (tok % QQ).to(tl.int32)
+    hi = ((tok // QQ) % QQ).to(tl.int32)
+    v = (lo * k[0] + hi * k[1] + k[2]) % QQ
+    u = (v * v + k[3]) % QQ
+    wr = KM1 + j
+    wv = _residue(tl.load(iw + tl.minimum(tl.maximum(wr, 0), KM1 - 1) * DIM + ch, mask=cm, other=0.0))
+    return tl.where(j >= 0, u, tl.where(wr >= 0, wv, 0))
+
+
+@triton.jit
+def _window_at(tokens, start, j, embl, iw, ch, cm, KM1: tl.constexpr, DIM: tl.constexpr, QQ: tl.constexpr):
+    """The three newest conv inputs after token j (oldest first), as ``_store_window`` takes them."""
+    k = _keys(embl, ch, cm)
+    return (_u_row(tokens, start, j - 2, k, iw, ch, cm, KM1, DIM, QQ),
+            _u_row(tokens, start, j - 1, k, iw, ch, cm, KM1, DIM, QQ),
+            _u_row(tokens, start, j, k, iw, ch, cm, KM1, DIM, QQ))
+
+
+@triton.jit(do_not_specialize=["L"])
+def _chunked_scan_kernel(
+        row_ids, tokens, row_start, row_len, init_window, init_tpage,
+        conv, temporal, state_slot, c_ss, c_sp, c_sr, t_ss, t_sp,
+        ev_ptr, ev_t, ev_tpage, ev_cpage,
+        y_out, y_start,
+        cmp_conv, cmp_temporal, cmp_slot, cc_ss, cc_sp, cc_sr, ct_ss, ct_sp,
+        cmp_ptr, cmp_t, cmp_tpage, cmp_cpage, cmp_off, y_ref, y_from, y_count, stats, n_cmp,
+        emb, conv_w, conv_b, head, Dt, powt, L,
+        H: tl.constexpr, P: tl.constexpr, G: tl.constexpr, N: tl.constexpr, KM1: tl.constexpr,
+        DIM: tl.constexpr, BT: tl.constexpr, WRITE_Y: tl.constexpr, COMPARE: tl.constexpr, QQ: tl.constexpr):
+    pid0 = tl.program_id(0)
+    hd = tl.program_id(1)
+    b = tl.load(row_ids + pid0 // L).to(tl.int64)
+    lay = pid0 % L
+    R: tl.constexpr = H // G
+    HP: tl.constexpr = H * P
+    grp = hd // R
+    offs_p = tl.arange(0, P)
+    offs_n = tl.arange(0, N)
+    pm = offs_p < P
+    nm = offs_n < N
+    om = nm & ((offs_n * 0 + hd % R) == 0)  # the group's first head writes and compares its B and C channels
+    xc = hd * P + offs_p
+    bch = HP + grp * N + offs_n
+    cch = HP + G * N + grp * N + offs_n
+    start = tl.load(row_start + b)
+    n = tl.load(row_len + b).to(tl.int32)
+    L64 = L.to(tl.int64)
+    embl = emb + lay * (DIM * 4)
+    cwl = conv_w + lay * (4 * DIM)
+    cbl = conv_b + lay * DIM
+    hrow = head + (lay * H + hd) * 6
+    rho = tl.load(hrow)
+    sig = tl.load(hrow + 1)
+    tau = tl.load(hrow + 2)
+    mu = tl.load(hrow + 3)
+    nu = tl.load(hrow + 4)
+    kap = tl.load(hrow + 5)
+    Dh = tl.load(Dt + lay * H + hd)
+    iw = init_window + (b * L64 + lay) * (KM1 * DIM)
+    slot = tl.load(state_slot + lay).to(tl.int64)
+    tpg0 = tl.load(init_tpage + b * L64 + lay).to(tl.int64)
+    tile = hd * (P * N) + offs_p[:, None] * N + offs_n[None, :]
+    h = _residue(tl.load(temporal + slot * t_ss + tl.maximum(tpg0, 0) * t_sp + tile))
+    h = tl.where(tpg0 >= 0, h, 0)
+    ei = tl.load(ev_ptr + b)
+    ee = tl.load(ev_ptr + b + 1)
+    et = tl.load(ev_t + ei, mask=ei < ee, other=-1)
+    ci = 0
+    ce = 0
+    ct = -1
+    yf = 0
+    yc = 0
+    if COMPARE:
+        ci = tl.load(cmp_ptr + b)
+        ce = tl.load(cmp_ptr + b + 1)
+        ct = tl.load(cmp_t + ci, mask=ci < ce, other=-1)
+        yf = tl.load(y_from + b)
+        yc = tl.load(y_count + b)
+    ys = 0
+    if WRITE_Y or COMPARE:
+        ys = tl.load(y_start + b)
+    ybad = 0
+    ymax = 0
+    yfirst = 1 << 30
+    ar = tl.arange(0, BT)
+    causal = ar[:, None] >= ar[None, :]
+    cslot = 0
+    if COMPARE:
+        cslot = tl.load(cmp_slot + lay).to(tl.int64)
+    t0 = 0
+    while t0 < n:
+        # the chunk ends at the row's end, after BT tokens, or at the next event or comparison
+        t1 = tl.minimum(n, t0 + BT)
+        if et >= 0:
+            t1 = tl.minimum(t1, (et + 1).to(tl.int32))
+        if ct >= 0:
+            t1 = tl.minimum(t1, (ct + 1).to(tl.int32))
+        j = t0 + ar
+        jm = j < t1
+        lo, hi = _token_parts(tokens, start, j, jm, QQ)
+        # y_t's first part: C_t . h_0
+        Cv = _conv_tile(tokens, start, j, jm, embl, cwl, cbl, iw, cch, nm, KM1, DIM, QQ)
+        yacc = _mdot(Cv, tl.trans(h), QQ)  # (BT, P)
+        Bv = _conv_tile(tokens, start, j, jm, embl, cwl, cbl, iw, bch, nm, KM1, DIM, QQ)
+        Bv = tl.where(jm[:, None], Bv, 0)
+        S = _mdot(Cv, tl.trans(Bv), QQ)  # (BT, BT): C_t . B_i
+        S = tl.where(causal, S, 0)
+        zx = _conv_tile(tokens, start, j, jm, embl, cwl, cbl, iw, xc, pm, KM1, DIM, QQ)
+        e = tl.where(jm, (lo * rho + hi * sig + tau) % (QQ - 1), 0)
+        g = 1 + (lo * mu + hi * nu + kap) % (QQ - 1)
+        E = tl.cumsum(e, axis=0) % (QQ - 1)
+        A = tl.load(powt + E)
+        A_inv = tl.load(powt + (QQ - 1 - E) % (QQ - 1))
+        gi = (g * A_inv) % QQ
+        W = tl.where(jm[:, None], (gi[:, None] * zx) % QQ, 0)  # (BT, P)
+        yacc = (yacc + _mdot(S, W, QQ)) % QQ
+        y = (A[:, None] * yacc + Dh * zx) % QQ
+        yo = ((ys + j).to(tl.int64)[:, None] * L64 + lay) * HP + xc[None, :]
+        if WRITE_Y:
+            tl.store(y_out + yo, y, mask=jm[:, None])
+        if COMPARE:
+            inr = jm & (j >= yf) & (j < yf + yc)
+            yo_ref = ((ys + j - yf).to(tl.int64)[:, None] * L64 + lay) * HP + xc[None, :]
+            yr = tl.load(y_ref + yo_ref, mask=inr[:, None], other=0)
+            ydiff = (yr != y) & inr[:, None]
+            ybad += tl.sum(tl.sum(ydiff.to(tl.int32), axis=1), axis=0)
+            ymax = tl.maximum(ymax, tl.max(tl.max(tl.where(ydiff, tl.abs(yr - y), 0), axis=1), axis=0))
+            yfirst = tl.minimum(yfirst, tl.min(tl.where(tl.max(ydiff.to(tl.int32), axis=1) > 0, (j - yf).to(tl.int32), 1 << 30),
+                                               axis=0))
+        # the state after the chunk's last token
+        A_end = tl.load(powt + tl.sum(e, axis=0) % (QQ - 1))
+        h = (A_end * ((h + _mdot(tl.trans(W), Bv, QQ)) % QQ)) % QQ
+        last = t1 - 1
+        if (et == last) | (ct == last):
+            x0, x1, x2 = _window_at(tokens, start, last, embl, iw, xc, pm, KM1, DIM, QQ)
+            b0, b1, b2 = _window_at(tokens, start, last, embl, iw, bch, nm, KM1, DIM, QQ)
+            c0, c1, c2 = _window_at(tokens, start, last, embl, iw, cch, nm, KM1, DIM, QQ)
+            while et == last:
+                tp = tl.load(ev_tpage + ei * L64 + lay).to(tl.int64)
+                cp = tl.load(ev_cpage + ei * L64 + lay).to(tl.int64)
+                if tp >= 0:
+                    tl.store(temporal + slot * t_ss + tp * t_sp + tile, h.to(tl.float32))
+                if cp >= 0:
+                    cb = conv + slot * c_ss + cp * c_sp
+                    _store_window(cb, c_sr, xc, pm, x0, x1, x2, KM1)
+                    _store_window(cb, c_sr, bch, om, b0, b1, b2, KM1)
+                    _store_window(cb, c_sr, cch, om, c0, c1, c2, KM1)
+                ei += 1
+                et = tl.load(ev_t + ei, mask=ei < ee, other=-1)
+            if COMPARE:
+                while ct == last:
+                    st = stats + (ci * L64 + lay) * 3
+                    tp = tl.load(cmp_tpage + ci * L64 + lay).to(tl.int64)
+                    cp = tl.load(cmp_cpage + ci * L64 + lay).to(tl.int64)
+                    if tp >= 0:
+                        got = tl.load(cmp_temporal + cslot * ct_ss + tp * ct_sp + tile)
+                        hf = h.to(tl.float32)
+                        bad = got != hf
+                        cnt = tl.sum(tl.sum(bad.to(tl.int64), axis=1), axis=0)
+                        if cnt > 0:
+                            d = tl.where(got == got, tl.abs(got - hf), 2147483648.0)
+                            tl.atomic_add(st, cnt)
+                            tl.atomic_max(st + 1, tl.max(tl.max(tl.where(bad, d, 0.0), axis=1), axis=0).to(tl.int64))
+                            idx = KM1 * DIM + tile  # (int32: a page's elements number below 2**31)
+                            tl.atomic_min(st + 2, tl.min(tl.min(tl.where(bad, idx, 2147483647), axis=1),
+                                                         axis=0).to(tl.int64))
+                    if cp >= 0:
+                        off = tl.load(cmp_off + ci).to(tl.int64)
+                        cb = cmp_conv + cslot * cc_ss + cp * cc_sp + off * cc_sr
+                        _cmp_window(cb, cc_sr, xc, pm, x0, x1, x2, st, KM1, DIM)
+                        _cmp_window(cb, cc_sr, bch, om, b0, b1, b2, st, KM1, DIM)
+                        _cmp_window(cb, cc_sr, cch, om, c0, c1, c2, st, KM1, DIM)
+                    ci += 1
+                    ct = tl.load(cmp_t + ci, mask=ci < ce, other=-1)
+        t0 = t1
+    if COMPARE:
+        if ybad > 0:
+            st = stats + ((n_cmp + b) * L64 + lay) * 3
+            tl.atomic_add(st, ybad.to(tl.int64))
+            tl.atomic_max(st + 1, ymax.to(tl.int64))
+            tl.atomic_min(st + 2, yfirst.to(tl.int64))
+
+
+def chunked_fits(H: int, P: int, G: int, N: int, K: int, bc_from_conv: bool) -> bool:
+    """Shapes this kernel takes: Mamba2 (B and C from the conv), power-of-two head and state
+    sizes from 16 (tensor-core tiles) to 128 (the exact products' inner-size bound), conv <= 4."""
+    pow2 = lambda v: v >= 16 and v & (v - 1) == 0  # noqa: E731
+    return bc_from_conv and pow2(P) and pow2(N) and P <= 128 and N <= 128 and 2 <= K <= 4 and H % G == 0
