@@ -105,8 +105,39 @@ def _window_at(tokens, start, j, embl, iw, ch, cm, KM1: tl.constexpr, DIM: tl.co
 
 
 @triton.jit(do_not_specialize=["L"])
+def _bc_conv_kernel(row_ids, bc_base, tokens, row_start, row_len, init_window, emb, conv_w, conv_b, bcbuf, L,
+                    H: tl.constexpr, P: tl.constexpr, G: tl.constexpr, N: tl.constexpr, KM1: tl.constexpr,
+                    DIM: tl.constexpr, BT: tl.constexpr, QQ: tl.constexpr):
+    """B and C (after the conv, mod Q) of BT tokens of a row, one layer and group, as int16 into
+    ``bcbuf`` (tokens, L, 2, G, N): every head of the group reads them instead of computing them."""
+    pid0 = tl.program_id(0)
+    grp = tl.program_id(1)
+    j = tl.program_id(2) * BT + tl.arange(0, BT)
+    i = pid0 // L
+    b = tl.load(row_ids + i).to(tl.int64)
+    lay = pid0 % L
+    n = tl.load(row_len + b).to(tl.int32)
+    if tl.program_id(2) * BT < n:
+        start = tl.load(row_start + b)
+        jm = j < n
+        offs_n = tl.arange(0, N)
+        nm = offs_n < N
+        L64 = L.to(tl.int64)
+        embl = emb + lay * (DIM * 4)
+        cwl = conv_w + lay * (4 * DIM)
+        cbl = conv_b + lay * DIM
+        iw = init_window + (b * L64 + lay) * (KM1 * DIM)
+        out = bcbuf + ((tl.load(bc_base + i) + j).to(tl.int64)[:, None] * L64 + lay) * (2 * G * N) + offs_n[None, :]
+        bch = H * P + grp * N + offs_n
+        Bv = _conv_tile(tokens, start, j, jm, embl, cwl, cbl, iw, bch, nm, KM1, DIM, QQ)
+        tl.store(out + grp * N, Bv.to(tl.int16), mask=jm[:, None])
+        Cv = _conv_tile(tokens, start, j, jm, embl, cwl, cbl, iw, bch + G * N, nm, KM1, DIM, QQ)
+        tl.store(out + (G + grp) * N, Cv.to(tl.int16), mask=jm[:, None])
+
+
+@triton.jit(do_not_specialize=["L"])
 def _chunked_scan_kernel(
-        row_ids, tokens, row_start, row_len, init_window, init_tpage,
+        row_ids, bc_base, bcbuf, tokens, row_start, row_len, init_window, init_tpage,
         conv, temporal, state_slot, c_ss, c_sp, c_sr, t_ss, t_sp,
         ev_ptr, ev_t, ev_tpage, ev_cpage,
         y_out, y_start,
@@ -117,6 +148,7 @@ def _chunked_scan_kernel(
         DIM: tl.constexpr, BT: tl.constexpr, WRITE_Y: tl.constexpr, COMPARE: tl.constexpr, QQ: tl.constexpr):
     pid0 = tl.program_id(0)
     hd = tl.program_id(1)
+    base = tl.load(bc_base + pid0 // L)
     b = tl.load(row_ids + pid0 // L).to(tl.int64)
     lay = pid0 % L
     R: tl.constexpr = H // G
@@ -186,11 +218,11 @@ def _chunked_scan_kernel(
         j = t0 + ar
         jm = j < t1
         lo, hi = _token_parts(tokens, start, j, jm, QQ)
-        # y_t's first part: C_t . h_0
-        Cv = _conv_tile(tokens, start, j, jm, embl, cwl, cbl, iw, cch, nm, KM1, DIM, QQ)
+        # y_t's first part: C_t . h_0 (B and C of the chunk's tokens: from the pre-pass)
+        bc_row = bcbuf + ((base + j).to(tl.int64)[:, None] * L64 + lay) * (2 * G * N) + offs_n[None, :]
+        Cv = tl.load(bc_row + (G + grp) * N, mask=jm[:, None], other=0).to(tl.int32)
         yacc = _mdot(Cv, tl.trans(h), QQ)  # (BT, P)
-        Bv = _conv_tile(tokens, start, j, jm, embl, cwl, cbl, iw, bch, nm, KM1, DIM, QQ)
-        Bv = tl.where(jm[:, None], Bv, 0)
+        Bv = tl.load(bc_row + grp * N, mask=jm[:, None], other=0).to(tl.int32)
         S = _mdot(Cv, tl.trans(Bv), QQ)  # (BT, BT): C_t . B_i
         S = tl.where(causal, S, 0)
         zx = _conv_tile(tokens, start, j, jm, embl, cwl, cbl, iw, xc, pm, KM1, DIM, QQ)

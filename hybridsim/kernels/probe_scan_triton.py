@@ -321,8 +321,12 @@ def pack_tables(t: StackedTables) -> dict:
 
 
 CHUNK_MIN_TOKENS = 32  # a row this long or longer goes to the chunked kernel (where its shapes fit)
-CHUNK_TOKENS = 64  # tokens per chunk
-CHUNK_WARPS = 4  # (8 warps at 64-token chunks: Triton 3.6 miscompiles it, an out-of-range shared access on the H200)
+# tokens per chunk and warps per program: at 32 x 8 the (64 x 128) state tile and the chunk's B and C
+# tiles fit the registers (ptxas spills under 1 KB a thread, against 4-8 KB at 64 tokens x 4 warps);
+# 64 tokens x 8 warps is miscompiled by Triton 3.6 (an out-of-range shared access on the H200)
+CHUNK_TOKENS = 32
+CHUNK_WARPS = 8
+PREPASS_TOKENS = 64  # tokens a program of the B/C pre-pass takes
 
 
 def _routes(tables: StackedTables, ln: ScanLaunch) -> tuple[list[int], list[int]]:
@@ -402,11 +406,21 @@ def _scan_rows(tables: StackedTables, ln: ScanLaunch, pk: dict, rows: list[int],
 
 
 def _scan_rows_chunked(tables: StackedTables, ln: ScanLaunch, pk: dict, rows: list[int], bt: int, num_warps: int):
-    from .probe_scan_chunked import _chunked_scan_kernel
-    L = tables.layers
+    from .probe_scan_chunked import _bc_conv_kernel, _chunked_scan_kernel
+    L, G, N = tables.layers, tables.G, tables.N
+    lens = ln.host_len if ln.host_len is not None else ln.row_len.tolist()
+    base = [0]
+    for b in rows:
+        base.append(base[-1] + lens[b])
+    dev = ln.tokens.device
+    ids, bases = upload(rows, dev), upload(base[:-1], dev)
+    bcbuf = torch.empty(base[-1], L, 2, G, N, dtype=torch.int16, device=dev)
+    geo = dict(H=tables.H, P=tables.P, G=G, N=N, KM1=tables.K - 1, DIM=tables.dim, QQ=Q)
+    _bc_conv_kernel[(len(rows) * L, G, triton.cdiv(max(lens[b] for b in rows), PREPASS_TOKENS))](
+        ids, bases, ln.tokens, ln.row_start, ln.row_len, ln.init_window, pk["emb"], pk["conv_w"], pk["conv_b"],
+        bcbuf, L, BT=PREPASS_TOKENS, **geo, num_warps=4)
     head, _, tail = _args(tables, ln)
     _chunked_scan_kernel[(len(rows) * L, tables.H)](
-        _row_ids(rows, ln), *head, *tail,
+        ids, bases, bcbuf, *head, *tail,
         pk["emb"], pk["conv_w"], pk["conv_b"], pk["head"], pk["D"], pk["pow"], L,
-        H=tables.H, P=tables.P, G=tables.G, N=tables.N, KM1=tables.K - 1, DIM=tables.dim, BT=bt,
-        WRITE_Y=ln.y_out is not None, COMPARE=ln.compares, QQ=Q, num_warps=num_warps)
+        BT=bt, WRITE_Y=ln.y_out is not None, COMPARE=ln.compares, **geo, num_warps=num_warps)
