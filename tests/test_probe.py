@@ -179,7 +179,7 @@ def test_comparisons_count_exactly_the_differing_elements(provider):
     assert int(st[..., 0].sum()) == 1
 
 
-CHUNKED = MambaGeometry(layers=2, heads=4, head_dim=16, d_state=16, n_groups=2, conv_kernel=4)
+CHUNKED = MambaGeometry(layers=2, heads=4, head_dim=16, d_state=32, n_groups=2, conv_kernel=4)
 
 
 @INTERPRETER

@@ -302,7 +302,9 @@ def _chunked_scan_kernel(
 
 
 def chunked_fits(H: int, P: int, G: int, N: int, K: int, bc_from_conv: bool) -> bool:
-    """Shapes this kernel takes: Mamba2 (B and C from the conv), power-of-two head and state
-    sizes from 16 (tensor-core tiles) to 128 (the exact products' inner-size bound), conv <= 4."""
-    pow2 = lambda v: v >= 16 and v & (v - 1) == 0  # noqa: E731
-    return bc_from_conv and pow2(P) and pow2(N) and P <= 128 and N <= 128 and 2 <= K <= 4 and H % G == 0
+    """Shapes this kernel takes: Mamba2 (B and C from the conv), power-of-two head and state sizes
+    within tensor-core tiles (an int8 product's inner size, here the state size, is 32 or more) and
+    up to 128 (the exact products' inner-size bound), conv <= 4."""
+    pow2 = lambda v: v & (v - 1) == 0  # noqa: E731
+    return (bc_from_conv and pow2(P) and pow2(N) and 16 <= P <= 128 and 32 <= N <= 128 and 2 <= K <= 4
+            and H % G == 0)
