@@ -6,7 +6,10 @@ a register tile with no memory traffic (same tile shape, same modulus) gives the
 element-update rate for this arithmetic. The scan's floor is the larger of its updates at that
 rate and its traffic (pages and inputs read, pages and outputs written) over the measured read
 rate and write side (``hybridsim/kernels/ceilings.py``); each case says which bound it is and the
-% of it, flagged when above 100% (the floor is then wrong).
+% of it, flagged when above 100% (the floor is then wrong). Long rows run in chunks on int8 tensor
+cores (``probe_scan_chunked``): their floor is their int8 products at the measured int8 rate (an
+8192-cube ``torch._int_mm``) or their traffic, a lower bound only (their element-wise work on the
+CUDA cores, conv inputs and reductions mod Q, has no measured rate of its own).
 
     python3 bench/bench_scan.py [--out results.json]
 """
@@ -27,7 +30,7 @@ import triton.language as tl  # noqa: E402
 
 from hybridsim.kernels.ceilings import measure  # noqa: E402
 from hybridsim.kernels.probe_scan import ScanBuilder  # noqa: E402
-from hybridsim.kernels.probe_scan_triton import scan_triton  # noqa: E402
+from hybridsim.kernels.probe_scan_triton import CHUNK_MIN_TOKENS, CHUNK_TOKENS, scan_triton  # noqa: E402
 from hybridsim.layers.exact import Q  # noqa: E402
 from hybridsim.layers.mamba import MambaProbe, stack_tables  # noqa: E402
 from hybridsim.presets import build_preset  # noqa: E402
@@ -98,15 +101,33 @@ def case(tab, rows: int, tokens: int, compare: bool, **kw):
     return t, elem, read, written
 
 
+def int8_rate(n: int = 8192) -> float:
+    """int8 tensor-core multiply-accumulates per second (an n x n x n product, int32 sums): the
+    chunked scan's matrix products run on them."""
+    a = torch.randint(-64, 64, (n, n), dtype=torch.int8, device="cuda")
+    b = torch.randint(-64, 64, (n, n), dtype=torch.int8, device="cuda").t().contiguous().t()
+    t = triton.testing.do_bench(lambda: torch._int_mm(a, b), return_mode="median") * 1e-3
+    return n ** 3 / t
+
+
+def chunked_macs(tab, rows: int, tokens: int, bt: int) -> int:
+    """int8 multiply-accumulates of the chunked kernel (``probe_scan_chunked``): per chunk and
+    (row, layer, head), C h0^T, C B^T, (C B^T) W and W^T B, each as four digit products."""
+    P, N = tab.P, tab.N
+    chunks = rows * -(-tokens // bt)
+    return chunks * tab.layers * tab.H * 4 * (bt * N * P + bt * bt * N + bt * bt * P + P * bt * N)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     geo = build_preset("nemotron-h-8b").mamba
     tab = stack_tables([MambaProbe(geo, layer, 1) for layer in range(geo.layers)], "cuda")
-    ceil, rates = ceiling_rate(), measure(torch.device("cuda"), nbytes=2 ** 31)
+    ceil, rates, mma = ceiling_rate(), measure(torch.device("cuda"), nbytes=2 ** 31), int8_rate()
     dev = torch.cuda.get_device_name()
-    print(f"{dev}, {date.today()}: update ceiling {ceil / 1e12:.2f} T element-updates/s; {rates.line()}")
+    print(f"{dev}, {date.today()}: update ceiling {ceil / 1e12:.2f} T element-updates/s; int8 products "
+          f"{mma / 1e12:.0f} T MAC/s; {rates.line()}")
     rows = []
     cases = [("decode 128 rows x 4 tokens", 128, 4, False, {}), ("decode, oracle mode", 128, 4, True, {})]
     for bt, warps in ((32, 8), (64, 4)):  # chunked (tensor cores): tile sweep
@@ -117,10 +138,16 @@ def main() -> None:
               ("prefill 4 x 1024, oracle mode, token by token", 4, 1024, True, dict(chunked=False))]
     for name, r, n, cmp, kw in cases:
         t, elem, read, written = case(tab, r, n, cmp, **kw)
-        bw_floor, upd_floor = rates.floor(read, written).seconds, elem / ceil
-        floor, bound = (upd_floor, "updates") if upd_floor > bw_floor else (bw_floor, "bandwidth")
+        bw_floor = rates.floor(read, written).seconds
+        if n >= CHUNK_MIN_TOKENS and kw.get("chunked", True):  # the chunked kernel: products on tensor cores
+            # (its element-wise work on the CUDA cores has no measured floor of its own: the floor
+            # here is a lower bound, not the kernel's whole cost)
+            work_floor, work = chunked_macs(tab, r, n, kw.get("chunk_tokens", CHUNK_TOKENS)) / mma, "int8 MACs"
+        else:  # token by token: every state element updated on the CUDA cores, token after token
+            work_floor, work = elem / ceil, "updates"
+        floor, bound = (work_floor, work) if work_floor > bw_floor else (bw_floor, "bandwidth")
         pct = 100 * floor / t
-        rows.append({"case": name, "ms": t * 1e3, "Tupd_s": elem / t / 1e12, "pct_update_ceiling": 100 * elem / t / ceil,
+        rows.append({"case": name, "ms": t * 1e3, "int8_MAC_s": mma, "Tupd_s": elem / t / 1e12, "pct_update_ceiling": 100 * elem / t / ceil,
                      "read_bytes": read, "written_bytes": written, "GBps": (read + written) / t / 1e9,
                      "floor_ms": floor * 1e3, "bound": bound, "pct_floor": pct, "above_floor": pct > 100})
         print(f"  {name:30s} {t * 1e3:8.2f} ms  {elem / t / 1e12:6.2f} T upd/s  {(read + written) / t / 1e9:7.1f} GB/s"
