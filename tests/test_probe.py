@@ -378,3 +378,53 @@ def test_triton_scan_with_a_single_layer_compiles_and_matches():
     scan_reference(tab, ref)
     scan_triton(tab, ln)
     assert torch.equal(ln.y_out, ref.y_out)
+
+
+_COMPILE_FOR_HOPPER = """
+import sys
+from triton import compile as build
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hybridsim.kernels.probe_scan_chunked import _chunked_scan_kernel as kern, chunked_fits
+from hybridsim.kernels.probe_scan_triton import CHUNK_TOKENS, CHUNK_WARPS
+from hybridsim.layers.exact import Q
+from hybridsim.layers.mamba import MambaProbe
+from hybridsim.presets import build_preset
+
+p = MambaProbe(build_preset(sys.argv[1]).mamba.model_copy(update={"layers": 1}), 0, 1)
+assert chunked_fits(p.H, p.P, p.G, p.N, p.geo.conv_kernel, p.bc_from_conv)
+const = dict(H=p.H, P=p.P, G=p.G, N=p.N, KM1=p.geo.conv_kernel - 1, DIM=p.H * p.P + 2 * p.G * p.N,
+             BT=CHUNK_TOKENS, WRITE_Y=False, COMPARE=True, QQ=Q)
+kinds = {"*fp32": {"init_window", "conv", "temporal", "cmp_conv", "cmp_temporal"},
+         "*i32": {"y_out", "y_ref", "emb", "conv_w", "conv_b", "head", "Dt", "powt"}, "*i16": {"bcbuf"}}
+names = kern.arg_names
+sig = {}
+for name in names:
+    if name in const:
+        sig[name] = "constexpr"
+    elif name in ("L", "n_cmp") or name.startswith(("c_s", "t_s", "cc_s", "ct_s")):
+        sig[name] = "i64"
+    else:
+        sig[name] = next((k for k, v in kinds.items() if name in v), "*i64")
+src = ASTSource(fn=kern, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()})
+out = build(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": CHUNK_WARPS})
+print("wgmma" in out.asm["ptx"])
+"""
+
+
+@pytest.mark.parametrize("preset", ["nemotron-h-8b"])  # (qwen3-next-80b's shapes compile too: 16 s more)
+def test_chunked_scan_compiles_for_hopper_at_real_shapes(preset):
+    """Without a GPU: Triton's front end and ptxas build the chunked kernel for sm_90 at a real
+    model's shapes in the oracle's mode, its products on Hopper's tensor cores (an int8 product
+    of inner size 16 once failed only on the device; this catches that class of error anywhere).
+    A process of its own: this module runs Triton's interpreter."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER, preset], capture_output=True, text=True, env=env,
+                       timeout=300)
+    if r.returncode and ("ptxas" in r.stderr or "No module named 'triton" in r.stderr):
+        pytest.skip(f"no Triton NVIDIA tool chain here: {r.stderr.strip().splitlines()[-1]}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == "True"
