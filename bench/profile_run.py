@@ -74,7 +74,7 @@ def main() -> None:
         import hybridsim.engine.attn_exec as ae
         import hybridsim.engine.mamba_exec as me
         import hybridsim.engine.mla_exec as mle
-        import hybridsim.engine.verdicts as ve
+        import hybridsim.device.verdicts as ve
 
         def synced() -> float:
             torch.cuda.synchronize()

@@ -26,7 +26,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .engine.transfer import upload
+from .device.transfer import upload
 from .kernels.batching import CPU_CALL_ELEMS, worth_merging
 from .kernels.probe_scan import ScanBuilder, ScanLaunch
 from .layers.mamba import StackedTables

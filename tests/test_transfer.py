@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from hybridsim.engine import transfer
-from hybridsim.engine.transfer import to_device, upload, upload_many
+from hybridsim.device import transfer
+from hybridsim.device.transfer import to_device, upload, upload_many
 
 
 def test_upload_on_cpu_keeps_values_and_dtype():

@@ -8,7 +8,7 @@ import torch
 
 import hybridsim.engine.executor as executor_mod
 from hybridsim.config import load_scenario
-from hybridsim.engine.verdicts import Verdicts
+from hybridsim.device.verdicts import Verdicts
 from hybridsim.runner import plan_scenario
 
 from .conftest import REPO

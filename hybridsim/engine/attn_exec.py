@@ -34,8 +34,8 @@ from ..sched.plan import StepPlan
 from .cache import BlockMap, PageArena, PagedTensor, block_table
 from .mamba_state import Bugs
 from .compare import TOLERANCE, error_pairs, tally_outputs
-from .verdicts import Verdicts
-from .transfer import to_device, upload
+from ..device.verdicts import Verdicts
+from ..device.transfer import to_device, upload
 
 
 ORACLE_SCORES = 1 << 26  # float64 elements (scores, projected keys) the oracle materialises at once

@@ -29,7 +29,7 @@ from .mamba_state import Bugs
 from .metadata import build_batch
 from .memory import arena_layout
 from .mla_exec import MLAExecution
-from .verdicts import Verdicts
+from ..device.verdicts import Verdicts
 
 
 @dataclass
@@ -118,7 +118,7 @@ class Executor:
         if self.geo.mla is not None:
             self.mla = MLAExecution(scenario, groups, kernels, checks, self.bugs, self.device, self.blocks,
                                     scenario.execution.mla_workspace_tokens)
-        # on a GPU the step's verdicts are read one step late (engine/verdicts.py)
+        # on a GPU the step's verdicts are read one step late (device/verdicts.py)
         self.verdicts = Verdicts(1 if self.device.type == "cuda" else 0)
         for part in (self.mamba, self.attn, self.mla, kernels):
             if part is not None and hasattr(part, "verdicts"):

@@ -33,8 +33,8 @@ from ..sched.plan import StepOutcome, StepPlan, prefill_end
 from .cache import BlockMap, MambaStateCache, PageArena
 from .mamba_state import TRACKERS, Bugs, Copy, RowPlan
 from .metadata import chunk_metadata, chunk_metadata_varlen
-from .verdicts import Verdicts
-from .transfer import to_device, upload
+from ..device.verdicts import Verdicts
+from ..device.transfer import to_device, upload
 
 
 class BadAccess(Exception):

@@ -30,8 +30,8 @@ from ..sched.plan import StepPlan
 from .cache import BlockMap, PagedTensor, block_table
 from .compare import TOLERANCE, error_pairs, tally_outputs
 from .mamba_state import Bugs
-from .verdicts import Verdicts
-from .transfer import to_device, upload
+from ..device.verdicts import Verdicts
+from ..device.transfer import to_device, upload
 
 SCORE_ELEMS = 1 << 26  # the largest attention score matrix the prefill path materialises
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..engine.transfer import upload_many
+from ..device.transfer import upload_many
 from .paged_attention import key_limit
 
 

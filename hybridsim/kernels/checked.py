@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import Checks, Failure
-from ..engine.transfer import upload
-from ..engine.verdicts import Verdicts
+from ..device.transfer import upload
+from ..device.verdicts import Verdicts
 from .paged_attention import paged_attention_layers
 from .reference import ReferenceKernels
 from .segments import LARGE, bits_differ, rel_errors, segment_ids

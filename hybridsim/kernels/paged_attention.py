@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..engine.transfer import upload_many
+from ..device.transfer import upload_many
 from .batching import worth_merging
 
 NEG_INF = float("-inf")

@@ -35,7 +35,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..engine.transfer import upload_many
+from ..device.transfer import upload_many
 from ..layers.exact import Q, mod_q, pow_table
 from ..layers.mamba import StackedTables, hash_channels, head_terms
 

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ..layers.exact import Q, pow_table
 from ..layers.mamba import StackedTables
-from ..engine.transfer import upload
+from ..device.transfer import upload
 from .probe_scan import ScanLaunch
 
 

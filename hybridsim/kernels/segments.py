@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.transfer import upload
+from ..device.transfer import upload
 
 LARGE = 1 << 18  # elements: an exact comparison at least this big is decided at once (checked.py)
 BATCH = 1 << 24  # elements of one stacked pass (float64 working copies of this many, a few at once)

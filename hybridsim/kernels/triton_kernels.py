@@ -348,7 +348,7 @@ class TritonKernels(ReferenceKernels):
     def prepare_block_copy(self, pages, pairs):
         """The call's host side (the pairs checked, uploaded through pinned memory), done before a
         timer's events (``TimedKernels``) and kept for the call (keyed by identity)."""
-        from ..engine.transfer import upload
+        from ..device.transfer import upload
 
         p = pairs.to(torch.int64).cpu()
         self.check_block_pairs(p, pages.shape[1])

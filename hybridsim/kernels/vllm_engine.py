@@ -24,7 +24,7 @@ from math import prod
 
 import torch
 
-from ..engine.transfer import upload
+from ..device.transfer import upload
 from .triton_kernels import TritonKernels
 
 SUPPORTED = ("0.33.",)  # vLLM releases whose kernel signatures these bindings follow
