@@ -10,6 +10,7 @@ worker processes, plugins found on another import path) keep spawning one (``tes
 from __future__ import annotations
 
 import os
+import signal
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,20 +29,28 @@ class Ran:
     stderr: str
 
 
-def hsi(*args, cwd: Path = REPO) -> Ran:
-    """``hybridsim ARGS`` run in ``cwd`` inside this process. An exception the command lets out
-    becomes what the interpreter would print, a traceback on standard error with exit 1, so that
-    "exit 2, no traceback" assertions mean what they mean for a subprocess."""
+def hsi(*args, cwd: Path = REPO, env: dict | None = None) -> Ran:
+    """``hybridsim ARGS`` run in ``cwd`` (with ``env`` added to the environment) inside this process.
+    An exception the command lets out becomes what the interpreter would print, a traceback on
+    standard error with exit 1, so that "exit 2, no traceback" assertions mean what they mean for a
+    subprocess. What a command changes of the process (environment, working folder, the SIGINT and
+    SIGTERM handlers a sweep installs) is put back, as a process's end would."""
     from hybridsim.cli import app
 
     # (the console's width as a subprocess with piped output gets it: COLUMNS, else 80)
-    runner = CliRunner(env={"COLUMNS": os.environ.get("COLUMNS", "80")})
-    here = os.getcwd()
+    runner = CliRunner(env={"COLUMNS": os.environ.get("COLUMNS", "80"), **(env or {})})
+    here, environ = os.getcwd(), dict(os.environ)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     os.chdir(cwd)
     try:
         r = runner.invoke(app, [str(a) for a in args], prog_name="hybridsim")
     finally:
         os.chdir(here)
+        for k in set(os.environ) - set(environ):
+            del os.environ[k]
+        os.environ.update(environ)
+        for s, h in handlers.items():
+            signal.signal(s, h)
     err = r.stderr
     code = r.exit_code
     if r.exception is not None and not isinstance(r.exception, SystemExit):

@@ -18,6 +18,7 @@ from hybridsim.cli import app
 from hybridsim.errors import EnvironmentProblem, InputError
 from hybridsim.output_files import check_folder, check_writable, open_output, write_output
 
+from .cli_inproc import hsi
 from .conftest import REPO, tiny_scenario
 from .test_cli import hs
 
@@ -252,7 +253,7 @@ def test_sweep_outputs(tmp_path):
     ro = _unwritable_folder(tmp_path)
     for out, words in ((Path("/proc/zz"), "cannot make folder /proc/zz"), (d / "base.yaml" / "o", "is a file"),
                        (ro / "o", "cannot make folder"), (Path("-"), "standard output")):
-        r = hs("sweep", d / "s.yaml", "--out", out, "-j", "1", "-q")
+        r = hsi("sweep", d / "s.yaml", "--out", out, "-j", "1", "-q")
         assert r.returncode == 2 and words in " ".join(r.stderr.split()) and "Traceback" not in r.stderr, r.stderr
     real = tmp_path / "real"
     real.mkdir()
