@@ -156,11 +156,16 @@ def _invoke(args: list) -> tuple[int, str, str]:
 
 @pytest.fixture(scope="module")
 def failing_trace(tmp_path_factory) -> Path:
-    big = tmp_path_factory.mktemp("shrink") / "big.jsonl"
+    """A trace failing ssm.running_state, already shrunk once: each test's shrink (about where its
+    output goes, not how far it shrinks) then starts from a few steps, not the whole run."""
+    d = tmp_path_factory.mktemp("shrink")
+    big, small = d / "big.jsonl", d / "small.jsonl"
     code, _, err = _invoke(["run", str(REPO / "scenarios" / "forced_preemption.yaml"), "-q", "--check", "off",
                             "--record", big, "--inject-bug", "stale_state_index"])
     assert code == 0, err
-    return big
+    code, _, err = _invoke(["shrink", big, "--out", small, "--check", "ssm.running_state"])
+    assert code == 0, err
+    return small
 
 
 def _command(name: str, target, failing: Path) -> list:
