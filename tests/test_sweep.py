@@ -746,7 +746,7 @@ def test_cli_sweep_writes_rows_and_a_summary(tmp_path):
     assert "cells by outcome" in r.stdout and "slowest cells" in r.stdout
     df = pd.read_csv(tmp_path / "out" / "results.csv")
     assert list(df["cache.block_size"]) in ([16, 32], [32, 16]) and set(df["exit_code"]) == {0}
-    r = hs("sweep", path, "--out", tmp_path / "out2", "--ray", "auto", "--workers", "2")
+    r = hsi("sweep", path, "--out", tmp_path / "out2", "--ray", "auto", "--workers", "2")
     assert r.returncode == 2 and "not both" in r.stderr
 
 
