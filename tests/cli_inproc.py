@@ -54,7 +54,6 @@ def hsi(*args, cwd: Path = REPO, env: dict | None = None) -> Ran:
     err = r.stderr
     code = r.exit_code
     if r.exception is not None and not isinstance(r.exception, SystemExit):
-        err += "Traceback (most recent call last):\n" + "".join(
-            traceback.format_exception(type(r.exception), r.exception, r.exc_info[2]))
+        err += "".join(traceback.format_exception(type(r.exception), r.exception, r.exception.__traceback__))
         code = 1
     return Ran(code, r.stdout, err)
