@@ -8,10 +8,13 @@ import sys
 
 import pytest
 
+from .cli_inproc import hsi
 from .conftest import DATA, RECORDINGS, REPO, SCENARIOS
 
 
 def hs(*args, cwd=REPO):
+    """``python -m hybridsim ARGS`` in a fresh interpreter: for what only a real process shows (the
+    entry point, pipes, signals, workers); the rest of the command line runs in process (``hsi``)."""
     return subprocess.run([sys.executable, "-m", "hybridsim", *map(str, args)], cwd=cwd,
                           capture_output=True, text=True)
 
@@ -30,7 +33,7 @@ def test_quickstart_runs_records_and_validates(tmp_path):
 
 
 def test_every_scenario_validates_on_the_cli():
-    r = hs("validate", *[p.relative_to(REPO) for p in SCENARIOS])
+    r = hsi("validate", *[p.relative_to(REPO) for p in SCENARIOS])
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("ok ") == len(SCENARIOS)
 
@@ -38,21 +41,21 @@ def test_every_scenario_validates_on_the_cli():
 def test_bad_scenario_exit_2_one_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text((REPO / "scenarios/quickstart.yaml").read_text().replace("num_blocks: 96", "num_blocks: -1"))
-    r = hs("run", bad)
+    r = hsi("run", bad)
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
     assert f"{bad}:4" in r.stderr.replace("\n", "") and "cache.num_blocks" in r.stderr
 
 
 def test_missing_file_and_bad_flag_exit_2(tmp_path):
-    r = hs("run", tmp_path / "nope.yaml")
+    r = hsi("run", tmp_path / "nope.yaml")
     assert r.returncode == 2 and "no such file" in r.stderr and "Traceback" not in r.stderr
-    r = hs("run", "scenarios/quickstart.yaml", "--check", "sometimes")
+    r = hsi("run", "scenarios/quickstart.yaml", "--check", "sometimes")
     assert r.returncode == 2 and "Traceback" not in r.stderr
 
 
 def test_record_into_missing_folder_fails_before_running(tmp_path):
-    r = hs("run", "scenarios/quickstart.yaml", "--record", tmp_path / "no" / "t.jsonl")
+    r = hsi("run", "scenarios/quickstart.yaml", "--record", tmp_path / "no" / "t.jsonl")
     assert r.returncode == 2 and "does not exist" in r.stderr
 
 
@@ -66,29 +69,29 @@ def test_binary_file_is_bad_input_not_a_traceback(tmp_path):
     binary = tmp_path / "b.jsonl"
     binary.write_bytes(bytes(range(256)) * 4)
     for args in (("replay", binary), ("validate", binary), ("fidelity", binary)):
-        r = hs(*args)
+        r = hsi(*args)
         assert r.returncode == 2 and "Traceback" not in r.stderr, (args, r.stderr)
         assert _squeezed(f"{binary}: not a UTF-8 text file") in _squeezed(r.stderr), (args, r.stderr)
     gold = tmp_path / "gold"
     gold.mkdir()
-    assert hs("run", "scenarios/quickstart.yaml", "-q", "--check", "off", "--record", gold / "q.jsonl").returncode == 0
+    assert hsi("run", "scenarios/quickstart.yaml", "-q", "--check", "off", "--record", gold / "q.jsonl").returncode == 0
     (gold / "q.expected.json").write_bytes(bytes(range(128, 256)))
-    r = hs("replay", gold, "--check", "--check-mode", "off")
+    r = hsi("replay", gold, "--check", "--check-mode", "off")
     assert r.returncode == 2 and _squeezed("q.expected.json: not a UTF-8 text file") in _squeezed(r.stderr), r.stderr
 
 
 def test_corrupt_trace_exit_2_with_line(tmp_path):
     t = tmp_path / "t.jsonl"
-    assert hs("run", "scenarios/spec_decode.yaml", "-q", "--record", t).returncode == 0
+    assert hsi("run", "scenarios/spec_decode.yaml", "-q", "--record", t).returncode == 0
     lines = t.read_text().splitlines()
     lines[5] = lines[5].replace('"c":', '"c":1') if '"c":0' not in lines[5] else lines[5].replace('"c":0', '"c":7')
     t.write_text("\n".join(lines) + "\n")
-    r = hs("validate", t)
+    r = hsi("validate", t)
     assert r.returncode == 2 and f"{t}:6" in r.stderr.replace("\n", "")
 
 
 def test_presets_lists_real_models():
-    r = hs("presets")
+    r = hsi("presets")
     assert r.returncode == 0
     for name in ("nemotron-h-8b", "deepseek-v3", "qwen3-next-80b", "jamba-1.5-mini", "tiny-hybrid-mla"):
         assert name in r.stdout
@@ -96,24 +99,24 @@ def test_presets_lists_real_models():
 
 def test_fidelity_json(tmp_path):
     js = tmp_path / "f.json"
-    r = hs("fidelity", DATA / "vllm-recorded/mem_pressure.jsonl", "--json", js)
+    r = hsi("fidelity", DATA / "vllm-recorded/mem_pressure.jsonl", "--json", js)
     assert r.returncode == 0, r.stderr
     assert json.loads(js.read_text())["identical_steps_pct"] == 100.0
 
 
 def test_convert_then_validate(tmp_path):
     out = tmp_path / "c.jsonl"
-    r = hs("convert", DATA / "vllm-recorded/spec_ngram.jsonl", "--out", out)
+    r = hsi("convert", DATA / "vllm-recorded/spec_ngram.jsonl", "--out", out)
     assert r.returncode == 0, r.stderr
-    assert hs("validate", out).returncode == 0
-    r = hs("validate", DATA / "vllm-recorded/spec_ngram.jsonl")
+    assert hsi("validate", out).returncode == 0
+    r = hsi("validate", DATA / "vllm-recorded/spec_ngram.jsonl")
     assert r.returncode == 2 and "convert" in r.stderr
 
 
 def test_version():
     from importlib.metadata import version
 
-    r = hs("--version")
+    r = hsi("--version")
     assert r.returncode == 0 and r.stdout == f"hybridsim {version('hybridsim')}\n", r.stdout + r.stderr
 
 
@@ -121,10 +124,10 @@ def test_replay_runs_a_vllm_recording_directly(tmp_path):
     """A recording is converted in memory (a note says so) and replays exactly as its converted trace."""
     rec = DATA / "vllm-recorded/spec_ngram.jsonl"
     js, js_trace = tmp_path / "rec.json", tmp_path / "trace.json"
-    r = hs("replay", rec, "--json", js)
+    r = hsi("replay", rec, "--json", js)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "converted in memory" in r.stdout and "hybridsim convert" in r.stdout
-    assert hs("replay", REPO / "traces/vllm_spec_ngram.jsonl", "--json", js_trace, "-q").returncode == 0
+    assert hsi("replay", REPO / "traces/vllm_spec_ngram.jsonl", "--json", js_trace, "-q").returncode == 0
     got, want = json.loads(js.read_text()), json.loads(js_trace.read_text())
     # (sched.recorded also compares the recording's free-block counts, which a converted trace lacks)
     sched = [{c["name"]: c for c in d["checks"]}.pop("sched.recorded") for d in (got, want)]
@@ -133,7 +136,7 @@ def test_replay_runs_a_vllm_recording_directly(tmp_path):
     assert got["checks"] == want["checks"] and got["checks"]
     assert got["summary"]["steps"] == want["summary"]["steps"] == 65
     # --check: a recording has no expected file, which is what the gate says of any trace without one
-    r = hs("replay", rec, "--check")
+    r = hsi("replay", rec, "--check")
     assert r.returncode == 1 and "no expected file" in r.stdout and "Traceback" not in r.stderr
 
 
@@ -185,17 +188,17 @@ def test_malformed_recording_is_one_message_exit_2(tmp_path):
 
 
 def test_run_executes_and_names_the_failing_check():
-    r = hs("run", "scenarios/spec_decode.yaml", "--inject-bug", "temporal_without_bias")
+    r = hsi("run", "scenarios/spec_decode.yaml", "--inject-bug", "temporal_without_bias")
     assert r.returncode == 1
     assert "ssm.running_state" in r.stdout and "Traceback" not in r.stderr
-    ok = hs("run", "scenarios/spec_decode.yaml", "-q")
+    ok = hsi("run", "scenarios/spec_decode.yaml", "-q")
     assert ok.returncode == 0, ok.stdout + ok.stderr
 
 
 def test_list_bugs_and_unknown_bug():
-    r = hs("run", "--list-bugs")
+    r = hsi("run", "--list-bugs")
     assert r.returncode == 0 and "stale_state_index" in r.stdout and "lse_base2" in r.stdout
-    r = hs("run", "scenarios/spec_decode.yaml", "--inject-bug", "gremlins")
+    r = hsi("run", "scenarios/spec_decode.yaml", "--inject-bug", "gremlins")
     assert r.returncode == 2 and "gremlins" in r.stderr
 
 
@@ -204,16 +207,16 @@ def test_bug_in_a_layer_kind_the_model_lacks_is_refused(tmp_path):
     single trace's replay is refused (exit 2, naming the model's layers, nothing written); a folder
     of traces replays with a note on the traces it cannot touch."""
     out = tmp_path / "r.json"
-    r = hs("run", "scenarios/quickstart.yaml", "--inject-bug", "slot_off_by_one", "--json", out)
+    r = hsi("run", "scenarios/quickstart.yaml", "--inject-bug", "slot_off_by_one", "--json", out)
     assert r.returncode == 2 and "slot_off_by_one breaks GQA attention layers" in r.stderr
     assert "Mamba, MLA" in r.stderr and "Traceback" not in r.stderr and not out.exists()
-    r = hs("replay", "traces/mla_long_context.jsonl", "--inject-bug", "temporal_without_bias", "-q")
+    r = hsi("replay", "traces/mla_long_context.jsonl", "--inject-bug", "temporal_without_bias", "-q")
     assert r.returncode == 2 and "temporal_without_bias breaks Mamba layers" in r.stderr
     d = tmp_path / "two"
     d.mkdir()
     for name in ("mla_long_context", "spec_decode"):
         (d / f"{name}.jsonl").write_bytes((REPO / "traces" / f"{name}.jsonl").read_bytes())
-    r = hs("replay", d, "--inject-bug", "temporal_without_bias")
+    r = hsi("replay", d, "--inject-bug", "temporal_without_bias")
     assert r.returncode == 1, r.stdout + r.stderr  # spec_decode's Mamba states break
     assert "it changes nothing in this trace" in r.stdout
 
@@ -222,7 +225,7 @@ def test_cuda_without_gpu_is_environment_error():
     import torch
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    r = hs("run", "scenarios/spec_decode.yaml", "--device", "cuda")
+    r = hsi("run", "scenarios/spec_decode.yaml", "--device", "cuda")
     assert r.returncode == 3 and "no CUDA GPU" in r.stderr
 
 
@@ -231,23 +234,23 @@ def test_replay_of_recorded_vllm_traces_is_green(tmp_path):
     traces = []
     for rec in RECORDINGS:
         out = tmp_path / f"{rec.stem}.jsonl"
-        assert hs("convert", rec, "--out", out).returncode == 0
+        assert hsi("convert", rec, "--out", out).returncode == 0
         traces.append(out)
     js = tmp_path / "r.json"
-    r = hs("replay", *traces, "--json", js)
+    r = hsi("replay", *traces, "--json", js)
     assert r.returncode == 0, r.stdout[-2000:]
     data = json.loads(js.read_text())["traces"]
     for t in data:
         counts = {c["name"]: (c["count"], c["failures"]) for c in t["checks"]}
         assert counts["ssm.running_state"][0] > 0 and counts["ssm.output"][0] > 0
         assert all(f == 0 for _, f in counts.values())
-    bug = hs("replay", traces[-1], "--inject-bug", "temporal_without_bias", "-q")
+    bug = hsi("replay", traces[-1], "--inject-bug", "temporal_without_bias", "-q")
     assert bug.returncode == 1
 
 
 def test_replay_rejects_inconsistent_trace_before_running(tmp_path):
     t = tmp_path / "t.jsonl"
-    assert hs("run", "scenarios/chunked_prefill.yaml", "-q", "--check", "off", "--record", t).returncode == 0
+    assert hsi("run", "scenarios/chunked_prefill.yaml", "-q", "--check", "off", "--record", t).returncode == 0
     lines = t.read_text().splitlines()
     for i, line in enumerate(lines[1:], 2):
         d = json.loads(line)
@@ -257,15 +260,15 @@ def test_replay_rejects_inconsistent_trace_before_running(tmp_path):
             lines[i - 1] = json.dumps(d)
             break
     t.write_text("\n".join(lines) + "\n")
-    r = hs("replay", t)
+    r = hsi("replay", t)
     assert r.returncode == 2 and f"{t}:{i}" in r.stderr.replace("\n", "")
 
 
 def test_run_then_replay_same_checks(tmp_path):
     t = tmp_path / "t.jsonl"
     a, b = tmp_path / "a.json", tmp_path / "b.json"
-    assert hs("run", "scenarios/forced_preemption.yaml", "-q", "--record", t, "--json", a).returncode == 0
-    assert hs("replay", t, "-q", "--json", b).returncode == 0
+    assert hsi("run", "scenarios/forced_preemption.yaml", "-q", "--record", t, "--json", a).returncode == 0
+    assert hsi("replay", t, "-q", "--json", b).returncode == 0
     ra = {c["name"]: c["count"] for c in json.loads(a.read_text())["checks"] if c["name"] != "sched.invariants"}
     rb = {c["name"]: c["count"] for c in json.loads(b.read_text())["checks"] if c["name"] != "sched.recorded"}
     assert ra == rb  # replaying the recorded steps makes exactly the same comparisons (and verifies them first)
@@ -318,13 +321,13 @@ def test_validate_tells_what_can_be_planned_but_not_executed(tmp_path):
     text += "spec_decode: {num_speculative_tokens: 2, acceptance: {kind: bernoulli, rate: 0.6}}\n"
     f = tmp_path / "allspec.yaml"
     f.write_text(text)
-    v = hs("validate", f)
+    v = hsi("validate", f)
     assert v.returncode == 0 and "mamba_cache_mode all with speculative decoding is not" in " ".join(v.stdout.split())
-    assert "not supported" not in hs("validate", "scenarios/all_mode.yaml").stdout
-    r = hs("run", f, "--check", "full")
+    assert "not supported" not in hsi("validate", "scenarios/all_mode.yaml").stdout
+    r = hsi("run", f, "--check", "full")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "mamba_cache_mode all with speculative decoding is not" in " ".join((r.stdout + r.stderr).split())
-    assert hs("run", f, "--check", "off").returncode == 0
+    assert hsi("run", f, "--check", "off").returncode == 0
 
 
 def test_a_reader_that_goes_away_ends_the_command_with_141_not_1():

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from .conftest import REPO
-from .test_cli import hs
+from .cli_inproc import hsi as hs  # (in process: these tests are about what the commands say and write)
 
 SUBSET = ["spec_decode", "vllm_spec_ngram"]
 

@@ -11,6 +11,7 @@ from importlib.util import find_spec
 
 import pytest
 
+from .cli_inproc import hsi
 from .conftest import REPO
 
 SCENARIOS = REPO / "scenarios"
@@ -19,11 +20,18 @@ HAS_VLLM = find_spec("vllm") is not None
 
 
 def hs(*args, env_extra: dict | None = None, cwd=REPO):
+    """A fresh interpreter, for the plugin tests (a provider found through another import path);
+    the rest run the command in process (``hsi``)."""
     env = dict(os.environ)
     env.update(env_extra or {})
     env["COLUMNS"] = "250"
     return subprocess.run([sys.executable, "-m", "hybridsim", *map(str, args)], cwd=cwd, capture_output=True,
                           text=True, env=env)
+
+
+def _inproc(*args):
+    """The command in process, its console as wide as ``hs`` makes it."""
+    return hsi(*args, env={"COLUMNS": "250"})
 
 
 def _plugin(tmp_path, name: str, body: str):
@@ -111,18 +119,18 @@ def test_a_plugin_provider_runs_a_scenario_under_the_checks(tmp_path):
 
 
 def test_kernels_check_triton_under_the_interpreter():
-    r = hs("kernels", "check", "triton", "--quick", "--op", "state_copy", "--op", "merge_states", "--op",
+    r = _inproc("kernels", "check", "triton", "--quick", "--op", "state_copy", "--op", "merge_states", "--op",
            "reshape_and_cache")
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("pass") == 3
 
 
 def test_unknown_provider_and_op_are_bad_input():
-    r = hs("kernels", "check", "nope")
+    r = _inproc("kernels", "check", "nope")
     assert r.returncode == 2 and "no kernel provider 'nope'" in r.stderr
-    r = hs("kernels", "check", "triton", "--op", "warp_drive")
+    r = _inproc("kernels", "check", "triton", "--op", "warp_drive")
     assert r.returncode == 2 and "no op 'warp_drive'" in r.stderr
-    r = hs("run", SCENARIOS / "quickstart.yaml", "--kernels", "nope", "-q")
+    r = _inproc("run", SCENARIOS / "quickstart.yaml", "--kernels", "nope", "-q")
     assert r.returncode == 2 and "--kernels" in r.stderr
 
 
@@ -132,17 +140,17 @@ def test_scenario_naming_an_unknown_provider_is_refused_with_its_key(tmp_path):
     text = text.replace("kernels: auto", "kernels: flashplug", 1)
     p = tmp_path / "s.yaml"
     p.write_text(text)
-    r = hs("validate", p)
+    r = _inproc("validate", p)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "execution.kernels" in r.stderr and "flashplug" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed in this environment")
 def test_vllm_provider_without_vllm_exits_3_saying_how_to_install():
-    r = hs("run", SCENARIOS / "quickstart.yaml", "--kernels", "vllm", "-q")
+    r = _inproc("run", SCENARIOS / "quickstart.yaml", "--kernels", "vllm", "-q")
     assert r.returncode == 3, r.stdout + r.stderr
     assert "vLLM is not installed" in r.stderr and "vllm==0.33.0" in r.stderr
-    r = hs("kernels", "check", "vllm")
+    r = _inproc("kernels", "check", "vllm")
     assert r.returncode == 3 and "vLLM is not installed" in r.stderr
-    r = hs("kernels")
+    r = _inproc("kernels")
     assert r.returncode == 0 and "not available here" in r.stdout

@@ -4,9 +4,6 @@ when nothing would); an out-of-memory error while running is one message and exi
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -15,6 +12,7 @@ from hybridsim.config import parse_scenario
 from hybridsim.errors import EnvironmentProblem, InputError
 from hybridsim.runner import plan_scenario
 
+from .cli_inproc import hsi
 from .conftest import tiny_scenario
 
 NEMOTRON = """
@@ -55,7 +53,7 @@ def test_buffers_too_large_for_the_device_are_an_environment_problem(monkeypatch
 def test_cli_refuses_a_pool_no_machine_holds_with_exit_2(tmp_path):
     f = tmp_path / "huge.yaml"
     f.write_text(NEMOTRON.format(blocks=200000, seqs=2))
-    r = subprocess.run([sys.executable, "-m", "hybridsim", "run", str(f)], capture_output=True, text=True)
+    r = hsi("run", f)
     assert r.returncode == 2, r.stderr
     assert "cache.num_blocks" in r.stderr and "Traceback" not in r.stderr
     assert "memory plan on cpu" in r.stderr  # announced before the refusal

@@ -18,6 +18,7 @@ from hybridsim.cli import app
 from hybridsim.errors import EnvironmentProblem, InputError
 from hybridsim.output_files import check_folder, check_writable, open_output, write_output
 
+from .cli_inproc import hsi
 from .conftest import REPO, tiny_scenario
 from .test_cli import hs
 
@@ -155,11 +156,16 @@ def _invoke(args: list) -> tuple[int, str, str]:
 
 @pytest.fixture(scope="module")
 def failing_trace(tmp_path_factory) -> Path:
-    big = tmp_path_factory.mktemp("shrink") / "big.jsonl"
+    """A trace failing ssm.running_state, already shrunk once: each test's shrink (about where its
+    output goes, not how far it shrinks) then starts from a few steps, not the whole run."""
+    d = tmp_path_factory.mktemp("shrink")
+    big, small = d / "big.jsonl", d / "small.jsonl"
     code, _, err = _invoke(["run", str(REPO / "scenarios" / "forced_preemption.yaml"), "-q", "--check", "off",
                             "--record", big, "--inject-bug", "stale_state_index"])
     assert code == 0, err
-    return big
+    code, _, err = _invoke(["shrink", big, "--out", small, "--check", "ssm.running_state"])
+    assert code == 0, err
+    return small
 
 
 def _command(name: str, target, failing: Path) -> list:
@@ -252,7 +258,7 @@ def test_sweep_outputs(tmp_path):
     ro = _unwritable_folder(tmp_path)
     for out, words in ((Path("/proc/zz"), "cannot make folder /proc/zz"), (d / "base.yaml" / "o", "is a file"),
                        (ro / "o", "cannot make folder"), (Path("-"), "standard output")):
-        r = hs("sweep", d / "s.yaml", "--out", out, "-j", "1", "-q")
+        r = hsi("sweep", d / "s.yaml", "--out", out, "-j", "1", "-q")
         assert r.returncode == 2 and words in " ".join(r.stderr.split()) and "Traceback" not in r.stderr, r.stderr
     real = tmp_path / "real"
     real.mkdir()

@@ -20,6 +20,7 @@ from hybridsim.sweep.cell import TIMINGS, CellTask, run_cell
 from hybridsim.sweep.jobs import Job
 from hybridsim.sweep.pool import run_local
 
+from .cli_inproc import hsi
 from .conftest import REPO, tiny_scenario
 from .test_cli import hs
 
@@ -115,13 +116,13 @@ def test_cli_refuses_a_bad_cell_and_keeps_existing_results(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "results.csv").write_text("earlier,rows\n")
-    r = hs("sweep", path, "--out", out, "--resume")
+    r = hsi("sweep", path, "--out", out, "--resume")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.count("error:") == 1 and "cell 2 (" in r.stderr and "cache.num_blocks" in r.stderr
     assert (out / "results.csv").read_text() == "earlier,rows\n"  # nothing ran, nothing was touched
-    r = hs("sweep", sweep_dir(tmp_path), "--out", out)  # an existing results.csv needs --resume
+    r = hsi("sweep", sweep_dir(tmp_path), "--out", out)  # an existing results.csv needs --resume
     assert r.returncode == 2 and "--resume" in r.stderr and (out / "results.csv").read_text() == "earlier,rows\n"
-    r = hs("sweep", sweep_dir(tmp_path), "--out", out, "--resume")  # another sweep's file is not appended to
+    r = hsi("sweep", sweep_dir(tmp_path), "--out", out, "--resume")  # another sweep's file is not appended to
     assert r.returncode == 2 and "another sweep" in r.stderr and (out / "results.csv").read_text() == "earlier,rows\n"
 
 
@@ -745,7 +746,7 @@ def test_cli_sweep_writes_rows_and_a_summary(tmp_path):
     assert "cells by outcome" in r.stdout and "slowest cells" in r.stdout
     df = pd.read_csv(tmp_path / "out" / "results.csv")
     assert list(df["cache.block_size"]) in ([16, 32], [32, 16]) and set(df["exit_code"]) == {0}
-    r = hs("sweep", path, "--out", tmp_path / "out2", "--ray", "auto", "--workers", "2")
+    r = hsi("sweep", path, "--out", tmp_path / "out2", "--ray", "auto", "--workers", "2")
     assert r.returncode == 2 and "not both" in r.stderr
 
 
@@ -762,7 +763,7 @@ def test_replay_check_fans_out_with_the_same_rows(tmp_path):
     untimed = lambda rows: [{k: v for k, v in r.__dict__.items() if k != "wall_s"} for r in rows]  # noqa: E731
     assert untimed(fanned) == untimed(serial) and all(r.wall_s > 0 for r in fanned)
     assert [r.result for r in fanned] == ["FAIL", "pass"] and fanned[0].differences == ["steps: 36 -> 35"]
-    r = hs("replay", d / "spec_padding.jsonl", "-j", "2")
+    r = hsi("replay", d / "spec_padding.jsonl", "-j", "2")
     assert r.returncode == 2 and "--check" in r.stderr
 
 

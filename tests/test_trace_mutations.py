@@ -751,7 +751,7 @@ def test_a_recordings_free_block_counts_are_compared(tmp_path):
 def test_replay_stops_before_executing_a_broken_schedule(tmp_path):
     """Through the CLI: exit 1, sched.recorded first in the table with the step, request, group and
     block, and no step executed."""
-    from .test_cli import hs
+    from .cli_inproc import hsi as hs
 
     p = mutate("quickstart", "double_alloc_group2", tmp_path)
     js = tmp_path / "r.json"
