@@ -120,6 +120,16 @@ def test_reference_scan_equals_the_definition(kind, chunk):
             assert torch.equal(ln.state_conv[layer, cpages[layer], : K - 1].long(), w)
 
 
+def _assert_triton_equals_reference(tab, ln) -> None:
+    """The launch through the Triton scan and the torch form: pages and outputs equal bit for bit."""
+    tri = _clone(ln)
+    scan_reference(tab, ln)
+    scan_triton(tab, tri)
+    same = lambda a, b: torch.equal(torch.nan_to_num(a, -1.0), torch.nan_to_num(b, -1.0))  # noqa: E731
+    assert same(ln.state_conv, tri.state_conv) and same(ln.state_temporal, tri.state_temporal)
+    assert torch.equal(ln.y_out, tri.y_out)
+
+
 INTERPRETER = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test (CPU); -m gpu runs it compiled")
 
 
@@ -128,12 +138,18 @@ INTERPRETER = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter 
 def test_triton_scan_equals_reference_bit_for_bit(kind):
     geo = GEOMETRIES[kind]
     _, tab, _, ln, _ = _case(geo, 5, [1, 4, 9], spec_rows=(1,))
-    tri = _clone(ln)
-    scan_reference(tab, ln)
-    scan_triton(tab, tri)
-    same = lambda a, b: torch.equal(torch.nan_to_num(a, -1.0), torch.nan_to_num(b, -1.0))  # noqa: E731
-    assert same(ln.state_conv, tri.state_conv) and same(ln.state_temporal, tri.state_temporal)
-    assert torch.equal(ln.y_out, tri.y_out)
+    _assert_triton_equals_reference(tab, ln)
+
+
+def _compare_events(b: ScanBuilder, ln, expect, L: int) -> ScanBuilder:
+    """The oracle's launch over the same rows: compare the state after every event of ``b`` with
+    the page it wrote, and every output but each row's first; tags are (row, token)."""
+    cb = ScanBuilder(L)
+    for row, (toks, _, _) in enumerate(expect):
+        cb.add_row(toks, ln.init_tpage[row].tolist(), y_from=1, y_count=len(toks) - 1)
+    for row, t, tpages, cpages in b.events:
+        cb.compare(row, t, tpages, cpages, 0, (row, t))
+    return cb
 
 
 @pytest.mark.parametrize("provider", ["reference", pytest.param("triton", marks=INTERPRETER)])
@@ -144,11 +160,7 @@ def test_comparisons_count_exactly_the_differing_elements(provider):
     _, tab, b, ln, expect = _case(geo, 3, [3, 6], pages=32)
     scan_reference(tab, ln)  # the pages now hold the true states after the events' tokens
     L, K = geo.layers, geo.conv_kernel
-    cb = ScanBuilder(L)
-    for row, (toks, _, _) in enumerate(expect):
-        cb.add_row(toks, ln.init_tpage[row].tolist(), y_from=1, y_count=len(toks) - 1)
-    for row, t, tpages, cpages in b.events:
-        cb.compare(row, t, tpages, cpages, 0, (row, t))
+    cb = _compare_events(b, ln, expect, L)
     conv, temporal, y_ref = ln.state_conv.clone(), ln.state_temporal.clone(), ln.y_out.clone()
     e_row, e_t, e_tp, e_cp = b.events[0]
     temporal[1, e_tp[1], 0, 1, 2] += 5  # layer 1: one temporal element off by 5
@@ -191,12 +203,7 @@ def test_chunked_triton_scan_equals_reference_bit_for_bit(K):
     from hybridsim.kernels.probe_scan_triton import _routes
     _, tab, _, ln, _ = _case(CHUNKED.model_copy(update={"conv_kernel": K}), 5, [3, 34, 70], spec_rows=(0,))
     assert _routes(tab, ln) == ([0], [1, 2])
-    tri = _clone(ln)
-    scan_reference(tab, ln)
-    scan_triton(tab, tri)
-    same = lambda a, b: torch.equal(torch.nan_to_num(a, -1.0), torch.nan_to_num(b, -1.0))  # noqa: E731
-    assert same(ln.state_conv, tri.state_conv) and same(ln.state_temporal, tri.state_temporal)
-    assert torch.equal(ln.y_out, tri.y_out)
+    _assert_triton_equals_reference(tab, ln)
 
 
 @INTERPRETER
@@ -207,11 +214,7 @@ def test_chunked_comparisons_count_what_the_reference_counts():
     _, tab, b, ln, expect = _case(CHUNKED, 3, [40, 66], pages=32)
     scan_reference(tab, ln)
     L = CHUNKED.layers
-    cb = ScanBuilder(L)
-    for row, (toks, _, _) in enumerate(expect):
-        cb.add_row(toks, ln.init_tpage[row].tolist(), y_from=1, y_count=len(toks) - 1)
-    for row, t, tpages, cpages in b.events:
-        cb.compare(row, t, tpages, cpages, 0, (row, t))
+    cb = _compare_events(b, ln, expect, L)
     conv, temporal, y_ref = ln.state_conv.clone(), ln.state_temporal.clone(), ln.y_out.clone()
     e_row, e_t, e_tp, e_cp = b.events[0]
     temporal[1, e_tp[1], 0, 1, 2] += 5

@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .probe_scan_triton import _cmp_window, _keys, _residue, _store_window, _weights
+from .probe_scan_triton import _cmp_window, _head_keys, _keys, _residue, _row_cursors, _store_window, _weights
 
 
 @triton.jit
@@ -168,37 +168,15 @@ def _chunked_scan_kernel(
     embl = emb + lay * (DIM * 4)
     cwl = conv_w + lay * (4 * DIM)
     cbl = conv_b + lay * DIM
-    hrow = head + (lay * H + hd) * 6
-    rho = tl.load(hrow)
-    sig = tl.load(hrow + 1)
-    tau = tl.load(hrow + 2)
-    mu = tl.load(hrow + 3)
-    nu = tl.load(hrow + 4)
-    kap = tl.load(hrow + 5)
-    Dh = tl.load(Dt + lay * H + hd)
+    rho, sig, tau, mu, nu, kap, Dh = _head_keys(head, Dt, lay, hd, H)
     iw = init_window + (b * L64 + lay) * (KM1 * DIM)
     slot = tl.load(state_slot + lay).to(tl.int64)
     tpg0 = tl.load(init_tpage + b * L64 + lay).to(tl.int64)
     tile = hd * (P * N) + offs_p[:, None] * N + offs_n[None, :]
     h = _residue(tl.load(temporal + slot * t_ss + tl.maximum(tpg0, 0) * t_sp + tile))
     h = tl.where(tpg0 >= 0, h, 0)
-    ei = tl.load(ev_ptr + b)
-    ee = tl.load(ev_ptr + b + 1)
-    et = tl.load(ev_t + ei, mask=ei < ee, other=-1)
-    ci = 0
-    ce = 0
-    ct = -1
-    yf = 0
-    yc = 0
-    if COMPARE:
-        ci = tl.load(cmp_ptr + b)
-        ce = tl.load(cmp_ptr + b + 1)
-        ct = tl.load(cmp_t + ci, mask=ci < ce, other=-1)
-        yf = tl.load(y_from + b)
-        yc = tl.load(y_count + b)
-    ys = 0
-    if WRITE_Y or COMPARE:
-        ys = tl.load(y_start + b)
+    ei, ee, et, ci, ce, ct, yf, yc, ys = _row_cursors(b, ev_ptr, ev_t, cmp_ptr, cmp_t, y_from, y_count, y_start,
+                                                      WRITE_Y, COMPARE)
     ybad = 0
     ymax = 0
     yfirst = 1 << 30

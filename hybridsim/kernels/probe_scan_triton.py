@@ -109,6 +109,40 @@ def _cmp_window(src, row_stride, ch, m, v0, v1, v2, st, KM1: tl.constexpr, DIM: 
         _cmp_row(src, ch, m, v2, 0, st)
 
 
+@triton.jit
+def _head_keys(head, Dt, lay, hd, H: tl.constexpr):
+    """Head hd's decay and step keys in layer lay (``layers.mamba.head_terms``) and its D."""
+    hrow = head + (lay * H + hd) * 6
+    return (tl.load(hrow), tl.load(hrow + 1), tl.load(hrow + 2), tl.load(hrow + 3), tl.load(hrow + 4),
+            tl.load(hrow + 5), tl.load(Dt + lay * H + hd))
+
+
+@triton.jit
+def _row_cursors(b, ev_ptr, ev_t, cmp_ptr, cmp_t, y_from, y_count, y_start, WRITE_Y: tl.constexpr,
+                 COMPARE: tl.constexpr):
+    """Row b's cursors: its events [ei, ee) and the first one's token et, its comparisons [ci, ce)
+    and the first one's token ct (-1: none), its compared outputs (from yf, yc of them) and where
+    its outputs start (ys). Both scan kernels walk a row with them."""
+    ei = tl.load(ev_ptr + b)
+    ee = tl.load(ev_ptr + b + 1)
+    et = tl.load(ev_t + ei, mask=ei < ee, other=-1)
+    ci = tl.zeros([], dtype=tl.int64)
+    ce = tl.zeros([], dtype=tl.int64)
+    ct = tl.full([], -1, dtype=tl.int64)
+    yf = tl.zeros([], dtype=tl.int64)
+    yc = tl.zeros([], dtype=tl.int64)
+    if COMPARE:
+        ci = tl.load(cmp_ptr + b)
+        ce = tl.load(cmp_ptr + b + 1)
+        ct = tl.load(cmp_t + ci, mask=ci < ce, other=-1)
+        yf = tl.load(y_from + b)
+        yc = tl.load(y_count + b)
+    ys = tl.zeros([], dtype=tl.int64)
+    if WRITE_Y or COMPARE:
+        ys = tl.load(y_start + b)
+    return ei, ee, et, ci, ce, ct, yf, yc, ys
+
+
 @triton.jit(do_not_specialize=["L"])  # a model of one Mamba layer must not turn L into a constant
 def _probe_scan_kernel(
         row_ids, tokens, row_start, row_len, init_window, init_tpage,
@@ -147,14 +181,7 @@ def _probe_scan_kernel(
     cwl = conv_w + lay * (4 * DIM)
     cbl = conv_b + lay * DIM
     wx = _weights(cwl, cbl, xc, pm, DIM)
-    hrow = head + (lay * H + hd) * 6
-    rho = tl.load(hrow)
-    sig = tl.load(hrow + 1)
-    tau = tl.load(hrow + 2)
-    mu = tl.load(hrow + 3)
-    nu = tl.load(hrow + 4)
-    kap = tl.load(hrow + 5)
-    Dh = tl.load(Dt + lay * H + hd)
+    rho, sig, tau, mu, nu, kap, Dh = _head_keys(head, Dt, lay, hd, H)
     if BC_CONV:
         kb = _keys(embl, bch, nm)
         kc = _keys(embl, cch, nm)
@@ -197,23 +224,8 @@ def _probe_scan_kernel(
                 if BC_CONV:
                     tl.store(hb + bch, b2.to(tl.float32), mask=om)
                     tl.store(hb + cch, c2.to(tl.float32), mask=om)
-    ei = tl.load(ev_ptr + b)
-    ee = tl.load(ev_ptr + b + 1)
-    et = tl.load(ev_t + ei, mask=ei < ee, other=-1)
-    ci = 0
-    ce = 0
-    ct = -1
-    yf = 0
-    yc = 0
-    if COMPARE:
-        ci = tl.load(cmp_ptr + b)
-        ce = tl.load(cmp_ptr + b + 1)
-        ct = tl.load(cmp_t + ci, mask=ci < ce, other=-1)
-        yf = tl.load(y_from + b)
-        yc = tl.load(y_count + b)
-    ys = 0
-    if WRITE_Y or COMPARE:
-        ys = tl.load(y_start + b)
+    ei, ee, et, ci, ce, ct, yf, yc, ys = _row_cursors(b, ev_ptr, ev_t, cmp_ptr, cmp_t, y_from, y_count, y_start,
+                                                      WRITE_Y, COMPARE)
     # output comparisons accumulate per lane and are reduced once, after the row
     ybad = tl.zeros([BP], dtype=tl.int32)
     ymax = tl.zeros([BP], dtype=tl.int32)
