@@ -83,6 +83,17 @@ def scheduler_config(s: Scenario) -> SchedulerConfig:
     )
 
 
+STALL_STEPS = 1000  # steps with nothing scheduled, no arrival to come: the run has stalled
+
+
+def note_stall(stats: "RunStats", step: int) -> bool:
+    """Mark a run stalled (a planner's loop then yields this step and stops); the same rule for
+    every planner (ours, and another engine's driven live)."""
+    stats.stalled = True
+    stats.notes.append(f"stalled: nothing schedulable for {STALL_STEPS} steps (at step {step})")
+    return True
+
+
 def kv_groups(s: Scenario) -> list[GroupSpec]:
     """The scenario's KV cache groups, as the engine forms them (sched/groups.py)."""
     return scenario_groups(s)
@@ -290,15 +301,10 @@ class Simulation:
                         req.spec_token_ids = drafts
             stats.steps += 1
             stats.last_step = step
-            if plan.num_rows:
-                idle_since_progress = 0
-            else:
-                idle_since_progress += 1
-                if idle_since_progress > 1000 and nxt >= len(reqs):
-                    stats.stalled = True
-                    stats.notes.append(f"stalled: nothing schedulable for 1000 steps (at step {step})")
-                    yield plan, outcome
-                    break
+            idle_since_progress = 0 if plan.num_rows else idle_since_progress + 1
+            if idle_since_progress > STALL_STEPS and nxt >= len(reqs) and note_stall(stats, step):
+                yield plan, outcome
+                break
             yield plan, outcome
             step += 1
         sched.sync()  # requests advanced in bulk: their counters and tokens, as of the last step

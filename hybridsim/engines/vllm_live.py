@@ -23,7 +23,7 @@ from ..errors import InputError
 from ..outputs import RecordedContinuation, SeededContinuation, acceptance_model, make_drafter
 from ..sched.plan import PLACEHOLDER_DRAFT, StepOutcome, StepPlan
 from ..sched.request import Request as Mirror
-from ..simulate import RunStats, kv_groups
+from ..simulate import STALL_STEPS, RunStats, kv_groups, note_stall
 from ..trace import Trace, check_accounting, header_dict
 from ..workload.base import Workload
 from .vllm import (in_schedule_order, make_scheduler, model_outputs, recording_step, request_hasher, runner_output,
@@ -290,15 +290,10 @@ class VllmPlanner:
                 self.checker.after_update(plan, outcome)
             finished_before = finished
             self._count(plan, outcome, in_use)
-            if plan.num_rows:
-                idle = 0
-            else:
-                idle += 1
-                if idle > 1000 and nxt >= len(reqs):
-                    stats.stalled = True
-                    stats.notes.append(f"stalled: nothing schedulable for 1000 steps (at step {step})")
-                    yield plan, outcome
-                    break
+            idle = 0 if plan.num_rows else idle + 1
+            if idle > STALL_STEPS and nxt >= len(reqs) and note_stall(stats, step):
+                yield plan, outcome
+                break
             yield plan, outcome
             step += 1
         stats.prefill_tokens = stats.scheduled_tokens - stats.decode_tokens
