@@ -22,7 +22,8 @@ Two implementations with identical results (the arithmetic is exact):
   C B^T per group. Matrix products run in float64, exact for residues < 2**11. No loop
   over tokens: a loop over chunks, as long as memory allows.
 * ``scan_triton`` (``probe_scan_triton.py``) — one program per (row, layer, head,
-  head-dim tile) walks the row's tokens in order with the state tile in registers.
+  head-dim tile) walks the row's tokens in order with the state tile in registers; rows of
+  32 tokens or more go to ``probe_scan_chunked.py``, this chunked form on int8 tensor cores.
 
 The token-by-token definition lives in ``layers/mamba.py`` (``MambaProbe.token_step``).
 """

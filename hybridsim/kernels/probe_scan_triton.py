@@ -1,4 +1,6 @@
-"""The Mamba probe scan as one Triton launch (semantics: ``probe_scan.ScanLaunch``).
+"""The Mamba probe scan in Triton (semantics: ``probe_scan.ScanLaunch``): this token-by-token
+kernel, and ``scan_triton``, which sends long rows to the chunked tensor-core kernel
+(``probe_scan_chunked``) and the rest here, the same results bit for bit either way.
 
 Grid: (row x layer, head x head-dim tile). A program keeps its (BP x N) slice of the
 state in registers and walks the row's tokens in order: hash the token into its
