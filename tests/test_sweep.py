@@ -181,7 +181,8 @@ class TestOnOneRayInstance:
     done, so its processes do not idle through the rest of the module (two cores, shared)."""
 
     @pytest.fixture(scope="class")
-    def ray_instance(self):
+    @classmethod
+    def ray_instance(cls):
         import ray  # the test extra installs Ray: an import error here is a failure, not a skip
 
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
