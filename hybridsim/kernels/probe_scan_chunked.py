@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .probe_scan_triton import _cmp_window, _head_keys, _keys, _residue, _row_cursors, _store_window, _weights
+from .probe_scan_triton import _cmp_state, _cmp_window, _hash, _head_keys, _keys, _residue, _row_cursors, _store_window, _weights
 
 
 @triton.jit
@@ -43,17 +43,10 @@ def _mdot(a, b, QQ: tl.constexpr):
 
 
 @triton.jit
-def _hash2(lo, hi, k, QQ: tl.constexpr):
-    """Channel hashes of tokens (T,) x channels (C,) -> (T, C)."""
-    v = (lo[:, None] * k[0][None, :] + hi[:, None] * k[1][None, :] + k[2][None, :]) % QQ
-    return (v * v + k[3][None, :]) % QQ
-
-
-@triton.jit
-def _u_tile(tokens, start, j, jm, lo, hi, k, iw, ch, cm, KM1: tl.constexpr, DIM: tl.constexpr, QQ: tl.constexpr):
+def _u_tile(j, lo, hi, k, iw, ch, cm, KM1: tl.constexpr, DIM: tl.constexpr, QQ: tl.constexpr):
     """Conv inputs u of row tokens j (T,) on channels ch (C,): the hash of the token, or for j < 0
     the starting window's row KM1 + j (zero before it)."""
-    u = _hash2(lo, hi, k, QQ)
+    u = _hash(lo[:, None], hi[:, None], k[0][None, :], k[1][None, :], k[2][None, :], k[3][None, :], QQ)
     wr = KM1 + j
     wmask = (j < 0) & (wr >= 0)
     wv = _residue(tl.load(iw + tl.maximum(wr, 0)[:, None] * DIM + ch[None, :], mask=wmask[:, None] & cm[None, :],
@@ -78,7 +71,7 @@ def _conv_tile(tokens, start, j, jm, embl, cwl, cbl, iw, ch, cm, KM1: tl.constex
     for tap in tl.static_range(4):
         jj = j - 3 + tap
         lo, hi = _token_parts(tokens, start, jj, jm, QQ)
-        z += w[tap][None, :] * _u_tile(tokens, start, jj, jm, lo, hi, k, iw, ch, cm, KM1, DIM, QQ)
+        z += w[tap][None, :] * _u_tile(jj, lo, hi, k, iw, ch, cm, KM1, DIM, QQ)
     return z % QQ
 
 
@@ -88,8 +81,7 @@ def _u_row(tokens, start, j, k, iw, ch, cm, KM1: tl.constexpr, DIM: tl.constexpr
     tok = tl.load(tokens + start + tl.maximum(j, 0))
     lo = (tok % QQ).to(tl.int32)
     hi = ((tok // QQ) % QQ).to(tl.int32)
-    v = (lo * k[0] + hi * k[1] + k[2]) % QQ
-    u = (v * v + k[3]) % QQ
+    u = _hash(lo, hi, k[0], k[1], k[2], k[3], QQ)
     wr = KM1 + j
     wv = _residue(tl.load(iw + tl.minimum(tl.maximum(wr, 0), KM1 - 1) * DIM + ch, mask=cm, other=0.0))
     return tl.where(j >= 0, u, tl.where(wr >= 0, wv, 0))
@@ -251,17 +243,7 @@ def _chunked_scan_kernel(
                     tp = tl.load(cmp_tpage + ci * L64 + lay).to(tl.int64)
                     cp = tl.load(cmp_cpage + ci * L64 + lay).to(tl.int64)
                     if tp >= 0:
-                        got = tl.load(cmp_temporal + cslot * ct_ss + tp * ct_sp + tile)
-                        hf = h.to(tl.float32)
-                        bad = got != hf
-                        cnt = tl.sum(tl.sum(bad.to(tl.int64), axis=1), axis=0)
-                        if cnt > 0:
-                            d = tl.where(got == got, tl.abs(got - hf), 2147483648.0)
-                            tl.atomic_add(st, cnt)
-                            tl.atomic_max(st + 1, tl.max(tl.max(tl.where(bad, d, 0.0), axis=1), axis=0).to(tl.int64))
-                            idx = KM1 * DIM + tile  # (int32: a page's elements number below 2**31)
-                            tl.atomic_min(st + 2, tl.min(tl.min(tl.where(bad, idx, 2147483647), axis=1),
-                                                         axis=0).to(tl.int64))
+                        _cmp_state(cmp_temporal + cslot * ct_ss + tp * ct_sp, h, tile, tile >= 0, st, KM1 * DIM)
                     if cp >= 0:
                         off = tl.load(cmp_off + ci).to(tl.int64)
                         cb = cmp_conv + cslot * cc_ss + cp * cc_sp + off * cc_sr

@@ -99,6 +99,22 @@ def _cmp_row(src, ch, m, want, elem_base, st):
 
 
 @triton.jit
+def _cmp_state(src, h, tile, tm, st, base):
+    """Compare a state tile (residues) with page values at src + tile (where tm); fold mismatches
+    into stats: count, max |diff| (a NaN, never written, counts 2**31), first element (base + tile;
+    int32: a page's elements number below 2**31)."""
+    got = tl.load(src + tile, mask=tm, other=0.0)
+    hf = h.to(tl.float32)
+    bad = (got != hf) & tm
+    cnt = tl.sum(tl.sum(bad.to(tl.int64), axis=1), axis=0)
+    if cnt > 0:
+        d = tl.where(got == got, tl.abs(got - hf), 2147483648.0)
+        tl.atomic_add(st, cnt)
+        tl.atomic_max(st + 1, tl.max(tl.max(tl.where(bad, d, 0.0), axis=1), axis=0).to(tl.int64))
+        tl.atomic_min(st + 2, tl.min(tl.min(tl.where(bad, base + tile, 2147483647), axis=1), axis=0).to(tl.int64))
+
+
+@triton.jit
 def _cmp_window(src, row_stride, ch, m, v0, v1, v2, st, KM1: tl.constexpr, DIM: tl.constexpr):
     if KM1 >= 3:
         _cmp_row(src, ch, m, v0, 0, st)
@@ -292,16 +308,7 @@ def _probe_scan_kernel(
                 tp = tl.load(cmp_tpage + ci * L64 + lay).to(tl.int64)
                 cp = tl.load(cmp_cpage + ci * L64 + lay).to(tl.int64)
                 if tp >= 0:
-                    got = tl.load(cmp_temporal + cslot * ct_ss + tp * ct_sp + tile, mask=tm, other=0.0)
-                    hf = h.to(tl.float32)
-                    bad = (got != hf) & tm
-                    cnt = tl.sum(tl.sum(bad.to(tl.int64), axis=1), axis=0)
-                    if cnt > 0:
-                        d = tl.where(got == got, tl.abs(got - hf), 2147483648.0)
-                        tl.atomic_add(st, cnt)
-                        tl.atomic_max(st + 1, tl.max(tl.max(tl.where(bad, d, 0.0), axis=1), axis=0).to(tl.int64))
-                        idx = KM1 * DIM + tile.to(tl.int64)
-                        tl.atomic_min(st + 2, tl.min(tl.min(tl.where(bad, idx, 1 << 62), axis=1), axis=0))
+                    _cmp_state(cmp_temporal + cslot * ct_ss + tp * ct_sp, h, tile, tm, st, KM1 * DIM)
                 if cp >= 0:
                     off = tl.load(cmp_off + ci).to(tl.int64)
                     cb = cmp_conv + cslot * cc_ss + cp * cc_sp + off * cc_sr
