@@ -86,12 +86,21 @@ def scheduler_config(s: Scenario) -> SchedulerConfig:
 STALL_STEPS = 1000  # steps with nothing scheduled, no arrival to come: the run has stalled
 
 
-def note_stall(stats: "RunStats", step: int) -> bool:
-    """Mark a run stalled (a planner's loop then yields this step and stops); the same rule for
-    every planner (ours, and another engine's driven live)."""
-    stats.stalled = True
-    stats.notes.append(f"stalled: nothing schedulable for {STALL_STEPS} steps (at step {step})")
-    return True
+class StallWatch:
+    """The stall rule every planner's loop keeps (ours, and another engine's driven live): after
+    ``STALL_STEPS`` steps in a row with nothing scheduled and no arrival to come, the run is marked
+    stalled and its loop yields that step and stops."""
+
+    def __init__(self) -> None:
+        self.idle = 0
+
+    def stalled(self, rows: int, arrivals_left: bool, stats: "RunStats", step: int) -> bool:
+        self.idle = 0 if rows else self.idle + 1
+        if self.idle <= STALL_STEPS or arrivals_left:
+            return False
+        stats.stalled = True
+        stats.notes.append(f"stalled: nothing schedulable for {STALL_STEPS} steps (at step {step})")
+        return True
 
 
 def kv_groups(s: Scenario) -> list[GroupSpec]:
@@ -258,7 +267,7 @@ class Simulation:
         usable = pool.num_blocks - 1
         nxt = 0
         step = 0
-        idle_since_progress = 0
+        stall = StallWatch()
         while step < self.max_steps:
             while nxt < len(reqs) and reqs[nxt].arrival_step <= step:
                 sched.add_request(reqs[nxt])
@@ -301,8 +310,7 @@ class Simulation:
                         req.spec_token_ids = drafts
             stats.steps += 1
             stats.last_step = step
-            idle_since_progress = 0 if plan.num_rows else idle_since_progress + 1
-            if idle_since_progress > STALL_STEPS and nxt >= len(reqs) and note_stall(stats, step):
+            if stall.stalled(plan.num_rows, nxt < len(reqs), stats, step):
                 yield plan, outcome
                 break
             yield plan, outcome

@@ -501,3 +501,17 @@ def test_padded_admission_waits_for_budget_and_needs_room_for_the_sampled_token(
     # 0 computed + 4 padded + 1 sampled > max_model_len 4: r1 comes in unpadded beside r0
     assert first["r1"][0] == 1 and first["r1"][1].num_scheduled_tokens == 1
     assert sim.checks.tallies["sched.invariants"].failures == 0
+
+
+def test_stall_rule_marks_a_run_only_after_its_idle_stretch_with_no_arrival_left():
+    """Every planner's loop keeps this rule (ours and the live vLLM driver): a scheduled step
+    resets the count; the run is stalled after STALL_STEPS + 1 idle steps, never while arrivals remain."""
+    from hybridsim.simulate import STALL_STEPS, RunStats, StallWatch
+
+    stats, watch = RunStats(), StallWatch()
+    assert not any(watch.stalled(0, True, stats, s) for s in range(3 * STALL_STEPS))  # arrivals still to come
+    assert not watch.stalled(2, False, stats, 0)  # progress resets the stretch
+    assert not any(watch.stalled(0, False, stats, s) for s in range(STALL_STEPS))
+    assert not stats.stalled
+    assert watch.stalled(0, False, stats, 1234)
+    assert stats.stalled and stats.notes[-1] == f"stalled: nothing schedulable for {STALL_STEPS} steps (at step 1234)"

@@ -23,7 +23,7 @@ from ..errors import InputError
 from ..outputs import RecordedContinuation, SeededContinuation, acceptance_model, make_drafter
 from ..sched.plan import PLACEHOLDER_DRAFT, StepOutcome, StepPlan
 from ..sched.request import Request as Mirror
-from ..simulate import STALL_STEPS, RunStats, kv_groups, note_stall
+from ..simulate import RunStats, StallWatch, kv_groups
 from ..trace import Trace, check_accounting, header_dict
 from ..workload.base import Workload
 from .vllm import (in_schedule_order, make_scheduler, model_outputs, recording_step, request_hasher, runner_output,
@@ -225,7 +225,7 @@ class VllmPlanner:
         finished_before: list[str] = []  # finished by the previous step, in the order they finished
         nxt = 0
         step = 0
-        idle = 0
+        stall = StallWatch()
         while step < self.max_steps:
             while nxt < len(reqs) and reqs[nxt][0] <= step:
                 sched.add_request(reqs[nxt][1])
@@ -290,8 +290,7 @@ class VllmPlanner:
                 self.checker.after_update(plan, outcome)
             finished_before = finished
             self._count(plan, outcome, in_use)
-            idle = 0 if plan.num_rows else idle + 1
-            if idle > STALL_STEPS and nxt >= len(reqs) and note_stall(stats, step):
+            if stall.stalled(plan.num_rows, nxt < len(reqs), stats, step):
                 yield plan, outcome
                 break
             yield plan, outcome
