@@ -11,7 +11,7 @@ RECORDINGS = sorted((DATA / "vllm-recorded").glob("*.jsonl"))
 
 
 TINY = """
-name: t
+name: {name}
 seed: {seed}
 model: {{preset: {preset}}}
 cache: {{block_size: {bs}, num_blocks: {blocks}, enable_prefix_caching: {caching}, mamba_cache_mode: {mode}}}
@@ -27,9 +27,12 @@ workload:
 """
 
 
-def tiny_scenario(**kw) -> str:
-    d = dict(seed=0, preset="tiny-hybrid", bs=16, blocks=256, caching="true", mode="align", budget=128, seqs=8,
-             max_len=1024, spec=0, acc="{kind: none}", n=8, per_step=2, pmin=20, pmax=200, omin=4, omax=30,
+def tiny_scenario(faults: str | None = None, execution: str | None = None, **kw) -> str:
+    """A tiny scenario's YAML; ``faults`` and ``execution`` (flow mappings or lists) are added only
+    when given, so a test may still append its own."""
+    d = dict(name="t", seed=0, preset="tiny-hybrid", bs=16, blocks=256, caching="true", mode="align", budget=128,
+             seqs=8, max_len=1024, spec=0, acc="{kind: none}", n=8, per_step=2, pmin=20, pmax=200, omin=4, omax=30,
              prefix=48, frac=0.5)
     d.update(kw)
-    return TINY.format(**d)
+    extra = "".join(f"{key}: {v}\n" for key, v in (("faults", faults), ("execution", execution)) if v is not None)
+    return TINY.format(**d) + extra

@@ -83,6 +83,15 @@ def _first_admission(lines) -> dict[str, int]:
     return first
 
 
+def _name_latest_admitted(lines, i: int, key: str):
+    """Step line ``i`` names, under ``key``, the request admitted last in the trace (one it cannot
+    know yet)."""
+    first = _first_admission(lines)
+    rid = max(first.items(), key=lambda kv: kv[1])[0]
+    lines[i].setdefault(key, []).append(rid)
+    return lines
+
+
 def _running_at(lines, i: int) -> set[str]:
     """Requests running when step line ``i`` starts (after its preemptions and 'finished')."""
     run: set[str] = set()
@@ -258,10 +267,7 @@ def finish_running(lines):
 
 
 def finish_never_admitted(lines):
-    first = _first_admission(lines)
-    rid, at = max(first.items(), key=lambda kv: kv[1])
-    lines[1].setdefault("finished", []).append(rid)
-    return lines
+    return _name_latest_admitted(lines, 1, "finished")
 
 
 def done_dropped(lines):
@@ -282,17 +288,11 @@ def finished_report_dropped(lines):
 
 def done_not_scheduled(lines):
     """'done' names a request the step did not run (one admitted only later)."""
-    first = _first_admission(lines)
-    rid, at = max(first.items(), key=lambda kv: kv[1])
-    lines[2].setdefault("done", []).append(rid)
-    return lines
+    return _name_latest_admitted(lines, 2, "done")
 
 
 def preempt_never_admitted(lines):
-    first = _first_admission(lines)
-    rid, at = max(first.items(), key=lambda kv: kv[1])
-    lines[1].setdefault("preempted", []).append(rid)
-    return lines
+    return _name_latest_admitted(lines, 1, "preempted")
 
 
 def preempt_finished(lines):
@@ -310,10 +310,7 @@ def preempt_twice(lines):
 
 
 def forced_not_running(lines):
-    first = _first_admission(lines)
-    rid, at = max(first.items(), key=lambda kv: kv[1])
-    lines[1].setdefault("forced", []).append(rid)
-    return lines
+    return _name_latest_admitted(lines, 1, "forced")
 
 
 def preempt_unknown(lines):

@@ -18,7 +18,7 @@ import pytest
 from hybridsim.config import parse_scenario
 from hybridsim.errors import EnvironmentProblem, InputError
 
-from .conftest import REPO
+from .conftest import REPO, tiny_scenario
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 peer = pytest.mark.peer
@@ -30,42 +30,24 @@ def hs(*args, cwd=REPO):
                           capture_output=True, text=True)
 
 
-TINY = """name: {name}
-seed: {seed}
-model: {{preset: tiny-hybrid}}
-cache: {{block_size: 16, num_blocks: {blocks}, enable_prefix_caching: true, mamba_cache_mode: align}}
-scheduler: {{max_num_batched_tokens: {budget}, max_num_seqs: {seats}, max_model_len: {max_len}}}
-spec_decode: {spec}
-workload:
-  kind: synthetic
-  num_requests: {n}
-  arrival: {{kind: fixed, per_step: {per_step}}}
-  prompt_len: {{dist: uniform, min: {pmin}, max: {pmax}}}
-  output_len: {{dist: uniform, min: {omin}, max: {omax}}}
-  shared_prefix: {{len: 32, fraction: {shared}}}
-faults: {faults}
-execution: {{kernels: reference, device: cpu}}
-"""
-
 # tiny hybrid scenarios written here, each aimed at one thing vLLM's plans must survive
 WRITTEN = {
     # align mode, drafts (Bernoulli acceptance) and a pool a few requests overfill: preemptions
-    "drafts_pressure": dict(seed=3, blocks=40, budget=96, seats=6, max_len=256, n=10, per_step=3, pmin=17, pmax=130,
-                            omin=10, omax=40, shared=0.6, faults="[]",
-                            spec="{num_speculative_tokens: 2, acceptance: {kind: bernoulli, rate: 0.6}}"),
+    "drafts_pressure": dict(seed=3, blocks=40, budget=96, seqs=6, max_len=256, n=10, per_step=3, pmin=17, pmax=130,
+                            omin=10, omax=40, frac=0.6, faults="[]", spec=2, acc="{kind: bernoulli, rate: 0.6}"),
     # two prefix-cache resets and a named preemption: every request resumes, some twice
-    "resets": dict(seed=4, blocks=128, budget=64, seats=4, max_len=512, n=6, per_step=2, pmin=30, pmax=90, omin=20,
-                   omax=30, shared=0.5, spec="{num_speculative_tokens: 1, acceptance: {kind: pattern, accepted: [1, 0, 1]}}",
+    "resets": dict(seed=4, blocks=128, budget=64, seqs=4, max_len=512, n=6, per_step=2, pmin=30, pmax=90, omin=20,
+                   omax=30, frac=0.5, spec=1, acc="{kind: pattern, accepted: [1, 0, 1]}",
                    faults="[{at_step: 6, kind: reset_prefix_cache}, {at_step: 10, kind: preempt, requests: [r1, r4]}, "
                           "{at_step: 16, kind: reset_prefix_cache}]"),
     # 23 usable blocks for 8 requests one after the other: block ids are handed out again and again
-    "pool_wraps": dict(seed=5, blocks=24, budget=64, seats=2, max_len=256, n=8, per_step=1, pmin=20, pmax=70, omin=4,
-                       omax=12, shared=0.0, faults="[]", spec="{num_speculative_tokens: 0}"),
+    "pool_wraps": dict(seed=5, blocks=24, budget=64, seqs=2, max_len=256, n=8, per_step=1, pmin=20, pmax=70, omin=4,
+                       omax=12, frac=0.0, faults="[]"),
 }
 
 
 def written(name: str, tmp_path=None):
-    text = TINY.format(name=name, **WRITTEN[name])
+    text = tiny_scenario(name=name, prefix=32, execution="{kernels: reference, device: cpu}", **WRITTEN[name])
     if tmp_path is None:
         return parse_scenario(text, f"{name}.yaml")
     path = tmp_path / f"{name}.yaml"
