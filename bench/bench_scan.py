@@ -62,9 +62,11 @@ def ceiling_rate(programs: int = 132 * 16, steps: int = 512) -> float:
     return programs * steps * 32 * 128 / t
 
 
-def case(tab, rows: int, tokens: int, compare: bool, **kw):
+def case(tab, rows: int, tokens: int, compare: bool, every: bool | None = None, **kw):
     """rows x tokens through all layers; each row starts from a cached state and writes the state
-    after every token (decode rows) or after its last (prefill rows); pages as the engine's slots."""
+    after every token (``every``; by default decode rows, as the system's speculative rows) or after
+    its last (prefill rows, and the oracle's rows); pages as the engine's slots."""
+    every = tokens <= 4 if every is None else every
     L, K, dim = tab.layers, tab.K, tab.dim
     groups = 6
     slots = L // groups
@@ -76,7 +78,7 @@ def case(tab, rows: int, tokens: int, compare: bool, **kw):
     for r in range(rows):
         pg = [1 + r * groups + layer % groups for layer in range(L)]
         i = b.add_row(torch.randint(0, 10 ** 6, (tokens,)).tolist(), pg, y_from=0, y_count=tokens)
-        for t in (range(tokens) if tokens <= 4 else [tokens - 1]):
+        for t in (range(tokens) if every else [tokens - 1]):
             b.write(i, t, pg, pg)
         if compare:
             b.compare(i, tokens - 1, pg, pg, 0, r)
@@ -95,7 +97,7 @@ def case(tab, rows: int, tokens: int, compare: bool, **kw):
     t = triton.testing.do_bench(lambda: scan_triton(tab, ln, **opts), warmup=20, rep=200, return_mode="median") * 1e-3
     elem = rows * tokens * L * tab.H * tab.P * tab.N
     page = tab.H * tab.P * tab.N * 4
-    writes = sum(len(range(tokens) if tokens <= 4 else [0]) for _ in range(rows))
+    writes = rows * (tokens if every else 1)
     read = rows * L * page * (1 + (1 if compare else 0))
     written = writes * L * page + rows * tokens * L * tab.H * tab.P * 4
     return t, elem, read, written
@@ -130,6 +132,11 @@ def main() -> None:
           f"{mma / 1e12:.0f} T MAC/s; {rates.line()}")
     rows = []
     cases = [("decode 128 rows x 4 tokens", 128, 4, False, {}), ("decode, oracle mode", 128, 4, True, {})]
+    # the oracle's short rows write one state (at their end): token by token or one chunk each
+    for n in (1, 4):
+        cases += [(f"decode 128 x {n}, oracle rows, token by token", 128, n, True, dict(every=False, chunked=False)),
+                  (f"decode 128 x {n}, oracle rows, chunked", 128, n, True, dict(every=False, chunk_min=1))]
+    cases += [("decode 128 x 4, chunked (a chunk a token)", 128, 4, False, dict(chunk_min=1))]
     for bt, warps in ((32, 8), (64, 4)):  # chunked (tensor cores): tile sweep
         kw = dict(chunk_tokens=bt, chunk_warps=warps)
         cases += [(f"prefill 4 x 1024, chunks of {bt}, {warps} warps", 4, 1024, False, kw),
@@ -138,8 +145,9 @@ def main() -> None:
               ("prefill 4 x 1024, oracle mode, token by token", 4, 1024, True, dict(chunked=False))]
     for name, r, n, cmp, kw in cases:
         t, elem, read, written = case(tab, r, n, cmp, **kw)
+        kw = {k: v for k, v in kw.items() if k != "every"}
         bw_floor = rates.floor(read, written).seconds
-        if n >= CHUNK_MIN_TOKENS and kw.get("chunked", True):  # the chunked kernel: products on tensor cores
+        if n >= kw.get("chunk_min", CHUNK_MIN_TOKENS) and kw.get("chunked", True):  # the chunked kernel: products on tensor cores
             # (its element-wise work on the CUDA cores has no measured floor of its own: the floor
             # here is a lower bound, not the kernel's whole cost)
             work_floor, work = chunked_macs(tab, r, n, kw.get("chunk_tokens", CHUNK_TOKENS)) / mma, "int8 MACs"

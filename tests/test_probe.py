@@ -120,11 +120,11 @@ def test_reference_scan_equals_the_definition(kind, chunk):
             assert torch.equal(ln.state_conv[layer, cpages[layer], : K - 1].long(), w)
 
 
-def _assert_triton_equals_reference(tab, ln) -> None:
+def _assert_triton_equals_reference(tab, ln, **route) -> None:
     """The launch through the Triton scan and the torch form: pages and outputs equal bit for bit."""
     tri = _clone(ln)
     scan_reference(tab, ln)
-    scan_triton(tab, tri)
+    scan_triton(tab, tri, **route)
     same = lambda a, b: torch.equal(torch.nan_to_num(a, -1.0), torch.nan_to_num(b, -1.0))  # noqa: E731
     assert same(ln.state_conv, tri.state_conv) and same(ln.state_temporal, tri.state_temporal)
     assert torch.equal(ln.y_out, tri.y_out)
@@ -204,6 +204,17 @@ def test_chunked_triton_scan_equals_reference_bit_for_bit(K):
     _, tab, _, ln, _ = _case(CHUNKED.model_copy(update={"conv_kernel": K}), 5, [3, 34, 70], spec_rows=(0,))
     assert _routes(tab, ln) == ([0], [1, 2])
     _assert_triton_equals_reference(tab, ln)
+
+
+@INTERPRETER
+def test_chunked_scan_takes_short_rows_exactly():
+    """Rows of 1, 2 and 5 tokens as one (partial) chunk each, as the oracle's decode rows may run:
+    a state written after every token (a chunk cut at each) and after the last only, bit for bit the
+    torch form's; the draft row stays token by token."""
+    from hybridsim.kernels.probe_scan_triton import _routes
+    _, tab, _, ln, _ = _case(CHUNKED, 7, [1, 2, 5, 3], spec_rows=(3,))
+    assert _routes(tab, ln, chunk_min=1) == ([3], [0, 1, 2])
+    _assert_triton_equals_reference(tab, ln, chunk_min=1)
 
 
 @INTERPRETER

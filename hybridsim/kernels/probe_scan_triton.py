@@ -342,6 +342,7 @@ def pack_tables(t: StackedTables) -> dict:
 
 
 CHUNK_MIN_TOKENS = 32  # a row this long or longer goes to the chunked kernel (where its shapes fit)
+ORACLE_CHUNK_MIN = CHUNK_MIN_TOKENS  # the same for the oracle's rows (they never carry a draft's history)
 # tokens per chunk and warps per program: at 32 x 8 the (64 x 128) state tile and the chunk's B and C
 # tiles fit the registers (ptxas spills under 1 KB a thread, against 4-8 KB at 64 tokens x 4 warps);
 # 64 tokens x 8 warps is miscompiled by Triton 3.6 (an out-of-range shared access on the H200)
@@ -350,9 +351,10 @@ CHUNK_WARPS = 8
 PREPASS_TOKENS = 64  # tokens a program of the B/C pre-pass takes
 
 
-def _routes(tables: StackedTables, ln: ScanLaunch) -> tuple[list[int], list[int]]:
+def _routes(tables: StackedTables, ln: ScanLaunch, chunk_min: int = CHUNK_MIN_TOKENS) -> tuple[list[int], list[int]]:
     """Rows for the token-by-token kernel, and rows for the chunked one (``probe_scan_chunked``):
-    long rows without a draft's conv history, where the model's shapes fit tensor-core tiles."""
+    rows of ``chunk_min`` tokens or more without a draft's conv history, where the model's shapes
+    fit tensor-core tiles."""
     from .probe_scan_chunked import chunked_fits
     lens = ln.host_len if ln.host_len is not None else ln.row_len.tolist()
     if not chunked_fits(tables.H, tables.P, tables.G, tables.N, tables.K, tables.bc_from_conv):
@@ -361,18 +363,20 @@ def _routes(tables: StackedTables, ln: ScanLaunch) -> tuple[list[int], list[int]
         (ln.hist_cpage >= 0).any(1).tolist() if ln.hist_cpage is not None else [False] * len(lens))
     seq, chunked = [], []
     for b, (n, hh) in enumerate(zip(lens, hist)):
-        (chunked if n >= CHUNK_MIN_TOKENS and not hh else seq).append(b)
+        (chunked if n >= chunk_min and not hh else seq).append(b)
     return seq, chunked
 
 
 def scan_triton(tables: StackedTables, ln: ScanLaunch, block_p: int = 32, num_warps: int = 4,
-                chunked: bool = True, chunk_tokens: int = CHUNK_TOKENS, chunk_warps: int = CHUNK_WARPS) -> None:
-    """The launch on the GPU (or the interpreter): long rows in chunks on tensor cores, the rest
-    token by token; the same results bit for bit either way. ``chunked=False``: every row token by token."""
+                chunked: bool = True, chunk_tokens: int = CHUNK_TOKENS, chunk_warps: int = CHUNK_WARPS,
+                chunk_min: int = CHUNK_MIN_TOKENS) -> None:
+    """The launch on the GPU (or the interpreter): rows of ``chunk_min`` tokens or more in chunks on
+    tensor cores, the rest token by token; the same results bit for bit either way.
+    ``chunked=False``: every row token by token."""
     pk = tables.derived.get("triton")
     if pk is None:
         pk = tables.derived["triton"] = pack_tables(tables)
-    seq, chk = _routes(tables, ln) if chunked else (list(range(ln.rows)), [])
+    seq, chk = _routes(tables, ln, chunk_min) if chunked else (list(range(ln.rows)), [])
     if seq:
         _scan_rows(tables, ln, pk, seq, block_p, num_warps)
     if chk:
