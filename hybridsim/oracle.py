@@ -26,7 +26,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .device.transfer import upload
+from .device.transfer import upload, upload_many
 from .kernels.batching import CPU_CALL_ELEMS, worth_merging
 from .kernels.probe_scan import ScanBuilder, ScanLaunch
 from .layers.mamba import StackedTables
@@ -131,16 +131,24 @@ class DenseOracle:
     call costs less than two and the scores stay in the cache (``kernels/batching.py``).
     Where keys cost projections (``GQAStack``) and ``memo_bytes`` allows, a CPU keeps each
     request's projected keys (``KeyMemo``): a long row then attends alone over them. A row too
-    long for one piece (a long prefill chunk) has its keys projected once for all its pieces."""
+    long for one piece (a long prefill chunk) has its keys projected once for all its pieces.
+
+    ``fused`` (default: on a GPU, for a stack that projects queries and keys apart, ``GQAStack``):
+    no padded batches and no scores in memory. Each row's keys are projected once, rows packed up
+    to ``budget_elems`` elements of keys (a longer row alone), and one float64 kernel
+    (``kernels/dense_attention_f64.py``) takes every row's queries over its keys."""
 
     def __init__(self, stack, device: torch.device, budget_elems: int = 1 << 27, work_bound: bool | None = None,
-                 memo_bytes: int = 0):
+                 memo_bytes: int = 0, fused: bool | None = None):
         self.stack = stack
         self.device = device
         # batching for a machine where the work, not the calls, is the cost (default: a CPU)
         self.work_bound = torch.device(device).type == "cpu" if work_bound is None else work_bound
         self.budget = budget_elems
         self.memo = KeyMemo(stack, memo_bytes) if memo_bytes and self.work_bound and hasattr(stack, "keys") else None
+        if fused is None:
+            fused = torch.device(device).type == "cuda" and hasattr(stack, "queries")
+        self.fused = fused
 
     def forget(self, key) -> None:
         """A request that left (finished, preempted): its kept keys go."""
@@ -150,6 +158,8 @@ class DenseOracle:
     def expected(self, rows: list[tuple[np.ndarray, int, int]], keys: list | None = None) -> list[torch.Tensor]:
         """rows: (committed tokens, c, k). Returns per row (layers, k, H, v): attention of positions
         c..c+k-1 over the tokens [0, c+k). ``keys``: each row's request (for the key memo)."""
+        if self.fused:
+            return self._expected_fused(rows)
         per_q = self.stack.layers * self.stack.heads  # score elements per query and key
         per_k = self.stack.layers * self.stack.key_elems  # K/V (or latent) elements per key and row
         out: list[list[tuple[int, torch.Tensor]]] = [[] for _ in rows]
@@ -206,6 +216,41 @@ class DenseOracle:
                 out[i].append((q0, res[:, j, : q1 - q0]))
             start = end
         return [torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])], dim=1) for parts in out]
+
+    def _expected_fused(self, rows: list[tuple[np.ndarray, int, int]]) -> list[torch.Tensor]:
+        from .kernels.dense_attention_f64 import causal_attention_f64
+        out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
+        per_key = self.stack.layers * self.stack.key_elems
+        group: list[int] = []
+        used = 0
+        for i, (_, c, k) in enumerate(rows):
+            if group and used + (c + k) * per_key > self.budget:
+                self._fused_group(rows, group, out, causal_attention_f64)
+                group, used = [], 0
+            group.append(i)
+            used += (c + k) * per_key
+        if group:
+            self._fused_group(rows, group, out, causal_attention_f64)
+        return out
+
+    def _fused_group(self, rows, group: list[int], out: list, attend) -> None:
+        """Project the group's keys and queries (each row's tokens once) and attend in one launch."""
+        n = [rows[i][1] + rows[i][2] for i in group]
+        q_len = [rows[i][2] for i in group]
+        pos0 = [rows[i][1] for i in group]
+        k_start = np.concatenate([[0], np.cumsum(n)[:-1]]).tolist()
+        q_start = np.concatenate([[0], np.cumsum(q_len)[:-1]]).tolist()
+        toks = np.concatenate([rows[i][0][:m] for i, m in zip(group, n)])
+        qtok = np.concatenate([rows[i][0][c:m] for i, c, m in zip(group, pos0, n)])
+        tok_d, pos_d, qtok_d, qpos_d = upload_many(
+            [toks, np.concatenate([np.arange(m) for m in n]), qtok,
+             np.concatenate([np.arange(c, m) for c, m in zip(pos0, n)])], self.device)
+        n_pos = max(n)
+        k, v = (t.contiguous() for t in self.stack.keys(tok_d, pos_d, n_pos))
+        q = self.stack.queries(qtok_d, qpos_d, n_pos).contiguous()
+        o = attend(q, k, v, q_start, q_len, k_start, pos0, self.stack.scale)
+        for j, i in enumerate(group):
+            out[i] = o[:, q_start[j]:q_start[j] + q_len[j]]
 
 
 @dataclass
@@ -287,6 +332,6 @@ def MLAOracle(probes: list[MLAProbe], device: torch.device, budget_elems: int = 
 
 
 def GQAOracle(probes: list[GQAProbe], device: torch.device, budget_elems: int = 1 << 26,
-              work_bound: bool | None = None, memo_bytes: int = 0) -> DenseOracle:
+              work_bound: bool | None = None, memo_bytes: int = 0, fused: bool | None = None) -> DenseOracle:
     """Dense float64 causal attention over the committed tokens of every GQA layer."""
-    return DenseOracle(GQAStack(probes, device), device, budget_elems, work_bound, memo_bytes)
+    return DenseOracle(GQAStack(probes, device), device, budget_elems, work_bound, memo_bytes, fused)

@@ -4,9 +4,14 @@ definition gives, for GQA and MLA, whatever the budget."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the fused oracle's kernel, under the interpreter
 
 from hybridsim.layers.gqa import GQAProbe
 from hybridsim.layers.gqa import dense_reference as gqa_dense
@@ -43,6 +48,28 @@ def test_oracle_batches_equal_the_definition(kind, budget, work_bound):
         for layer, p in enumerate(probes):
             want = dense(p, torch.from_numpy(toks), torch.arange(c, c + k))
             assert torch.allclose(out[layer], want, rtol=rtol, atol=1e-12)
+
+
+@pytest.mark.parametrize("budget", [1 << 26, 6_000], ids=["one-launch", "a-row-a-launch"])
+def test_fused_oracle_equals_the_definition(monkeypatch, budget):
+    """The GPU's oracle path (``fused``: each row's keys projected once, one float64 kernel over
+    every row's queries; here under the Triton interpreter): the one-row definition's values, with
+    rows packed into one launch or, past the budget, a launch each."""
+    geo = GQA[0]()
+    probes = [GQAProbe(geo, layer, seed=3) for layer in range(2)]
+    oracle = GQAOracle(probes, torch.device("cpu"), budget, fused=True)
+    launches = []
+    from hybridsim.kernels import dense_attention_f64 as kernel
+    real = kernel.causal_attention_f64
+    monkeypatch.setattr(kernel, "causal_attention_f64", lambda *a, **kw: launches.append(len(a[4])) or real(*a, **kw))
+    rows = _rows(2)
+    got = oracle.expected(rows)
+    assert launches == ([len(ROWS)] if budget > 1 << 20 else [1] * len(ROWS))
+    for (toks, c, k), out in zip(rows, got):
+        assert out.shape == (2, k, geo.heads, geo.head_dim)
+        for layer, p in enumerate(probes):
+            want = gqa_dense(p, torch.from_numpy(toks), torch.arange(c, c + k))
+            torch.testing.assert_close(out[layer], want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("work_bound", [False, True], ids=["gpu-rule", "cpu-rule"])

@@ -88,6 +88,10 @@ class GQAStack:
         xq = x[:, torch.arange(b, device=tok.device)[:, None], qpos]  # (Ly, b, q, hidden)
         return self._attention(self._q(xq, qpos, n), k, v, qpos)
 
+    def queries(self, tok: torch.Tensor, pos: torch.Tensor, n_pos: int) -> torch.Tensor:
+        """Q (layers, n, heads, D), float64, of tokens tok (n,) at positions pos (n,) below n_pos."""
+        return self._q(self.hidden(tok), pos, n_pos)
+
     def keys(self, tok: torch.Tensor, pos: torch.Tensor, n_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V (layers, n, K, D), float64, of tokens tok (n,) at positions pos (n,) below n_pos."""
         return self._kv(self.hidden(tok), pos, n_pos)

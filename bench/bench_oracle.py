@@ -1,0 +1,104 @@
+"""The GQA attention oracle on the GPU at Nemotron-H-8B's attention geometry (4 layers, 32 heads,
+8 KV heads, head size 128), on one step shaped like the Mooncake run's average step: two prefill
+chunks (one over cached context) and 20 speculative decode rows of 3 committed tokens over 1k-12k
+tokens of context.
+
+Two paths, the same values: the padded batches of dense float64 attention in torch (scores in
+memory), and the fused path (each row's keys projected once, one float64 kernel with no scores in
+memory: ``kernels/dense_attention_f64.py``), with its tile schedules swept. The floor is the
+step's float64 FLOPs (QK^T and PV of every (query, key) pair a causal row computes) at the card's
+measured float64 matmul rate (an 8192-cube ``torch.mm``), or the traffic of q, k, v and o, whichever
+is larger; keys and queries are projected in torch first (counted in the time, not the floor).
+
+    python3 bench/bench_oracle.py [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import date
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from hybridsim.kernels import dense_attention_f64 as fused  # noqa: E402
+from hybridsim.kernels.ceilings import best_seconds, measure  # noqa: E402
+from hybridsim.layers.exact import prepare_rope  # noqa: E402
+from hybridsim.layers.gqa import GQAProbe  # noqa: E402
+from hybridsim.oracle import GQAOracle  # noqa: E402
+from hybridsim.presets import build_preset  # noqa: E402
+
+ORACLE_SCORES = 1 << 26  # as the executor sizes the GQA oracle's batches (engine/attn_exec.py)
+
+
+def step_rows(seed: int = 0) -> list[tuple[np.ndarray, int, int]]:
+    g = np.random.default_rng(seed)
+    shape = [(3000, 1024), (0, 1000)] + [(int(c), 3) for c in np.linspace(1000, 12000, 20)]
+    return [(g.integers(0, 10 ** 6, size=c + k).astype(np.int64), c, k) for c, k in shape]
+
+
+def fp64_rate(n: int = 8192) -> float:
+    a = torch.randn(n, n, dtype=torch.float64, device="cuda")
+    b = torch.randn(n, n, dtype=torch.float64, device="cuda")
+    return 2 * n ** 3 / best_seconds(lambda: a @ b, runs=3, reps=3)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    geo = build_preset("nemotron-h-8b").attention
+    probes = [GQAProbe(geo, layer, seed=21) for layer in range(geo.layers)]
+    prepare_rope(geo.head_dim, 16384, torch.device("cuda"), torch.float64)
+    rows = step_rows()
+    pairs = sum(k * c + k * (k + 1) // 2 for _, c, k in rows)
+    flops = 4 * pairs * geo.layers * geo.heads * geo.head_dim
+    keys, queries = sum(c + k for _, c, k in rows), sum(k for _, _, k in rows)
+    read = 8 * geo.layers * geo.head_dim * (2 * keys * geo.kv_heads + queries * geo.heads)  # k, v, q
+    written = 8 * geo.layers * geo.head_dim * queries * geo.heads  # o
+    rates, f64 = measure(torch.device("cuda"), nbytes=2 ** 30), fp64_rate()
+    floor = max(flops / f64, rates.floor(read, written).seconds)
+    dev = torch.cuda.get_device_name()
+    print(f"{dev}, {date.today()}: float64 matmul {f64 / 1e12:.1f} TFLOP/s; {rates.line()}")
+    print(f"step: {len(rows)} rows, {queries} queries, {keys} keys, {pairs / 1e6:.2f} M (query, key) pairs, "
+          f"{flops / 1e9:.0f} GFLOP; floor {floor * 1e3:.2f} ms")
+    torch_path = GQAOracle(probes, torch.device("cuda"), ORACLE_SCORES, fused=False)
+    want = torch_path.expected(rows)
+    results = []
+
+    def timed(name: str, oracle) -> None:
+        got = oracle.expected(rows)
+        err = max(float(((g - w).abs() / w.abs().clamp(min=1e-3)).max()) for g, w in zip(got, want))
+        t = best_seconds(lambda: oracle.expected(rows), runs=3, reps=3)
+        pct = 100 * floor / t
+        results.append({"case": name, "ms": t * 1e3, "TFLOP_s": flops / t / 1e12, "pct_floor": pct,
+                        "max_rel_diff_vs_torch": err})
+        print(f"  {name:44s} {t * 1e3:8.2f} ms  {flops / t / 1e12:6.1f} TFLOP/s  {pct:5.1f}% of floor  "
+              f"max rel diff vs torch path {err:.1e}" + ("  ABOVE FLOOR" if pct > 100 else ""))
+
+    timed("torch: padded batches, scores in memory", torch_path)
+    for m_long, bn, warps in ((32, 32, 4), (32, 64, 4), (64, 32, 8), (64, 64, 8), (16, 32, 4)):
+        fused.M_LONG, fused.KEYS_PER_BLOCK = m_long, bn
+        oracle = GQAOracle(probes, torch.device("cuda"), ORACLE_SCORES, fused=True)
+        real = fused.causal_attention_f64
+        fused.causal_attention_f64 = lambda *x, _r=real, _w=warps, **kw: _r(*x, num_warps=_w, **kw)
+        try:
+            timed(f"fused: {m_long} (query, head) rows x {bn} keys, {warps} warps", oracle)
+        except Exception as e:  # a schedule the compiler rejects is reported, not fatal
+            print(f"  fused {m_long} x {bn}, {warps} warps: failed: {type(e).__name__}: {str(e)[:200]}")
+        finally:
+            fused.causal_attention_f64 = real
+    if a.out:
+        a.out.write_text(json.dumps({"device": dev, "date": str(date.today()), "fp64_flops": f64,
+                                     **rates.as_dict(), "flops": flops, "floor_ms": floor * 1e3,
+                                     "cases": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
