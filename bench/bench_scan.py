@@ -137,6 +137,13 @@ def main() -> None:
         cases += [(f"decode 128 x {n}, oracle rows, token by token", 128, n, True, dict(every=False, chunked=False)),
                   (f"decode 128 x {n}, oracle rows, chunked", 128, n, True, dict(every=False, chunk_min=1))]
     cases += [("decode 128 x 4, chunked (a chunk a token)", 128, 4, False, dict(chunk_min=1))]
+    for bp, warps in ((16, 4), (32, 8), (64, 8)):  # token by token: tile sweep (default 32 x 4 warps above)
+        kw = dict(block_p=bp, num_warps=warps)
+        cases += [(f"decode 128 x 4, {bp}-row tiles, {warps} warps", 128, 4, False, kw),
+                  (f"decode 128 x 1, oracle rows, {bp}-row tiles, {warps} warps", 128, 1, True,
+                   dict(every=False, **kw)),
+                  (f"decode 128 x 4, oracle rows, {bp}-row tiles, {warps} warps", 128, 4, True,
+                   dict(every=False, **kw))]
     for bt, warps in ((32, 8), (64, 4)):  # chunked (tensor cores): tile sweep
         kw = dict(chunk_tokens=bt, chunk_warps=warps)
         cases += [(f"prefill 4 x 1024, chunks of {bt}, {warps} warps", 4, 1024, False, kw),

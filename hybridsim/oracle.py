@@ -133,10 +133,10 @@ class DenseOracle:
     request's projected keys (``KeyMemo``): a long row then attends alone over them. A row too
     long for one piece (a long prefill chunk) has its keys projected once for all its pieces.
 
-    ``fused`` (default: on a GPU, for a stack that projects queries and keys apart, ``GQAStack``):
-    no padded batches and no scores in memory. Each row's keys are projected once, rows packed up
-    to ``budget_elems`` elements of keys (a longer row alone), and one float64 kernel
-    (``kernels/dense_attention_f64.py``) takes every row's queries over its keys."""
+    ``fused`` (default: on a GPU, for the GQA probe's stack): no padded batches, and neither keys
+    nor scores in memory. Rows are packed up to ``budget_elems`` elements of queries and outputs
+    (a longer row alone); their queries are projected in torch, and one float64 kernel
+    (``kernels/dense_attention_f64.py``) projects each key block from its token ids and attends."""
 
     def __init__(self, stack, device: torch.device, budget_elems: int = 1 << 27, work_bound: bool | None = None,
                  memo_bytes: int = 0, fused: bool | None = None):
@@ -149,6 +149,7 @@ class DenseOracle:
         if fused is None:
             fused = torch.device(device).type == "cuda" and hasattr(stack, "queries")
         self.fused = fused
+        self.stack32 = None  # (the fused path's float32 tables, made at its first use)
 
     def forget(self, key) -> None:
         """A request that left (finished, preempted): its kept keys go."""
@@ -218,23 +219,25 @@ class DenseOracle:
         return [torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])], dim=1) for parts in out]
 
     def _expected_fused(self, rows: list[tuple[np.ndarray, int, int]]) -> list[torch.Tensor]:
-        from .kernels.dense_attention_f64 import causal_attention_f64
         out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
-        per_key = self.stack.layers * self.stack.key_elems
+        per_key = self.stack.layers * self.stack.heads * self.stack.geo.head_dim  # queries' and outputs' elements
         group: list[int] = []
         used = 0
         for i, (_, c, k) in enumerate(rows):
-            if group and used + (c + k) * per_key > self.budget:
-                self._fused_group(rows, group, out, causal_attention_f64)
+            if group and used + 2 * k * per_key > self.budget:
+                self._fused_group(rows, group, out)
                 group, used = [], 0
             group.append(i)
-            used += (c + k) * per_key
+            used += 2 * k * per_key
         if group:
-            self._fused_group(rows, group, out, causal_attention_f64)
+            self._fused_group(rows, group, out)
         return out
 
-    def _fused_group(self, rows, group: list[int], out: list, attend) -> None:
-        """Project the group's keys and queries (each row's tokens once) and attend in one launch."""
+    def _fused_group(self, rows, group: list[int], out: list) -> None:
+        """The group's queries projected (float64), then one kernel: keys from token ids inside it."""
+        from .kernels.dense_attention_f64 import probe_attention
+        if self.stack32 is None:
+            self.stack32 = self.stack.cast(torch.float32)
         n = [rows[i][1] + rows[i][2] for i in group]
         q_len = [rows[i][2] for i in group]
         pos0 = [rows[i][1] for i in group]
@@ -242,13 +245,10 @@ class DenseOracle:
         q_start = np.concatenate([[0], np.cumsum(q_len)[:-1]]).tolist()
         toks = np.concatenate([rows[i][0][:m] for i, m in zip(group, n)])
         qtok = np.concatenate([rows[i][0][c:m] for i, c, m in zip(group, pos0, n)])
-        tok_d, pos_d, qtok_d, qpos_d = upload_many(
-            [toks, np.concatenate([np.arange(m) for m in n]), qtok,
-             np.concatenate([np.arange(c, m) for c, m in zip(pos0, n)])], self.device)
-        n_pos = max(n)
-        k, v = (t.contiguous() for t in self.stack.keys(tok_d, pos_d, n_pos))
-        q = self.stack.queries(qtok_d, qpos_d, n_pos).contiguous()
-        o = attend(q, k, v, q_start, q_len, k_start, pos0, self.stack.scale)
+        qpos = np.concatenate([np.arange(c, m) for c, m in zip(pos0, n)])
+        tok_d, qtok_d, qpos_d = upload_many([toks, qtok, qpos], self.device)
+        q = self.stack.queries(qtok_d, qpos_d, max(n)).contiguous()
+        o = probe_attention(self.stack32, q, tok_d, q_start, q_len, k_start, pos0)
         for j, i in enumerate(group):
             out[i] = o[:, q_start[j]:q_start[j] + q_len[j]]
 

@@ -1,7 +1,8 @@
-"""The float64 attention kernel the GPU oracle runs (``kernels/dense_attention_f64.py``) against its
-torch definition: packed rows in shuffled order, decode rows and long chunks over context, GQA
-groups of 1, 3 and 4 heads, head sizes that are and are not powers of two; outputs poisoned first
-and the keys between rows NaN, so a read past a row's keys or a query left unwritten shows."""
+"""The float64 attention kernel the GPU oracle runs (``kernels/dense_attention_f64.py``: keys
+projected from token ids inside it) against its torch definition: packed rows in shuffled order,
+decode rows and long chunks over context, GQA groups of 1, 3 and 4 heads, head sizes whose half
+is and is not a power of two, tokens between rows that no row owns (a read past a row's keys
+changes its output), outputs poisoned first (a query left unwritten shows)."""
 
 from __future__ import annotations
 
@@ -14,39 +15,34 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from hybridsim.kernels.dense_attention_f64 import causal_attention_f64, causal_attention_f64_reference  # noqa: E402
+from hybridsim.kernels.dense_attention_f64 import probe_attention, probe_attention_reference  # noqa: E402
+from hybridsim.layers.gqa import GQAProbe, GQAStack  # noqa: E402
+from hybridsim.model import AttentionGeometry  # noqa: E402
 
 INTERPRETER = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test (CPU); -m gpu runs it compiled")
 
 
-def _case(heads: int, kv_heads: int, d: int, seed: int, device: str = "cpu"):
+def _check(heads: int, kv_heads: int, d: int, seed: int, device: str) -> None:
+    geo = AttentionGeometry(layers=2, heads=heads, kv_heads=kv_heads, head_dim=d, dtype="bfloat16")
+    stack = GQAStack([GQAProbe(geo, layer, seed) for layer in range(2)], device)
     rng = random.Random(seed)
     rows = [(1, 0), (1, 37), (3, 70), (4, 5), (17, 0), (40, 23), (9, 100)]  # (queries, keys before them)
     rng.shuffle(rows)
     q_len, pos0 = [a for a, _ in rows], [b for _, b in rows]
-    q_start = [sum(q_len[:i]) for i in range(len(rows))]
-    gap = 3  # keys no row owns, between rows
+    gap = 3  # tokens no row owns, between rows
     k_start = [sum(a + b + gap for a, b in rows[:i]) for i in range(len(rows))]
-    n_keys = k_start[-1] + q_len[-1] + pos0[-1] + gap
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(2, sum(q_len), heads, d, generator=g, dtype=torch.float64)
-    k = 4 * torch.randn(2, n_keys, kv_heads, d, generator=g, dtype=torch.float64)
-    v = torch.randn(2, n_keys, kv_heads, d, generator=g, dtype=torch.float64)
-    for ks, ql, p0 in zip(k_start, q_len, pos0):
-        k[:, ks + ql + p0: ks + ql + p0 + gap] = float("nan")
-        v[:, ks + ql + p0: ks + ql + p0 + gap] = float("nan")
-    t = lambda x: x.to(device)  # noqa: E731
-    return t(q), t(k), t(v), q_start, q_len, k_start, pos0
-
-
-def _check(heads, kv_heads, d, seed, device):
-    q, k, v, q_start, q_len, k_start, pos0 = _case(heads, kv_heads, d, seed, device)
-    want = causal_attention_f64_reference(q, k, v, q_start, q_len, k_start, pos0, 0.25)
+    tokens = torch.tensor([rng.randrange(0, 3_000_000) for _ in range(k_start[-1] + sum(rows[-1]) + gap)],
+                          device=device)
+    q_start = [sum(q_len[:i]) for i in range(len(rows))]
+    qtok = torch.cat([tokens[ks + p0: ks + p0 + ql] for ks, p0, ql in zip(k_start, pos0, q_len)])
+    qpos = torch.cat([torch.arange(p0, p0 + ql, device=device) for p0, ql in zip(pos0, q_len)])
+    q = stack.queries(qtok, qpos, max(qpos.tolist()) + 1).contiguous()
+    want = probe_attention_reference(stack, q, tokens, q_start, q_len, k_start, pos0)
     assert torch.isfinite(want).all()
     out = torch.full_like(q, float("nan"))
-    got = causal_attention_f64(q, k, v, q_start, q_len, k_start, pos0, 0.25, out=out)
+    got = probe_attention(stack.cast(torch.float32), q, tokens, q_start, q_len, k_start, pos0, out=out)
     assert got.data_ptr() == out.data_ptr() and torch.isfinite(got).all()
-    torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-14)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
 
 
 @INTERPRETER

@@ -1,18 +1,27 @@
-"""Causal attention in float64 with no scores in memory: the attention oracle's arithmetic on a GPU.
+"""The GQA probe's causal attention in float64 with neither keys nor scores in memory: the
+attention oracle's arithmetic on a GPU.
 
-The oracle's dense attention (``layers/gqa.py``) materialises every score of a batch in float64 and
-passes over them five times (product, scale, mask, softmax, product): on a real-scale step that is
-half a billion scores and most of the oracle's time. This kernel takes the same q, k and v and
-keeps a tile's scores in registers, one pass over the keys with a running maximum and sum, as
-flash attention does, in float64 throughout (``tl.dot`` on float64 runs on the tensor cores'
-DMMA on Ampere and Hopper).
+The oracle's dense attention in torch (``layers/gqa.py``) projects every key of every row in
+float64 (several passes over tensors of tokens x layers x K/V heads x head size) and
+materialises every score of a batch, then passes over those five times; on a real-scale step
+that is most of the oracle's time. Here one program takes a tile of one row's queries (times the
+query heads of one KV head of one layer) and walks the row's keys a block at a time:
 
-Layout: a launch's rows are packed. Row r owns queries ``q[:, q_start[r]:q_start[r] + q_len[r]]``
-at positions ``pos0[r] + j`` and keys ``k[:, k_start[r]:...]`` at positions 0, 1, ... (its keys
-are its committed tokens from the first); query j sees keys 0..pos0[r] + j. q and o are
-(layers, tokens, heads, D), k and v (layers, tokens, kv_heads, D); query head h reads KV head
-h // (heads / kv_heads). The reference below is the same arithmetic in torch, row by row: the
-results agree to float64 rounding (the sums run in another order), not bit for bit.
+* the block's K and V are projected from its token ids in the program: the hidden state is two
+  embedding rows, K = rope(x W_K), V = x W_V. Every input is a small integer (|x| <= 16,
+  |W| <= 4, sums below 2**13, the rope table's integers below 2**10), so these products are
+  exact in float32 on the tensor cores (TF32 holds integers below 2**11 exactly; every sum stays
+  below 2**24) and rope's two products and sum are exact in float32 too: the same values
+  ``GQAStack.keys`` computes in float64;
+* scores and the weighted sum of V run in float64 (``tl.dot`` on float64: the tensor cores'
+  DMMA), with a running maximum and sum as in flash attention.
+
+Layout: row r owns queries ``q[:, q_start[r]:q_start[r] + q_len[r]]`` (layers, tokens, heads, D,
+float64, already projected) at positions ``pos0[r] + j`` and keys ``tokens[k_start[r]:...]`` at
+positions 0, 1, ... (its committed tokens from the first); query j sees keys 0..pos0[r] + j.
+Query head h reads KV head h // (heads / kv_heads). The reference below is the same arithmetic
+in torch, row by row: the results agree to float64 rounding (sums in another order), not bit
+for bit.
 """
 
 from __future__ import annotations
@@ -22,16 +31,25 @@ import triton
 import triton.language as tl
 
 from ..device.transfer import upload_many
+from ..layers.exact import _rotation
+from ..layers.gqa import V_SHIFT
+from ..layers.mla import ROPE_SHIFT, TABLE, TABLE2
 
 NEG_INF = float("-inf")
+# tile schedule (ptxas on sm_90 at head size 128: a few dozen bytes of spills a thread at these
+# sizes, hundreds with 4 warps for the long tile; a pipelined loop (stages > 1) needs 50% more shared memory)
 M_LONG = 32  # (query, head) pairs a program takes for rows with many queries
 M_SHORT = 16  # for short (decode) rows: the smallest tile a float64 product takes
 KEYS_PER_BLOCK = 32
+WARPS_LONG = 8
+WARPS_SHORT = 4
+STAGES = 1
 
 
 def causal_attention_f64_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: list[int],
                                    q_len: list[int], k_start: list[int], pos0: list[int], scale: float) -> torch.Tensor:
-    """The definition, row by row: softmax(q k^T * scale, causal) v in float64. Returns o like q."""
+    """The definition over given keys, row by row: softmax(q k^T * scale, causal) v in float64.
+    q (layers, tokens, heads, D); k, v (layers, keys, kv_heads, D). Returns o like q (NaN where no row writes)."""
     H, KVH = q.shape[2], k.shape[2]
     group = H // KVH
     o = torch.full_like(q, float("nan"))
@@ -47,13 +65,62 @@ def causal_attention_f64_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     return o
 
 
+def probe_attention_reference(stack, q: torch.Tensor, tokens: torch.Tensor, q_start: list[int], q_len: list[int],
+                              k_start: list[int], pos0: list[int]) -> torch.Tensor:
+    """``probe_attention`` in torch: each row's keys projected by ``stack.keys`` (a float64
+    ``GQAStack``), then the definition."""
+    k, v = [], []
+    for ks, ql, p0 in zip(k_start, q_len, pos0):
+        n = p0 + ql
+        kk, vv = stack.keys(tokens[ks:ks + n], torch.arange(n, device=tokens.device), n)
+        k.append(kk)
+        v.append(vv)
+    starts = [sum(p0 + ql for ql, p0 in zip(q_len[:i], pos0[:i])) for i in range(len(q_len))]
+    return causal_attention_f64_reference(q, torch.cat(k, 1), torch.cat(v, 1), q_start, q_len, starts, pos0,
+                                          stack.scale)
+
+
 @triton.jit
-def _dense_f64_kernel(q, k, v, o, tile_row, tile_q0, q_start, q_len, k_start, pos0,
-                      sq_l, sq_t, sk_l, sk_t, scale, KVH,
-                      G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                      BQ: tl.constexpr, BN: tl.constexpr):
+def _hidden(tokens, ks, n, nm, emb1, emb2, layer, HID: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr):
+    """The hidden states (BN, HID) of the keys at row positions n: two embedding rows each."""
+    tok = tl.load(tokens + ks + n, mask=nm, other=0)
+    hid = tl.arange(0, HID)
+    lay = layer.to(tl.int64)
+    return (tl.load(emb1 + ((lay * T1 + tok % T1) * HID)[:, None] + hid[None, :])
+            + tl.load(emb2 + ((lay * T2 + (tok // T1) % T2) * HID)[:, None] + hid[None, :]))
+
+
+@triton.jit
+def _halves(x, w, layer, kh, KVH, HID: tl.constexpr, D: tl.constexpr, BH: tl.constexpr):
+    """x W (two halves of D) for KV head kh: exact integers in float32."""
+    hid = tl.arange(0, HID)
+    dh = tl.arange(0, BH)
+    wmask = (dh < D // 2)[None, :]
+    w_row = ((layer.to(tl.int64) * HID + hid) * KVH + kh) * D
+    lo = tl.dot(x, tl.load(w + w_row[:, None] + dh[None, :], mask=wmask, other=0.0))
+    hi = tl.dot(x, tl.load(w + w_row[:, None] + D // 2 + dh[None, :], mask=wmask, other=0.0))
+    return lo, hi
+
+
+@triton.jit
+def _rope(k_lo, k_hi, n, nm, cc, ss, D: tl.constexpr, BH: tl.constexpr):
+    """Rotate-half rope at positions n with the integer tables [cos | cos] and [-sin | sin]."""
+    dh = tl.arange(0, BH)
+    m = nm[:, None] & (dh < D // 2)[None, :]
+    rot = n.to(tl.int64)[:, None] * D + dh[None, :]
+    c = tl.load(cc + rot, mask=m, other=0.0)
+    return k_lo * c + k_hi * tl.load(ss + rot, mask=m, other=0.0), k_hi * c + k_lo * tl.load(ss + rot + D // 2, mask=m,
+                                                                                           other=0.0)
+
+
+@triton.jit
+def _probe_attention_kernel(q, tokens, emb1, emb2, wk, wv, cc, ss, o, tile_row, tile_q0, q_start, q_len, k_start,
+                            pos0, sq_l, sq_t, scale, KVH,
+                            HID: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, G: tl.constexpr,
+                            GP: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BQ: tl.constexpr,
+                            BN: tl.constexpr, K_SHIFT: tl.constexpr, V_SCALE: tl.constexpr):
     """One program: BQ queries of one row times the G query heads of one KV head of one layer
-    (rows m = query * GP + head of the tile), over all the keys those queries see."""
+    (tile rows m = query * GP + head), over all the keys those queries see."""
     t = tl.program_id(0)
     layer = tl.program_id(1) // KVH
     kh = tl.program_id(1) % KVH
@@ -69,61 +136,75 @@ def _dense_f64_kernel(q, k, v, o, tile_row, tile_q0, q_start, q_len, k_start, po
     valid = (qi < ql) & (g < G)
     qc = tl.minimum(qi, ql - 1)  # a padding row repeats the tile's last query (finite everywhere)
     qpos = p0 + qc
-    d = tl.arange(0, BD)
-    dm = d < D
+    dh = tl.arange(0, BH)
+    hm = dh < D // 2
     q_off = layer.to(tl.int64) * sq_l + (qs + qc).to(tl.int64) * sq_t + (kh * G + tl.minimum(g, G - 1)) * D
-    qt = tl.load(q + q_off[:, None] + d[None, :], mask=dm[None, :], other=0.0)
+    q_lo = tl.load(q + q_off[:, None] + dh[None, :], mask=hm[None, :], other=0.0)
+    q_hi = tl.load(q + q_off[:, None] + D // 2 + dh[None, :], mask=hm[None, :], other=0.0)
     m_i = tl.full([BQ * GP], float("-inf"), tl.float64)
     l_i = tl.zeros([BQ * GP], tl.float64)
-    acc = tl.zeros([BQ * GP, BD], tl.float64)
+    acc_lo = tl.zeros([BQ * GP, BH], tl.float64)
+    acc_hi = tl.zeros([BQ * GP, BH], tl.float64)
     hi = p0 + tl.minimum(i0 + BQ, ql)  # keys 0..hi-1: up to the tile's last query
-    base = layer.to(tl.int64) * sk_l + kh * D
     for n0 in range(0, hi, BN):
         n = n0 + tl.arange(0, BN)
-        k_off = base + (ks + n).to(tl.int64) * sk_t
-        kv_mask = (n < hi)[:, None] & dm[None, :]
-        kt = tl.load(k + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(qt, tl.trans(kt)) * scale
+        nm = n < hi
+        x = _hidden(tokens, ks, n, nm, emb1, emb2, layer, HID, T1, T2)
+        k_lo, k_hi = _halves(x, wk, layer, kh, KVH, HID, D, BH)
+        k_lo, k_hi = _rope(k_lo, k_hi, n, nm, cc, ss, D, BH)
+        # q . k exactly (every product and partial sum an integer times 2**-34 below 2**53), then
+        # the power of two rope's table carries and the softmax scale: the torch form's values
+        s = (tl.dot(q_lo, tl.trans(k_lo.to(tl.float64))) + tl.dot(q_hi, tl.trans(k_hi.to(tl.float64)))) \
+            * K_SHIFT * scale
         s = tl.where(n[None, :] <= qpos[:, None], s, float("-inf"))  # key 0 is seen by every row: m stays finite
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        vt = tl.load(v + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p, vt)
+        v_lo, v_hi = _halves(x, wv, layer, kh, KVH, HID, D, BH)
+        acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo.to(tl.float64))
+        acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi.to(tl.float64))
         m_i = m_new
-    tl.store(o + q_off[:, None] + d[None, :], acc / l_i[:, None], mask=valid[:, None] & dm[None, :])
+    out = o + q_off[:, None] + dh[None, :]
+    keep = valid[:, None] & hm[None, :]
+    tl.store(out, acc_lo / l_i[:, None] * V_SCALE, mask=keep)
+    tl.store(out + D // 2, acc_hi / l_i[:, None] * V_SCALE, mask=keep)
 
 
-def causal_attention_f64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: list[int], q_len: list[int],
-                         k_start: list[int], pos0: list[int], scale: float, num_warps: int = 4,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
-    """``causal_attention_f64_reference`` as one pass over each row's keys (Triton: a GPU, or the
-    interpreter). Rows of few queries take the small tile, the rest the large one; the heaviest
-    tiles (most keys) start first. ``out``: where to write (every row's queries are written)."""
-    assert q.dtype == k.dtype == v.dtype == torch.float64
-    assert q.stride(-1) == k.stride(-1) == 1 and q.stride(-2) == q.shape[-1] and k.stride(-2) == k.shape[-1]
-    assert v.stride() == k.stride()
+def probe_attention(stack32, q: torch.Tensor, tokens: torch.Tensor, q_start: list[int], q_len: list[int],
+                    k_start: list[int], pos0: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+    """``probe_attention_reference`` in one launch per tile size (Triton: a GPU, or the
+    interpreter). ``stack32``: the layers' tables in float32 (``GQAStack(..., torch.float32)``);
+    q (layers, queries, heads, D) float64; tokens (keys,) int64. Rows of few queries take the small
+    tile, the rest the large one; the heaviest tiles (most keys) start first. ``out``: where to
+    write (every row's queries are written)."""
+    assert q.dtype == torch.float64 and q.stride(-1) == 1 and q.stride(-2) == q.shape[-1]
+    assert stack32.emb1.dtype == torch.float32
     L, _, H, D = q.shape
-    KVH = k.shape[2]
+    KVH = stack32.geo.kv_heads
     G = H // KVH
     GP = triton.next_power_of_2(G)
+    HID = stack32.emb1.shape[-1]
+    assert D % 2 == 0 and HID == triton.next_power_of_2(HID) and HID >= 16
     o = torch.empty_like(q) if out is None else out
     dev = q.device
+    cc, ss = _rotation(D, max(p0 + ql for p0, ql in zip(pos0, q_len)), dev, torch.float32)
     meta = upload_many([q_start, q_len, k_start, pos0], dev)
-    for m_tile in (M_SHORT, M_LONG):
-        bq = max(1, m_tile // GP)
+    short_q = max(1, M_SHORT // GP)
+    for short in (True, False):
+        bq = short_q if short else max(1, M_LONG // GP)
         tiles = []  # (keys seen, row, first query)
         for r, (ql, p0) in enumerate(zip(q_len, pos0)):
-            if ql == 0 or (ql <= max(1, M_SHORT // GP)) != (m_tile == M_SHORT):
-                continue
-            tiles += [(p0 + min(i0 + bq, ql), r, i0) for i0 in range(0, ql, bq)]
+            if ql > 0 and (ql <= short_q) == short:
+                tiles += [(p0 + min(i0 + bq, ql), r, i0) for i0 in range(0, ql, bq)]
         if not tiles:
             continue
         tiles.sort(reverse=True)
         ids = upload_many([[r for _, r, _ in tiles], [i0 for _, _, i0 in tiles]], dev)
-        _dense_f64_kernel[(len(tiles), L * KVH)](
-            q, k, v, o, ids[0], ids[1], meta[0], meta[1], meta[2], meta[3],
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), float(scale), KVH,
-            G=G, GP=GP, D=D, BD=triton.next_power_of_2(D), BQ=bq, BN=KEYS_PER_BLOCK, num_warps=num_warps)
+        _probe_attention_kernel[(len(tiles), L * KVH)](
+            q, tokens, stack32.emb1, stack32.emb2, stack32.w_k, stack32.w_v, cc, ss, o, ids[0], ids[1],
+            meta[0], meta[1], meta[2], meta[3], q.stride(0), q.stride(1), float(stack32.scale), KVH,
+            HID=HID, T1=TABLE, T2=TABLE2, G=G, GP=GP, D=D, BH=max(16, triton.next_power_of_2(D // 2)), BQ=bq,
+            BN=KEYS_PER_BLOCK, K_SHIFT=2.0 ** -ROPE_SHIFT, V_SCALE=2.0 ** -V_SHIFT,
+            num_warps=WARPS_SHORT if short else WARPS_LONG, num_stages=STAGES)
     return o

@@ -15,6 +15,8 @@ must give. Attention outputs are compared with a tolerance.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 
@@ -57,6 +59,13 @@ class GQAStack:
         self.key_elems = 2 * self.geo.kv_heads * self.geo.head_dim + self.emb1.shape[-1]  # K, V, hidden per key
         self.scale = self.geo.scale()
         self.dtype = torch_dtype(self.geo.dtype)  # the cache's
+
+    def cast(self, dtype: torch.dtype) -> "GQAStack":
+        """The same layers with their tables in ``dtype`` (every value is a small integer: exact)."""
+        twin = copy.copy(self)
+        for name in ("emb1", "emb2", "w_q", "w_k", "w_v"):
+            setattr(twin, name, getattr(self, name).to(dtype))
+        return twin
 
     def hidden(self, tok: torch.Tensor) -> torch.Tensor:
         """(layers, *tok.shape, hidden), integer-valued."""
