@@ -115,7 +115,7 @@ def oracle_scan_for(device: torch.device):
     """The oracle's probe scan: Triton on a GPU (the torch form holds every state at once), the
     torch form on a CPU — which also keeps it apart from a Triton system under test there."""
     if device.type == "cuda":
-        from .kernels import probe_scan_triton as pst
-        return lambda tables, launch: pst.scan_triton(tables, launch, chunk_min=pst.ORACLE_CHUNK_MIN)
+        from .kernels.probe_scan_triton import scan_triton
+        return scan_triton
     from .kernels.probe_scan import scan_reference
     return scan_reference

@@ -30,18 +30,18 @@ import torch
 import triton
 import triton.language as tl
 
-from ..device.transfer import upload_many
+from ..device.transfer import upload, upload_many
 from ..layers.exact import _rotation
 from ..layers.gqa import V_SHIFT
 from ..layers.mla import ROPE_SHIFT, TABLE, TABLE2
 
 NEG_INF = float("-inf")
-# tile schedule (ptxas on sm_90 at head size 128: a few dozen bytes of spills a thread at these
-# sizes, hundreds with 4 warps for the long tile; a pipelined loop (stages > 1) needs 50% more shared memory)
+# tile schedule, from bench_oracle (H100): 32 (query, head) rows x 32 keys over 4 warps, one stage;
+# 8 warps spill less (ptxas) but ran slower, 16-key blocks and a pipelined loop (more shared memory) too
 M_LONG = 32  # (query, head) pairs a program takes for rows with many queries
 M_SHORT = 16  # for short (decode) rows: the smallest tile a float64 product takes
 KEYS_PER_BLOCK = 32
-WARPS_LONG = 8
+WARPS_LONG = 4  # (8 warps: 29.3 against 22.0 ms on bench_oracle's step, H100; 64-query tiles 35.3 ms)
 WARPS_SHORT = 4
 STAGES = 1
 
@@ -115,7 +115,7 @@ def _rope(k_lo, k_hi, n, nm, cc, ss, D: tl.constexpr, BH: tl.constexpr):
 
 @triton.jit
 def _probe_attention_kernel(q, tokens, emb1, emb2, wk, wv, cc, ss, o, tile_row, tile_q0, q_start, q_len, k_start,
-                            pos0, sq_l, sq_t, scale, KVH,
+                            pos0, sq_l, sq_t, scale_ptr, KVH,
                             HID: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, G: tl.constexpr,
                             GP: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BQ: tl.constexpr,
                             BN: tl.constexpr, K_SHIFT: tl.constexpr, V_SCALE: tl.constexpr):
@@ -124,6 +124,7 @@ def _probe_attention_kernel(q, tokens, emb1, emb2, wk, wv, cc, ss, o, tile_row, 
     t = tl.program_id(0)
     layer = tl.program_id(1) // KVH
     kh = tl.program_id(1) % KVH
+    scale = tl.load(scale_ptr)  # float64 (a float argument would arrive as float32: scores of 1e4 would move by 1e-4)
     r = tl.load(tile_row + t)
     i0 = tl.load(tile_q0 + t)
     qs = tl.load(q_start + r)
@@ -190,6 +191,7 @@ def probe_attention(stack32, q: torch.Tensor, tokens: torch.Tensor, q_start: lis
     dev = q.device
     cc, ss = _rotation(D, max(p0 + ql for p0, ql in zip(pos0, q_len)), dev, torch.float32)
     meta = upload_many([q_start, q_len, k_start, pos0], dev)
+    scale = upload([float(stack32.scale)], dev, torch.float64)
     short_q = max(1, M_SHORT // GP)
     for short in (True, False):
         bq = short_q if short else max(1, M_LONG // GP)
@@ -203,7 +205,7 @@ def probe_attention(stack32, q: torch.Tensor, tokens: torch.Tensor, q_start: lis
         ids = upload_many([[r for _, r, _ in tiles], [i0 for _, _, i0 in tiles]], dev)
         _probe_attention_kernel[(len(tiles), L * KVH)](
             q, tokens, stack32.emb1, stack32.emb2, stack32.w_k, stack32.w_v, cc, ss, o, ids[0], ids[1],
-            meta[0], meta[1], meta[2], meta[3], q.stride(0), q.stride(1), float(stack32.scale), KVH,
+            meta[0], meta[1], meta[2], meta[3], q.stride(0), q.stride(1), scale, KVH,
             HID=HID, T1=TABLE, T2=TABLE2, G=G, GP=GP, D=D, BH=max(16, triton.next_power_of_2(D // 2)), BQ=bq,
             BN=KEYS_PER_BLOCK, K_SHIFT=2.0 ** -ROPE_SHIFT, V_SCALE=2.0 ** -V_SHIFT,
             num_warps=WARPS_SHORT if short else WARPS_LONG, num_stages=STAGES)

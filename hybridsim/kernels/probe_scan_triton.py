@@ -341,8 +341,10 @@ def pack_tables(t: StackedTables) -> dict:
             "pow": i32(pow_table().to(dev))}
 
 
-CHUNK_MIN_TOKENS = 32  # a row this long or longer goes to the chunked kernel (where its shapes fit)
-ORACLE_CHUNK_MIN = CHUNK_MIN_TOKENS  # the same for the oracle's rows (they never carry a draft's history)
+# a row this long or longer goes to the chunked kernel (where its shapes fit); shorter rows cost more
+# there: the oracle's decode rows (one state written, at the end) took 113 / 116 ms chunked against
+# 66 / 84 ms token by token for 128 rows of 1 / 4 tokens (bench_scan, H100, 2026-11-27)
+CHUNK_MIN_TOKENS = 32
 # tokens per chunk and warps per program: at 32 x 8 the (64 x 128) state tile and the chunk's B and C
 # tiles fit the registers (ptxas spills under 1 KB a thread, against 4-8 KB at 64 tokens x 4 warps);
 # 64 tokens x 8 warps is miscompiled by Triton 3.6 (an out-of-range shared access on the H200)
