@@ -69,3 +69,21 @@ def test_out_of_memory_while_running_is_exit_3_not_a_traceback(monkeypatch):
     with pytest.raises(EnvironmentProblem) as e:
         plan_scenario(parse_scenario(tiny_scenario(), "t"))
     assert "out of memory at step 0" in str(e.value) and "planned" in str(e.value)
+
+
+def test_the_gpu_attention_oracle_is_planned_without_keys_or_scores(monkeypatch):
+    """On a GPU the GQA oracle's kernel keeps keys and scores inside it: the plan counts its
+    queries and outputs only, less than the torch path's keys, scores and outputs on a CPU."""
+    from hybridsim.simulate import kv_groups
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 80 << 30)
+    s = parse_scenario(NEMOTRON.format(blocks=64, seqs=4), "t").scenario
+    groups = kv_groups(s)
+    a = s.geometry().attention
+
+    def oracle(device: str) -> dict:
+        plan = memory.plan_memory(s, groups, torch.device(device))
+        return next(i for i in plan.as_dict()["items"] if i["name"] == "attention oracle (estimate)")
+    gpu, cpu = oracle("cuda"), oracle("cpu")
+    assert gpu["bytes"] == 4 * 8 * a.layers * 512 * a.heads * a.head_dim  # 512: max_num_batched_tokens
+    assert "keys and scores stay inside the kernel" in gpu["detail"] and gpu["bytes"] < cpu["bytes"]

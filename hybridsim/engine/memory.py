@@ -132,13 +132,17 @@ def plan_memory(s: Scenario, groups, device: torch.device, checked_kernels: bool
         step = (budget * a.layers * (hd + 2 * kvd) * 4  # every layer's Q, K, V of the step
                 + 2 * budget * a.layers * hd * 4  # every layer's outputs until the check, and a split's partials
                 + 6 * 4 * min(PAGED_SCORES, seqs * 16 * a.heads * s.scheduler.max_model_len))  # reference scores
-        oracle = (a.layers * budget * hd * 8
-                  + 5 * 8 * min(ORACLE_SCORES, budget * a.heads * s.scheduler.max_model_len * a.layers)
-                  + a.layers * 2 * kvd * 8 * s.scheduler.max_model_len)  # a long row's K/V, projected once
+        if device.type == "cuda":  # one float64 kernel: keys and scores never in memory (oracle.DenseOracle)
+            oracle = 4 * 8 * a.layers * budget * hd  # the step's queries, outputs and rope's two temporaries
+            what = "float64 queries and outputs (keys and scores stay inside the kernel)"
+        else:
+            oracle = (a.layers * budget * hd * 8
+                      + 5 * 8 * min(ORACLE_SCORES, budget * a.heads * s.scheduler.max_model_len * a.layers)
+                      + a.layers * 2 * kvd * 8 * s.scheduler.max_model_len)  # a long row's K/V, projected once
+            what = "float64 K/V (a whole row's, for a long one), scores and outputs"
         plan.items.append(MemoryItem("attention step transients (estimate)", step,
                                      f"largest step of {budget:,} tokens: projections, outputs, reference scores"))
-        plan.items.append(MemoryItem("attention oracle (estimate)", oracle,
-                                     "float64 K/V (a whole row's, for a long one), scores and outputs"))
+        plan.items.append(MemoryItem("attention oracle (estimate)", oracle, what))
         memo = oracle_memo_bytes(s, device)
         if memo:
             plan.items.append(MemoryItem("attention oracle key memo (at most)", memo,
