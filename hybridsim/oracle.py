@@ -220,15 +220,15 @@ class DenseOracle:
 
     def _expected_fused(self, rows: list[tuple[np.ndarray, int, int]]) -> list[torch.Tensor]:
         out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
-        per_key = self.stack.layers * self.stack.heads * self.stack.geo.head_dim  # queries' and outputs' elements
+        per_query = self.stack.layers * self.stack.heads * self.stack.geo.head_dim  # elements of a query (and output)
         group: list[int] = []
         used = 0
         for i, (_, c, k) in enumerate(rows):
-            if group and used + 2 * k * per_key > self.budget:
+            if group and used + 2 * k * per_query > self.budget:
                 self._fused_group(rows, group, out)
                 group, used = [], 0
             group.append(i)
-            used += 2 * k * per_key
+            used += 2 * k * per_query
         if group:
             self._fused_group(rows, group, out)
         return out

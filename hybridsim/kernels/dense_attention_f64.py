@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ..device.transfer import upload, upload_many
-from ..layers.exact import _rotation
+from ..layers.exact import rotation_tables
 from ..layers.gqa import V_SHIFT
 from ..layers.mla import ROPE_SHIFT, TABLE, TABLE2
 
@@ -189,7 +189,7 @@ def probe_attention(stack32, q: torch.Tensor, tokens: torch.Tensor, q_start: lis
     assert D % 2 == 0 and HID == triton.next_power_of_2(HID) and HID >= 16
     o = torch.empty_like(q) if out is None else out
     dev = q.device
-    cc, ss = _rotation(D, max(p0 + ql for p0, ql in zip(pos0, q_len)), dev, torch.float32)
+    cc, ss = rotation_tables(D, max(p0 + ql for p0, ql in zip(pos0, q_len)), dev, torch.float32)
     meta = upload_many([q_start, q_len, k_start, pos0], dev)
     scale = upload([float(stack32.scale)], dev, torch.float64)
     short_q = max(1, M_SHORT // GP)

@@ -165,7 +165,7 @@ def _rope_tables(dim: int, device: str) -> tuple[torch.Tensor, torch.Tensor, tor
 _ROTATION: dict[tuple[int, str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _rotation(dim: int, n: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rotation_tables(dim: int, n: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """[cos | cos] and [-sin | sin] (times 1024) for positions 0..n-1 at least, cached per device:
     rope is then one gather and three element-wise operations."""
     key = (dim, str(device), dtype)
@@ -180,7 +180,7 @@ def _rotation(dim: int, n: int, device: torch.device, dtype: torch.dtype) -> tup
 def prepare_rope(dim: int, n_pos: int, device, dtype: torch.dtype = torch.float64) -> None:
     """Build the rotation tables for ``n_pos`` positions now (a run's set-up), not at the first
     step that needs them: the decimal trig table alone takes tens of milliseconds."""
-    _rotation(dim, n_pos, torch.device(device), dtype)
+    rotation_tables(dim, n_pos, torch.device(device), dtype)
 
 
 def rope_exact(x: torch.Tensor, pos: torch.Tensor, n_pos: int | None = None) -> torch.Tensor:
@@ -193,7 +193,7 @@ def rope_exact(x: torch.Tensor, pos: torch.Tensor, n_pos: int | None = None) -> 
     d = x.shape[-1]
     if n_pos is None:
         n_pos = int(pos.max()) + 1 if pos.numel() else 1
-    cc, ss = _rotation(d, n_pos, x.device, x.dtype)
+    cc, ss = rotation_tables(d, n_pos, x.device, x.dtype)
     p = pos.to(torch.int64)
     rotated = torch.cat([x[..., d // 2:], x[..., : d // 2]], dim=-1)
     return x * cc[p] + rotated * ss[p]
