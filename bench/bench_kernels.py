@@ -285,7 +285,10 @@ def memory_rows(ceil):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--mla-configs", default="64,64,8,2;64,64,8,3;64,32,8,3;64,32,8,4;64,64,4,2",
+    # (64,64,8,3 needs more shared memory than Hopper has under Triton 3.6, and 64,32,8,3 fails an
+    # mbarrier assertion in its compiler: both are tried and reported for every case, and the
+    # failed compiles took the device call's time limit on 2026-11-27; name them to try them again)
+    ap.add_argument("--mla-configs", default="64,64,8,2;64,32,8,4;64,64,4,2",
                     help="block_m,block_n,num_warps,num_stages;...")
     ap.add_argument("--mla-splits", default="1,2,4,8")
     ap.add_argument("--mla-impls", default="auto", help="split kernels to sweep: auto,gluon,triton")
