@@ -10,7 +10,8 @@ projects each key block from its token ids and attends, neither keys nor scores 
 the CPU's float64 on a sample of rows. The floor is the step's float64 FLOPs (QK^T and PV of every
 (query, key) pair a causal row computes) at the card's measured float64 matmul rate (an
 8192-cube ``torch.mm``), or the traffic of q, k, v and o, whichever is larger: a lower bound (the
-keys' projection, exact integer products on TF32, is not in it).
+keys' projection, exact integer products on TF32, is not in it). Last, the MLA oracle (torch) on a
+DeepSeek-V3 step against its own float64 floor.
 
     python3 bench/bench_oracle.py [--out results.json]
 """
@@ -32,7 +33,8 @@ from hybridsim.kernels import dense_attention_f64 as fused  # noqa: E402
 from hybridsim.kernels.ceilings import best_seconds, measure  # noqa: E402
 from hybridsim.layers.exact import prepare_rope  # noqa: E402
 from hybridsim.layers.gqa import GQAProbe  # noqa: E402
-from hybridsim.oracle import GQAOracle  # noqa: E402
+from hybridsim.layers.mla import MLAProbe  # noqa: E402
+from hybridsim.oracle import GQAOracle, MLAOracle  # noqa: E402
 from hybridsim.presets import build_preset  # noqa: E402
 
 ORACLE_SCORES = 1 << 26  # as the executor sizes the GQA oracle's batches (engine/attn_exec.py)
@@ -42,6 +44,33 @@ def step_rows(seed: int = 0) -> list[tuple[np.ndarray, int, int]]:
     g = np.random.default_rng(seed)
     shape = [(3000, 1024), (0, 1000)] + [(int(c), 3) for c in np.linspace(1000, 12000, 20)]
     return [(g.integers(0, 10 ** 6, size=c + k).astype(np.int64), c, k) for c, k in shape]
+
+
+def mla_step(f64: float) -> dict:
+    """The MLA oracle (torch: no kernel of its own yet) at DeepSeek-V3's geometry with the scenario's 8
+    layers, on a step shaped like ``deepseek_v3_mooncake``'s: two prefill chunks and 26 rows of 2
+    committed tokens (one draft) over 1k-12k. Its floor: each row's float64 FLOPs in its cheaper
+    association (``MLAStack.expands``' count) at the measured float64 rate."""
+    geo = build_preset("deepseek-v3").mla.model_copy(update={"layers": 8})
+    probes = [MLAProbe(geo, layer, seed=22) for layer in range(geo.layers)]
+    g = np.random.default_rng(1)
+    shape = [(3000, 1024), (0, 1000)] + [(int(c), 2) for c in np.linspace(1000, 12000, 26)]
+    rows = [(g.integers(0, 10 ** 6, size=c + k).astype(np.int64), c, k) for c, k in shape]
+    H, Lr, R, N, V = geo.heads, geo.kv_lora_rank, geo.qk_rope_head_dim, geo.qk_nope_head_dim, geo.v_head_dim
+    flops = 0
+    for _, c, k in rows:
+        n, p = c + k, k * c + k * (k + 1) // 2
+        absorbed = k * H * (N * Lr + Lr * V) + p * H * (2 * Lr + R)
+        expanded = n * H * Lr * (N + V) + p * H * (N + R + V)
+        flops += 2 * geo.layers * min(absorbed, expanded)
+    oracle = MLAOracle(probes, torch.device("cuda"))
+    oracle.expected(rows)
+    t = best_seconds(lambda: oracle.expected(rows), runs=2, reps=2)
+    floor = flops / f64
+    print(f"MLA oracle (torch), DeepSeek-V3 x 8 layers, {len(rows)} rows: {t * 1e3:.2f} ms, {flops / 1e12:.2f} TFLOP "
+          f"in the cheaper associations, floor {floor * 1e3:.2f} ms: {100 * floor / t:.1f}%")
+    return {"case": "MLA oracle, torch", "ms": t * 1e3, "flops": flops, "floor_ms": floor * 1e3,
+            "pct_floor": 100 * floor / t}
 
 
 def fp64_rate(n: int = 8192) -> float:
@@ -102,6 +131,7 @@ def main() -> None:
         except Exception as e:  # a schedule the compiler rejects is reported, not fatal
             print(f"  fused {m_long} x {bn}, {warps} warps, {stages} stage(s): failed: {type(e).__name__}: {str(e)[:200]}")
     fused.M_LONG, fused.WARPS_LONG, fused.KEYS_PER_BLOCK, fused.STAGES = default
+    results.append(mla_step(f64))
     if a.out:
         a.out.write_text(json.dumps({"device": dev, "date": str(date.today()), "fp64_flops": f64,
                                      **rates.as_dict(), "flops": flops, "floor_ms": floor * 1e3,
