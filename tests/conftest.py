@@ -11,6 +11,14 @@ DATA = REPO / "data"  # the trace slices and vLLM recordings the repository ship
 SCENARIOS = sorted((REPO / "scenarios").glob("*.yaml"))
 RECORDINGS = sorted((DATA / "vllm-recorded").glob("*.jsonl"))
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `pytest -n 2` (make test) on two cores: each worker keeps to one torch thread, so the two
+    # share the cores instead of four threads contending for them (processes a test starts, sweep
+    # workers and the like, set their own)
+    import torch
+
+    torch.set_num_threads(1)
+
 
 TINY = """
 name: {name}
