@@ -24,6 +24,11 @@ from .cli_inproc import hsi
 from .conftest import REPO, tiny_scenario
 from .test_cli import hs
 
+# Ray instances, worker pools and signals: these tests start processes on every core and watch them
+# (a sweep's workers, Ray's daemons, what is left once it stops), so `make test` runs them on their
+# own after the rest, which runs two tests at a time (pytest-xdist, -n 2)
+pytestmark = pytest.mark.serial
+
 BASE = tiny_scenario(n=4, pmax=80, omax=10, acc="{kind: bernoulli, rate: 0.7}")
 GRID = """base: base.yaml
 grid:
