@@ -26,8 +26,12 @@ $(STAMP): $(BIN)/python pyproject.toml
 run: $(STAMP)
 	$(BIN)/hybridsim run scenarios/quickstart.yaml
 
+# The suite in two parts: most tests two at a time (pytest-xdist; CI has two cores), then those marked
+# `serial` (Ray, worker pools, signals: they start processes on every core) one at a time. Plain
+# `pytest` runs everything one at a time. (-m replaces pyproject's addopts -m, so gpu/peer are repeated.)
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 -m 'not gpu and not peer and not serial'
+	$(BIN)/python -m pytest -q -m 'serial and not gpu and not peer'
 	$(BIN)/hybridsim replay traces/ --check -j 2
 
 fidelity: $(STAMP)

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import dataclasses
+import os
 from pathlib import Path
 
 import hybridsim  # noqa: F401  (first: it sets GOMP_SPINCOUNT before any test module imports torch)
@@ -8,6 +10,14 @@ REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data"  # the trace slices and vLLM recordings the repository ships (data/SOURCES.md)
 SCENARIOS = sorted((REPO / "scenarios").glob("*.yaml"))
 RECORDINGS = sorted((DATA / "vllm-recorded").glob("*.jsonl"))
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `pytest -n 2` (make test) on two cores: each worker keeps to one torch thread, so the two
+    # share the cores instead of four threads contending for them (processes a test starts, sweep
+    # workers and the like, set their own)
+    import torch
+
+    torch.set_num_threads(1)
 
 
 TINY = """
@@ -36,3 +46,22 @@ def tiny_scenario(faults: str | None = None, execution: str | None = None, **kw)
     d.update(kw)
     extra = "".join(f"{key}: {v}\n" for key, v in (("faults", faults), ("execution", execution)) if v is not None)
     return TINY.format(**d) + extra
+
+
+def pytest_runtest_setup(item):
+    """Triton's interpreter (the CPU tests' kernels) computes an int32 overflow check around every
+    integer add, sub and mul, then hands it to ``device_assert``, which drops it unless the options
+    say ``debug`` (never, in the interpreter): half of a kernel's interpreted time, thrown away.
+    Once a test module has set TRITON_INTERPRET (Triton must not be imported before that, or its
+    own library functions stay compiled-only), the interpreter's options skip that work; with
+    ``debug`` on the checks would be kept, so they are left alone."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    builder = getattr(interpreter, "interpreter_builder", None)
+    opts = getattr(builder, "options", None)
+    if opts is not None and getattr(opts, "sanitize_overflow", False) and not getattr(opts, "debug", True):
+        builder.options = dataclasses.replace(opts, sanitize_overflow=False)

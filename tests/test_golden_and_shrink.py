@@ -134,7 +134,7 @@ def test_shrink_names_a_check_that_never_ran_or_never_fails(tmp_path):
     from hybridsim.errors import InputError
     from hybridsim.shrink import shrink_trace
 
-    trace = REPO / "traces" / "quickstart.jsonl"
+    trace = REPO / "traces" / "spec_padding.jsonl"  # (the smallest golden trace with Mamba checks: each call replays it)
     with pytest.raises(InputError) as ei:
         shrink_trace(trace, tmp_path / "s.jsonl", "ssm.outptu")
     assert "--check ssm.outptu: no such check ran on this trace" in ei.value.message

@@ -24,6 +24,11 @@ from .cli_inproc import hsi
 from .conftest import REPO, tiny_scenario
 from .test_cli import hs
 
+# Ray instances, worker pools and signals: these tests start processes on every core and watch them
+# (a sweep's workers, Ray's daemons, what is left once it stops), so `make test` runs them on their
+# own after the rest, which runs two tests at a time (pytest-xdist, -n 2)
+pytestmark = pytest.mark.serial
+
 BASE = tiny_scenario(n=4, pmax=80, omax=10, acc="{kind: bernoulli, rate: 0.7}")
 GRID = """base: base.yaml
 grid:
@@ -781,7 +786,7 @@ def test_cli_replay_on_ray_starts_it_after_the_traces_are_found_and_stops_it(tmp
         shutil.copy(REPO / "traces" / f"spec_padding{suffix}", d / f"spec_padding{suffix}")
     t0 = time.time() - 1
     r = hs("replay", tmp_path / "missing.jsonl", "--check", "--ray", "auto")
-    assert r.returncode == 2 and "missing.jsonl" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert r.returncode == 2 and "missing.jsonl" in r.stderr.replace("\n", "") and "Traceback" not in r.stderr, r.stderr
     assert _ray_since(t0)[0] == []
     r = hs("replay", d, "--check", "--ray", "auto")
     assert r.returncode == 0 and "spec_padding.jsonl" in r.stdout and "pass" in r.stdout, r.stderr[-3000:]
