@@ -2,7 +2,7 @@
 # One device call: GPU tests, kernel benchmarks, and scenarios executed with the Triton provider on
 # the GPU, each printing its tables. Carry .whl (pydantic and its needs; the image lacks them):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl pydantic==...
-# WHAT: comma list of tests, bench, tiny, real, scale, units, vllm (default tests,real).
+# WHAT: comma list of tests, bench, oracle, tiny, real, scale, units, vllm (default tests,real).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}
@@ -18,7 +18,8 @@ python3 -c "import torch,triton;print(torch.cuda.get_device_name(0), torch.__ver
 run() { timeout "$1" python3 -m hybridsim.cli run "scenarios/$2.yaml" --kernels triton --device cuda "${@:3}"; }
 if [[ $WHAT == *tests* ]]; then
   python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_probe.py tests/test_kernels_triton.py tests/test_paged_attention.py tests/test_ceilings.py \
-    tests/test_gpu_run.py tests/test_block_copy.py tests/test_partial_exec.py 2>&1 | tail -15 | tee $OUT/gpu_tests.log
+    tests/test_gpu_run.py tests/test_block_copy.py tests/test_partial_exec.py tests/test_dense_attention_f64.py \
+    2>&1 | tail -15 | tee $OUT/gpu_tests.log
 fi
 if [[ $WHAT == *vllm* ]]; then  # the engine's kernels: each op against the reference, then both Mooncake runs
   python3 -m hybridsim kernels check vllm --device cuda 2>&1 | tee $OUT/check_vllm.txt | tail -20
@@ -28,6 +29,10 @@ if [[ $WHAT == *vllm* ]]; then  # the engine's kernels: each op against the refe
 fi
 if [[ $WHAT == *bench* ]]; then
   python3 bench/bench_kernels.py --out $OUT/kernels.json ${BENCH_ARGS:-} 2>&1 | tail -40
+fi
+if [[ $WHAT == *oracle* ]]; then  # the oracle's float64 attention (GQA kernel, MLA torch) and the probe scans
+  python3 bench/bench_oracle.py --out $OUT/oracle.json 2>&1 | tail -12
+  python3 bench/bench_scan.py --out $OUT/scan.json 2>&1 | tail -25
 fi
 if [[ $WHAT == *tiny* ]]; then
   for s in quickstart spec_decode chunked_prefill forced_preemption mixed_hybrid_mla mla_long_context all_mode; do
