@@ -152,7 +152,6 @@ def main() -> None:
               ("prefill 4 x 1024, oracle mode, token by token", 4, 1024, True, dict(chunked=False))]
     for name, r, n, cmp, kw in cases:
         t, elem, read, written = case(tab, r, n, cmp, **kw)
-        kw = {k: v for k, v in kw.items() if k != "every"}
         bw_floor = rates.floor(read, written).seconds
         if n >= kw.get("chunk_min", CHUNK_MIN_TOKENS) and kw.get("chunked", True):  # the chunked kernel: products on tensor cores
             # (its element-wise work on the CUDA cores has no measured floor of its own: the floor

@@ -119,6 +119,11 @@ class MambaOracle:
         return launch.stats, tags
 
 
+def fused_by_default(device) -> bool:
+    """Whether the GQA oracle runs as one float64 kernel (``DenseOracle``'s ``fused``): on a GPU."""
+    return torch.device(device).type == "cuda"
+
+
 class DenseOracle:
     """Expected attention outputs (float64, on the run's device) of committed query positions,
     every layer at once, rows batched with padding up to ``budget_elems`` elements a batch
@@ -147,9 +152,9 @@ class DenseOracle:
         self.budget = budget_elems
         self.memo = KeyMemo(stack, memo_bytes) if memo_bytes and self.work_bound and hasattr(stack, "keys") else None
         if fused is None:
-            fused = torch.device(device).type == "cuda" and hasattr(stack, "queries")
+            fused = fused_by_default(device) and hasattr(stack, "queries")
         self.fused = fused
-        self.stack32 = None  # (the fused path's float32 tables, made at its first use)
+        self.stack32 = stack.cast(torch.float32) if fused else None  # the fused kernel's tables
 
     def forget(self, key) -> None:
         """A request that left (finished, preempted): its kept keys go."""
@@ -236,8 +241,6 @@ class DenseOracle:
     def _fused_group(self, rows, group: list[int], out: list) -> None:
         """The group's queries projected (float64), then one kernel: keys from token ids inside it."""
         from .kernels.dense_attention_f64 import probe_attention
-        if self.stack32 is None:
-            self.stack32 = self.stack.cast(torch.float32)
         n = [rows[i][1] + rows[i][2] for i in group]
         q_len = [rows[i][2] for i in group]
         pos0 = [rows[i][1] for i in group]

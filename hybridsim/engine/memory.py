@@ -100,7 +100,7 @@ def plan_memory(s: Scenario, groups, device: torch.device, checked_kernels: bool
     from ..kernels.paged_attention import SCORE_ELEMS as PAGED_SCORES
     from ..kernels.reference import SCORE_ELEMS as DECODE_SCORES
     from ..layers.mla import TABLE as MLA_TABLE, TABLE2 as MLA_TABLE2
-    from ..oracle import MLA_ORACLE_ELEMS
+    from ..oracle import MLA_ORACLE_ELEMS, fused_by_default
     from .attn_exec import ORACLE_SCORES, oracle_memo_bytes
     from .mla_exec import SCORE_ELEMS
 
@@ -132,7 +132,7 @@ def plan_memory(s: Scenario, groups, device: torch.device, checked_kernels: bool
         step = (budget * a.layers * (hd + 2 * kvd) * 4  # every layer's Q, K, V of the step
                 + 2 * budget * a.layers * hd * 4  # every layer's outputs until the check, and a split's partials
                 + 6 * 4 * min(PAGED_SCORES, seqs * 16 * a.heads * s.scheduler.max_model_len))  # reference scores
-        if device.type == "cuda":  # one float64 kernel: keys and scores never in memory (oracle.DenseOracle)
+        if fused_by_default(device):  # one float64 kernel: keys and scores never in memory (oracle.DenseOracle)
             oracle = 4 * 8 * a.layers * budget * hd  # the step's queries, outputs and rope's two temporaries
             what = "float64 queries and outputs (keys and scores stay inside the kernel)"
         else:

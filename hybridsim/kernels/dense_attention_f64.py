@@ -19,9 +19,8 @@ query heads of one KV head of one layer) and walks the row's keys a block at a t
 Layout: row r owns queries ``q[:, q_start[r]:q_start[r] + q_len[r]]`` (layers, tokens, heads, D,
 float64, already projected) at positions ``pos0[r] + j`` and keys ``tokens[k_start[r]:...]`` at
 positions 0, 1, ... (its committed tokens from the first); query j sees keys 0..pos0[r] + j.
-Query head h reads KV head h // (heads / kv_heads). The reference below is the same arithmetic
-in torch, row by row: the results agree to float64 rounding (sums in another order), not bit
-for bit.
+Query head h reads KV head h // (heads / kv_heads). The reference below is the oracle's torch
+form, row by row: the results agree to float64 rounding (sums in another order), not bit for bit.
 """
 
 from __future__ import annotations
@@ -35,7 +34,6 @@ from ..layers.exact import rotation_tables
 from ..layers.gqa import V_SHIFT
 from ..layers.mla import ROPE_SHIFT, TABLE, TABLE2
 
-NEG_INF = float("-inf")
 # tile schedule, from bench_oracle (H100): 32 (query, head) rows x 32 keys over 4 warps, one stage;
 # 8 warps spill less (ptxas) but ran slower, 16-key blocks and a pipelined loop (more shared memory) too
 M_LONG = 32  # (query, head) pairs a program takes for rows with many queries
@@ -46,38 +44,18 @@ WARPS_SHORT = 4
 STAGES = 1
 
 
-def causal_attention_f64_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: list[int],
-                                   q_len: list[int], k_start: list[int], pos0: list[int], scale: float) -> torch.Tensor:
-    """The definition over given keys, row by row: softmax(q k^T * scale, causal) v in float64.
-    q (layers, tokens, heads, D); k, v (layers, keys, kv_heads, D). Returns o like q (NaN where no row writes)."""
-    H, KVH = q.shape[2], k.shape[2]
-    group = H // KVH
+def probe_attention_reference(stack, q: torch.Tensor, tokens: torch.Tensor, q_start: list[int], q_len: list[int],
+                              k_start: list[int], pos0: list[int]) -> torch.Tensor:
+    """``probe_attention`` in torch, row by row: each row's keys projected by ``stack.keys`` and its
+    queries attended by ``stack.attention`` (a float64 ``GQAStack``: the oracle's own torch form).
+    Returns o like q (NaN where no row writes)."""
     o = torch.full_like(q, float("nan"))
     for qs, ql, ks, p0 in zip(q_start, q_len, k_start, pos0):
         n = p0 + ql
-        qq = q[:, qs:qs + ql]  # (L, ql, H, D)
-        kk = k[:, ks:ks + n].repeat_interleave(group, dim=2)  # (L, n, H, D)
-        vv = v[:, ks:ks + n].repeat_interleave(group, dim=2)
-        s = torch.einsum("lqhd,lnhd->lhqn", qq, kk) * scale
-        qpos = torch.arange(p0, n, device=q.device)
-        s = s.masked_fill(torch.arange(n, device=q.device)[None, :] > qpos[:, None], NEG_INF)
-        o[:, qs:qs + ql] = torch.einsum("lhqn,lnhd->lqhd", torch.softmax(s, dim=-1), vv)
+        k, v = stack.keys(tokens[ks:ks + n], torch.arange(n, device=tokens.device), n)
+        qpos = torch.arange(p0, n, device=q.device)[None]
+        o[:, qs:qs + ql] = stack.attention(q[:, qs:qs + ql][:, None], k[:, None], v[:, None], qpos)[:, 0]
     return o
-
-
-def probe_attention_reference(stack, q: torch.Tensor, tokens: torch.Tensor, q_start: list[int], q_len: list[int],
-                              k_start: list[int], pos0: list[int]) -> torch.Tensor:
-    """``probe_attention`` in torch: each row's keys projected by ``stack.keys`` (a float64
-    ``GQAStack``), then the definition."""
-    k, v = [], []
-    for ks, ql, p0 in zip(k_start, q_len, pos0):
-        n = p0 + ql
-        kk, vv = stack.keys(tokens[ks:ks + n], torch.arange(n, device=tokens.device), n)
-        k.append(kk)
-        v.append(vv)
-    starts = [sum(p0 + ql for ql, p0 in zip(q_len[:i], pos0[:i])) for i in range(len(q_len))]
-    return causal_attention_f64_reference(q, torch.cat(k, 1), torch.cat(v, 1), q_start, q_len, starts, pos0,
-                                          stack.scale)
 
 
 @triton.jit

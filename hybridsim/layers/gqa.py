@@ -95,7 +95,7 @@ class GQAStack:
         x = self.hidden(tok)  # (Ly, b, n, hidden)
         k, v = self._kv(x, pos, n)  # (Ly, b, n, K, D)
         xq = x[:, torch.arange(b, device=tok.device)[:, None], qpos]  # (Ly, b, q, hidden)
-        return self._attention(self._q(xq, qpos, n), k, v, qpos)
+        return self.attention(self._q(xq, qpos, n), k, v, qpos)
 
     def queries(self, tok: torch.Tensor, pos: torch.Tensor, n_pos: int) -> torch.Tensor:
         """Q (layers, n, heads, D), float64, of tokens tok (n,) at positions pos (n,) below n_pos."""
@@ -111,9 +111,9 @@ class GQAStack:
         Returns (layers, 1, q, heads, D), the values ``attend`` gives."""
         n = k.shape[1]
         q = self._q(self.hidden(qtok[None]), qpos[None], n)
-        return self._attention(q, k[:, None], v[:, None], qpos[None])
+        return self.attention(q, k[:, None], v[:, None], qpos[None])
 
-    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
         """q (Ly, b, q, H, D), k and v (Ly, b, n, K, D), qpos (b, q) -> (Ly, b, q, H, D)."""
         Ly, b, nq = q.shape[:3]
         K, D = self.geo.kv_heads, self.geo.head_dim
