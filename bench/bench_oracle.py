@@ -10,8 +10,9 @@ projects each key block from its token ids and attends, neither keys nor scores 
 the CPU's float64 on a sample of rows. The floor is the step's float64 FLOPs (QK^T and PV of every
 (query, key) pair a causal row computes) at the card's measured float64 matmul rate (an
 8192-cube ``torch.mm``), or the traffic of q, k, v and o, whichever is larger: a lower bound (the
-keys' projection, exact integer products on TF32, is not in it). Last, the MLA oracle (torch) on a
-DeepSeek-V3 step against its own float64 floor.
+keys' projection, exact integer products on TF32, is not in it). Last, the MLA oracle on a
+DeepSeek-V3 step against its own float64 floor: the torch path and the fused one
+(``kernels/latent_attention_f64.py``) with its tile schedules swept.
 
     python3 bench/bench_oracle.py [--out results.json]
 """
@@ -30,6 +31,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from hybridsim.kernels import dense_attention_f64 as fused  # noqa: E402
+from hybridsim.kernels import latent_attention_f64 as lat  # noqa: E402
 from hybridsim.kernels.ceilings import best_seconds, measure  # noqa: E402
 from hybridsim.layers.exact import prepare_rope  # noqa: E402
 from hybridsim.layers.gqa import GQAProbe  # noqa: E402
@@ -47,7 +49,7 @@ def step_rows(seed: int = 0) -> list[tuple[np.ndarray, int, int]]:
 
 
 def mla_step(f64: float) -> dict:
-    """The MLA oracle (torch: no kernel of its own yet) at DeepSeek-V3's geometry with the scenario's 8
+    """The MLA oracle (torch, and the fused float64 kernel with its schedules) at DeepSeek-V3's geometry with the scenario's 8
     layers, on a step shaped like ``deepseek_v3_mooncake``'s: two prefill chunks and 26 rows of 2
     committed tokens (one draft) over 1k-12k. Its floor: each row's float64 FLOPs in its cheaper
     association (``MLAStack.expands``' count) at the measured float64 rate."""
@@ -63,18 +65,39 @@ def mla_step(f64: float) -> dict:
         absorbed = k * H * (N * Lr + Lr * V) + p * H * (2 * Lr + R)
         expanded = n * H * Lr * (N + V) + p * H * (N + R + V)
         flops += 2 * geo.layers * min(absorbed, expanded)
-    oracle = MLAOracle(probes, torch.device("cuda"))
-    oracle.expected(rows)
-    t = best_seconds(lambda: oracle.expected(rows), runs=2, reps=2)
-    # where it goes: the prefill chunks alone, the decode rows alone
-    t_prefill = best_seconds(lambda: oracle.expected(rows[:2]), runs=2, reps=2)
-    t_decode = best_seconds(lambda: oracle.expected(rows[2:]), runs=2, reps=2)
     floor = flops / f64
-    print(f"MLA oracle (torch), DeepSeek-V3 x 8 layers, {len(rows)} rows: {t * 1e3:.2f} ms (the 2 prefill chunks alone "
-          f"{t_prefill * 1e3:.2f}, the {len(rows) - 2} decode rows alone {t_decode * 1e3:.2f}), {flops / 1e12:.2f} TFLOP "
-          f"in the cheaper associations, floor {floor * 1e3:.2f} ms: {100 * floor / t:.1f}%")
-    return {"case": "MLA oracle, torch", "ms": t * 1e3, "prefill_ms": t_prefill * 1e3, "decode_ms": t_decode * 1e3,
-            "flops": flops, "floor_ms": floor * 1e3, "pct_floor": 100 * floor / t}
+    print(f"MLA oracle, DeepSeek-V3 x 8 layers, {len(rows)} rows: {flops / 1e12:.2f} TFLOP in the cheaper associations, "
+          f"floor {floor * 1e3:.2f} ms")
+    want = None
+    results = []
+    schedules = [None] + [(16, 32, 64, 4), (16, 32, 64, 8), (32, 32, 64, 8), (16, 16, 64, 4), (16, 16, 64, 8)]
+    default = (lat.ROWS, lat.KEYS_PER_BLOCK, lat.SCORE_CHUNK, lat.WARPS)
+    for sched in schedules:
+        name = "torch: padded batches, scores in memory" if sched is None else \
+            "fused: {} (query, head) rows x {} keys, score chunks of {}, {} warps".format(*sched)
+        try:
+            if sched is not None:
+                lat.ROWS, lat.KEYS_PER_BLOCK, lat.SCORE_CHUNK, lat.WARPS = sched
+            oracle = MLAOracle(probes, torch.device("cuda"), fused=sched is not None)
+            got = oracle.expected(rows)
+            if want is None:
+                want = got
+            err = max(float(((g - w).abs() / w.abs().clamp(min=1e-3)).max()) for g, w in zip(got, want))
+            t = best_seconds(lambda: oracle.expected(rows), runs=2, reps=2)
+            # where it goes: the prefill chunks alone, the decode rows alone
+            t_prefill = best_seconds(lambda: oracle.expected(rows[:2]), runs=2, reps=2)
+            t_decode = best_seconds(lambda: oracle.expected(rows[2:]), runs=2, reps=2)
+        except Exception as e:  # a schedule the compiler rejects is reported, not fatal
+            print(f"  {name}: failed: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        finally:
+            lat.ROWS, lat.KEYS_PER_BLOCK, lat.SCORE_CHUNK, lat.WARPS = default
+        print(f"  {name:72s} {t * 1e3:8.2f} ms (prefill chunks alone {t_prefill * 1e3:.2f}, decode rows alone "
+              f"{t_decode * 1e3:.2f})  {100 * floor / t:5.1f}% of floor  max rel diff vs torch {err:.1e}", flush=True)
+        results.append({"case": "MLA oracle, " + name, "ms": t * 1e3, "prefill_ms": t_prefill * 1e3,
+                        "decode_ms": t_decode * 1e3, "flops": flops, "floor_ms": floor * 1e3,
+                        "pct_floor": 100 * floor / t, "max_rel_diff_vs_torch": err})
+    return results
 
 
 def fp64_rate(n: int = 8192) -> float:
@@ -94,7 +117,7 @@ def main() -> None:
         res = mla_step(f64)
         if a.out:
             a.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "date": str(date.today()),
-                                         "fp64_flops": f64, "cases": [res]}, indent=2))
+                                         "fp64_flops": f64, "cases": res}, indent=2))
         return
     geo = build_preset("nemotron-h-8b").attention
     probes = [GQAProbe(geo, layer, seed=21) for layer in range(geo.layers)]
@@ -144,7 +167,7 @@ def main() -> None:
         except Exception as e:  # a schedule the compiler rejects is reported, not fatal
             print(f"  fused {m_long} x {bn}, {warps} warps, {stages} stage(s): failed: {type(e).__name__}: {str(e)[:200]}")
     fused.M_LONG, fused.WARPS_LONG, fused.KEYS_PER_BLOCK, fused.STAGES = default
-    results.append(mla_step(f64))
+    results += mla_step(f64)
     if a.out:
         a.out.write_text(json.dumps({"device": dev, "date": str(date.today()), "fp64_flops": f64,
                                      **rates.as_dict(), "flops": flops, "floor_ms": floor * 1e3,

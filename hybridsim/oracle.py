@@ -152,9 +152,10 @@ class DenseOracle:
         self.budget = budget_elems
         self.memo = KeyMemo(stack, memo_bytes) if memo_bytes and self.work_bound and hasattr(stack, "keys") else None
         if fused is None:
-            fused = fused_by_default(device) and hasattr(stack, "queries")
+            fused = fused_by_default(device)
         self.fused = fused
-        self.stack32 = stack.cast(torch.float32) if fused else None  # the fused kernel's tables
+        self.mla = isinstance(stack, MLAStack)
+        self.stack32 = stack.cast(torch.float32) if fused and not self.mla else None  # the GQA kernel's tables
 
     def forget(self, key) -> None:
         """A request that left (finished, preempted): its kept keys go."""
@@ -165,7 +166,7 @@ class DenseOracle:
         """rows: (committed tokens, c, k). Returns per row (layers, k, H, v): attention of positions
         c..c+k-1 over the tokens [0, c+k). ``keys``: each row's request (for the key memo)."""
         if self.fused:
-            return self._expected_fused(rows)
+            return self._expected_latent(rows) if self.mla else self._expected_fused(rows)
         per_q = self.stack.layers * self.stack.heads  # score elements per query and key
         per_k = self.stack.layers * self.stack.key_elems  # K/V (or latent) elements per key and row
         out: list[list[tuple[int, torch.Tensor]]] = [[] for _ in rows]
@@ -256,6 +257,81 @@ class DenseOracle:
             out[i] = o[:, q_start[j]:q_start[j] + q_len[j]]
 
 
+    def _expected_latent(self, rows: list[tuple[np.ndarray, int, int]]) -> list[torch.Tensor]:
+        """MLA, fused: each row in its cheaper association (``MLAStack.expands``), by one float64
+        kernel over keys in memory (``kernels/latent_attention_f64.py``). Absorbed rows go in groups
+        whose queries, latent outputs and outputs fit the budget (a longer row's queries in pieces);
+        an expanded row goes alone, a layer at a time (its per-head keys are the large part)."""
+        st = self.stack
+        g = st.geo
+        H, Lr, R, N, V, Ly = st.heads, g.kv_lora_rank, g.qk_rope_head_dim, g.qk_nope_head_dim, g.v_head_dim, st.layers
+        out: list[list[tuple[int, torch.Tensor]]] = [[] for _ in rows]
+        per_query = Ly * H * (2 * (Lr + R) + V)  # float64 elements: its query, latent output and output
+        per_key = Ly * (Lr + R)
+        group: list[tuple[int, int, int]] = []  # (row, first query, queries): absorbed pieces
+        used = 0
+        for i, (_, c, k) in enumerate(rows):
+            n = c + k
+            if st.expands(1, k, n) and n * H * (N + R + V) <= self.budget:
+                self._expanded_row(rows[i], out[i])
+                continue
+            step = max(1, (self.budget - n * per_key) // per_query)
+            for q0 in range(0, k, step):
+                q1 = min(k, q0 + step)
+                cost = (q1 - q0) * per_query + (c + q1) * per_key
+                if group and used + cost > self.budget:
+                    self._absorbed_group(rows, group, out)
+                    group, used = [], 0
+                group.append((i, q0, q1))
+                used += cost
+        if group:
+            self._absorbed_group(rows, group, out)
+        return [torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])], dim=1) for parts in out]
+
+    def _absorbed_group(self, rows, group: list[tuple[int, int, int]], out: list) -> None:
+        """Queries absorbed into the latent space, keys the latent entries themselves (values: their
+        kv_c part, the same memory), then W_UV on the latent outputs."""
+        from .kernels.latent_attention_f64 import latent_attention
+        st = self.stack
+        Lr = st.geo.kv_lora_rank
+        n = [rows[i][1] + q1 for i, _, q1 in group]  # keys a piece's last query sees
+        pos0 = [rows[i][1] + q0 for i, q0, _ in group]
+        q_len = [q1 - q0 for _, q0, q1 in group]
+        k_start = np.concatenate([[0], np.cumsum(n)[:-1]]).tolist()
+        q_start = np.concatenate([[0], np.cumsum(q_len)[:-1]]).tolist()
+        toks = np.concatenate([rows[i][0][:m] for (i, _, _), m in zip(group, n)])
+        kpos = np.concatenate([np.arange(m) for m in n])
+        qtok = np.concatenate([rows[i][0][p:m] for (i, _, _), p, m in zip(group, pos0, n)])
+        qpos = np.concatenate([np.arange(p, m) for p, m in zip(pos0, n)])
+        tok_d, kpos_d, qtok_d, qpos_d = upload_many([toks, kpos, qtok, qpos], self.device)
+        lat = st.latents_at(tok_d, kpos_d, max(n)).to(torch.float32)[:, :, None]  # exact: (Ly, keys, 1, Lr + R)
+        q = st.absorbed_queries(qtok_d, qpos_d, max(n))
+        o_lat = latent_attention(q, lat, lat[..., :Lr], q_start, q_len, k_start, pos0, st.scale)
+        del q
+        o = torch.einsum("lqkr,lkrv->lqkv", o_lat, st.w_uv)
+        for (i, q0, _), qs, ql in zip(group, q_start, q_len):
+            out[i].append((q0, o[:, qs:qs + ql]))
+
+    def _expanded_row(self, row, out_row: list) -> None:
+        """One row with every key up-projected per head, a layer at a time."""
+        from .kernels.latent_attention_f64 import latent_attention
+        st = self.stack
+        toks, c, k = row
+        n = c + k
+        tok_d, pos_d = upload_many([toks[:n], np.arange(n)], self.device)
+        lat = st.latents_at(tok_d, pos_d, n)  # (Ly, n, Lr + R)
+        q_nope, q_pe = st.queries(tok_d[c:], pos_d[c:], n)
+        q = torch.cat([q_nope, q_pe], dim=-1)  # (Ly, k, H, N + R)
+        del q_nope, q_pe
+        # per-head keys are exact in float32 while kv_lora_rank * 2**14 (the largest product sum) fits its 24 bits
+        kdt = torch.float32 if st.geo.kv_lora_rank <= 1 << 10 else torch.float64
+        o = torch.empty((st.layers, k, st.heads, st.geo.v_head_dim), dtype=torch.float64, device=self.device)
+        for layer in range(st.layers):
+            kk, vv = st.expanded_keys(lat[layer], layer, kdt)
+            latent_attention(q[layer:layer + 1], kk[None], vv[None], [0], [k], [0], [c], st.scale, out=o[layer:layer + 1])
+        out_row.append((0, o))
+
+
 @dataclass
 class _Kept:
     """One request's kept keys: its first ``len(tokens)`` tokens' K and V, in tensors with room for more."""
@@ -329,9 +405,9 @@ MLA_ORACLE_ELEMS = 1 << 28  # float64 elements of one MLA oracle batch: scores a
 
 
 def MLAOracle(probes: list[MLAProbe], device: torch.device, budget_elems: int = MLA_ORACLE_ELEMS,
-              work_bound: bool | None = None) -> DenseOracle:
+              work_bound: bool | None = None, fused: bool | None = None) -> DenseOracle:
     """Dense float64 attention over the committed tokens of every MLA layer."""
-    return DenseOracle(MLAStack(probes, device), device, budget_elems, work_bound)
+    return DenseOracle(MLAStack(probes, device), device, budget_elems, work_bound, fused=fused)
 
 
 def GQAOracle(probes: list[GQAProbe], device: torch.device, budget_elems: int = 1 << 26,

@@ -199,12 +199,37 @@ class MLAStack:
     def latents(self, tok: torch.Tensor, n_pos: int) -> torch.Tensor:
         """Cache entries [kv_c | k_pe] of tokens tok (b, n) at positions 0..n-1: (layers, b, n, kv_lora + rope),
         the values ``latent_of`` gives."""
+        return self.latents_at(tok, torch.arange(tok.shape[1], device=tok.device), n_pos)
+
+    def latents_at(self, tok: torch.Tensor, pos: torch.Tensor, n_pos: int) -> torch.Tensor:
+        """``latents`` of tokens tok (...) at positions pos (broadcastable to tok's last axes), each
+        below n_pos: (layers, ..., kv_lora + rope)."""
         lat = token_rows(self.key1, self.key2, tok)  # (a fresh tensor: scaled and rotated in place)
         Lr = self.geo.kv_lora_rank
-        pos = torch.arange(tok.shape[1], device=tok.device)
         lat[..., Lr:] = rope_exact(lat[..., Lr:], pos, n_pos) * 2.0 ** -ROPE_SHIFT
         lat[..., :Lr] *= 2.0 ** -LATENT_SHIFT
         return lat
+
+    def queries(self, tok: torch.Tensor, pos: torch.Tensor, n_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """q_nope (layers, n, H, nope) and q_pe (layers, n, H, rope), float64 and unscaled, of tokens tok (n,)
+        at positions pos (n,) below n_pos."""
+        return queries_of(self.hidden(tok), self.w_qn, self.w_qr, pos[:, None], n_pos)
+
+    def absorbed_queries(self, tok: torch.Tensor, pos: torch.Tensor, n_pos: int) -> torch.Tensor:
+        """[q_nope W_UK | q_pe] (layers, n, H, kv_lora + rope), unscaled: a query in the latent space,
+        whose dot with a latent entry is its score (times the scale)."""
+        q_nope, q_pe = self.queries(tok, pos, n_pos)
+        return torch.cat([torch.einsum("lqkd,lkdr->lqkr", q_nope, self.w_uk), q_pe], dim=-1)
+
+    def expanded_keys(self, lat: torch.Tensor, layer: int, dtype: torch.dtype = torch.float64):
+        """One layer's per-head keys [kv_c W_UK | k_pe] (n, H, nope + rope) and values kv_c W_UV (n, H, v) of its
+        latent entries lat (n, kv_lora + rope). Every product is an integer times a power of two and every sum
+        below 2**24 of that unit, so the values are exact in float64 and still exact in float32."""
+        Lr, H = self.geo.kv_lora_rank, self.heads
+        kv = lat[:, :Lr].to(torch.float64)
+        k = torch.cat([torch.einsum("nr,kdr->nkd", kv, self.w_uk[layer]),
+                       lat[:, None, Lr:].to(torch.float64).expand(-1, H, -1)], dim=-1)
+        return k.to(dtype), torch.einsum("nr,krv->nkv", kv, self.w_uv[layer]).to(dtype)
 
     def expands(self, b: int, q: int, n: int) -> bool:
         """Whether attending q queries over n keys costs fewer operations with every key up-projected

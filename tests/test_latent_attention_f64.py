@@ -1,0 +1,62 @@
+"""The float64 attention kernel the GPU's MLA oracle runs (``kernels/latent_attention_f64.py``:
+keys and values in memory, scores never) against its torch definition: packed rows in shuffled
+order, decode rows and long chunks over context, keys shared by every head with values a view
+of them (the absorbed latent) and per-head keys and values (expanded), key and value widths that
+are not powers of two, float32 and float64 keys, keys between rows that no row owns (a read past
+a row's keys changes its output), outputs poisoned first (a query left unwritten shows)."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hybridsim.kernels.latent_attention_f64 import latent_attention, latent_attention_reference  # noqa: E402
+
+INTERPRETER = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test (CPU); -m gpu runs it compiled")
+
+
+def _check(heads: int, kv_heads: int, dk: int, dv: int, shared: bool, kdtype, seed: int, device: str,
+           rows=((1, 0), (1, 37), (3, 70), (2, 5), (17, 0), (40, 23), (9, 100))) -> None:
+    """(queries, keys before them) per row; ``shared``: values are the first dv columns of the keys."""
+    g = torch.Generator().manual_seed(seed)
+    rows = list(rows)
+    random.Random(seed).shuffle(rows)
+    q_len, pos0 = [a for a, _ in rows], [b for _, b in rows]
+    gap = 3  # keys no row owns, between rows
+    k_start = [sum(a + b + gap for a, b in rows[:i]) for i in range(len(rows))]
+    q_start = [sum(q_len[:i]) + i for i in range(len(rows))]  # and a query slot no row owns
+    layers, nq, nk = 2, q_start[-1] + q_len[-1] + 1, k_start[-1] + sum(rows[-1]) + gap
+    q = (torch.randn(layers, nq, heads, dk, generator=g, dtype=torch.float64) * 2).to(device)
+    k = torch.randn(layers, nk, kv_heads, dk, generator=g).to(device, kdtype)
+    v = k[..., :dv] if shared else torch.randn(layers, nk, kv_heads, dv, generator=g).to(device, kdtype)
+    want = latent_attention_reference(q, k, v, q_start, q_len, k_start, pos0, 0.31)
+    out = torch.full((layers, nq, heads, dv), float("nan"), dtype=torch.float64, device=device)
+    got = latent_attention(q, k, v, q_start, q_len, k_start, pos0, 0.31, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    written = torch.isfinite(want)
+    assert written.any() and torch.equal(torch.isfinite(got), written)  # every row's queries, nothing else
+    torch.testing.assert_close(got[written], want[written], rtol=1e-12, atol=1e-13)
+
+
+@INTERPRETER
+@pytest.mark.parametrize("heads,kv_heads,dk,dv,shared,kdtype", [
+    (8, 1, 80, 64, True, torch.float32), (6, 1, 40, 24, True, torch.float64), (4, 4, 24, 16, False, torch.float32),
+    (6, 2, 36, 20, False, torch.float64)], ids=["absorbed", "absorbed-f64-odd", "expanded", "grouped-odd"])
+def test_latent_attention_kernel_equals_the_definition(heads, kv_heads, dk, dv, shared, kdtype):
+    _check(heads, kv_heads, dk, dv, shared, kdtype, 11, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("heads,kv_heads,dk,dv,shared", [(128, 1, 576, 512, True), (128, 128, 192, 128, False),
+                                                         (6, 2, 36, 20, False)], ids=["deepseek-absorbed",
+                                                                                      "deepseek-expanded", "odd"])
+def test_latent_attention_kernel_on_the_gpu(heads, kv_heads, dk, dv, shared):
+    _check(heads, kv_heads, dk, dv, shared, torch.float32, 12, "cuda",
+           rows=((1, 0), (2, 1000), (2, 37), (3, 700), (64, 0), (200, 300), (9, 2000)))
