@@ -70,14 +70,16 @@ def mla_step(f64: float) -> dict:
           f"floor {floor * 1e3:.2f} ms")
     want = None
     results = []
-    schedules = [None] + [(16, 32, 64, 4), (16, 32, 64, 8), (32, 32, 64, 8), (16, 16, 64, 4), (16, 16, 64, 8)]
-    default = (lat.ROWS, lat.KEYS_PER_BLOCK, lat.SCORE_CHUNK, lat.WARPS)
+    # (the absorbed rows' schedule, the expanded rows'): (query, head) rows x keys, score chunk, warps
+    default = (lat.SHARED, lat.PER_HEAD)
+    schedules = [None, default] + [(lat.SHARED, p) for p in ((16, 32, 64, 4), (32, 32, 64, 4), (64, 32, 64, 8))
+                                   if p != lat.PER_HEAD] + [((16, 32, 32, 4), lat.PER_HEAD)]
     for sched in schedules:
         name = "torch: padded batches, scores in memory" if sched is None else \
-            "fused: {} (query, head) rows x {} keys, score chunks of {}, {} warps".format(*sched)
+            "fused: absorbed {}x{}/{}/{}w, expanded {}x{}/{}/{}w".format(*sched[0], *sched[1])
         try:
             if sched is not None:
-                lat.ROWS, lat.KEYS_PER_BLOCK, lat.SCORE_CHUNK, lat.WARPS = sched
+                lat.SHARED, lat.PER_HEAD = sched
             oracle = MLAOracle(probes, torch.device("cuda"), fused=sched is not None)
             got = oracle.expected(rows)
             if want is None:
@@ -91,8 +93,8 @@ def mla_step(f64: float) -> dict:
             print(f"  {name}: failed: {type(e).__name__}: {str(e)[:200]}")
             continue
         finally:
-            lat.ROWS, lat.KEYS_PER_BLOCK, lat.SCORE_CHUNK, lat.WARPS = default
-        print(f"  {name:72s} {t * 1e3:8.2f} ms (prefill chunks alone {t_prefill * 1e3:.2f}, decode rows alone "
+            lat.SHARED, lat.PER_HEAD = default
+        print(f"  {name:64s} {t * 1e3:8.2f} ms (prefill chunks alone {t_prefill * 1e3:.2f}, decode rows alone "
               f"{t_decode * 1e3:.2f})  {100 * floor / t:5.1f}% of floor  max rel diff vs torch {err:.1e}", flush=True)
         results.append({"case": "MLA oracle, " + name, "ms": t * 1e3, "prefill_ms": t_prefill * 1e3,
                         "decode_ms": t_decode * 1e3, "flops": flops, "floor_ms": floor * 1e3,

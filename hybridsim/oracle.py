@@ -26,6 +26,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .device.matmul import matmul_tf32
 from .device.transfer import upload, upload_many
 from .kernels.batching import CPU_CALL_ELEMS, worth_merging
 from .kernels.probe_scan import ScanBuilder, ScanLaunch
@@ -272,7 +273,7 @@ class DenseOracle:
         used = 0
         for i, (_, c, k) in enumerate(rows):
             n = c + k
-            if st.expands(1, k, n) and n * H * (N + R + V) <= self.budget:
+            if Lr <= 1 << 10 and st.expands(1, k, n) and n * H * (N + R + V) <= self.budget:
                 self._expanded_row(rows[i], out[i])
                 continue
             step = max(1, (self.budget - n * per_key) // per_query)
@@ -323,11 +324,10 @@ class DenseOracle:
         q_nope, q_pe = st.queries(tok_d[c:], pos_d[c:], n)
         q = torch.cat([q_nope, q_pe], dim=-1)  # (Ly, k, H, N + R)
         del q_nope, q_pe
-        # per-head keys are exact in float32 while kv_lora_rank * 2**14 (the largest product sum) fits its 24 bits
-        kdt = torch.float32 if st.geo.kv_lora_rank <= 1 << 10 else torch.float64
         o = torch.empty((st.layers, k, st.heads, st.geo.v_head_dim), dtype=torch.float64, device=self.device)
         for layer in range(st.layers):
-            kk, vv = st.expanded_keys(lat[layer], layer, kdt)
+            with matmul_tf32():  # exact: ``MLAStack.expanded_keys``
+                kk, vv = st.expanded_keys(lat[layer], layer)
             latent_attention(q[layer:layer + 1], kk[None], vv[None], [0], [k], [0], [c], st.scale, out=o[layer:layer + 1])
         out_row.append((0, o))
 

@@ -60,3 +60,42 @@ def test_latent_attention_kernel_equals_the_definition(heads, kv_heads, dk, dv, 
 def test_latent_attention_kernel_on_the_gpu(heads, kv_heads, dk, dv, shared):
     _check(heads, kv_heads, dk, dv, shared, torch.float32, 12, "cuda",
            rows=((1, 0), (2, 1000), (2, 37), (3, 700), (64, 0), (200, 300), (9, 2000)))
+
+
+def _expanded_keys_exact(device: str) -> None:
+    """``MLAStack.expanded_keys`` (float32 products of split latents, TF32 on a GPU) gives the float64
+    products' values bit for bit, at DeepSeek-V3's geometry (kv_lora_rank 512: sums up to 2**23 units)."""
+    from hybridsim.device.matmul import matmul_tf32
+    from hybridsim.layers.mla import MLAProbe, MLAStack
+    from hybridsim.presets import build_preset
+
+    geo = build_preset("deepseek-v3").mla.model_copy(update={"layers": 2})
+    stack = MLAStack([MLAProbe(geo, layer, seed=5) for layer in range(2)], device)
+    g = torch.Generator().manual_seed(3)
+    tok = torch.randint(0, 3_000_000, (300,), generator=g).to(device)
+    lat = stack.latents_at(tok, torch.arange(300, device=device), 300)
+    Lr = geo.kv_lora_rank
+    # and latents at the bound's extremes (|kv_c| up to 2**12 units: more than TF32's 11 bits hold)
+    extreme = torch.randint(-4096, 4097, (2, 300, Lr), generator=g).double().to(device) * 2.0 ** -7
+    extreme[:, :5] = 4096 * 2.0 ** -7
+    lat = torch.cat([lat, torch.cat([extreme, lat[..., Lr:]], dim=-1)], dim=1)
+    for layer in range(2):
+        with matmul_tf32():
+            k, v = stack.expanded_keys(lat[layer], layer)
+        assert k.dtype == v.dtype == torch.float32
+        kv = lat[layer, :, :Lr]
+        want_k = torch.einsum("nr,kdr->nkd", kv, stack.w_uk[layer])
+        want_v = torch.einsum("nr,krv->nkv", kv, stack.w_uv[layer])
+        assert torch.equal(k[..., :geo.qk_nope_head_dim].double(), want_k)
+        assert torch.equal(k[..., geo.qk_nope_head_dim:].double(), lat[layer, :, None, Lr:].expand_as(k[..., geo.qk_nope_head_dim:]))
+        assert torch.equal(v.double(), want_v)
+
+
+def test_expanded_keys_are_exact_in_float32():
+    _expanded_keys_exact("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_expanded_keys_are_exact_on_the_tensor_cores():
+    _expanded_keys_exact("cuda")

@@ -1,2 +1,3 @@
 """Device helpers below both the executor (engine/) and the kernels: host-to-device uploads that
-never make the host wait (``transfer``), and verdicts read back one step late (``verdicts``)."""
+never make the host wait (``transfer``), verdicts read back one step late (``verdicts``), and
+float32 products on the tensor cores for a block of code (``matmul``)."""

@@ -12,7 +12,6 @@ a step come back to the host in one transfer.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Optional
@@ -31,20 +30,10 @@ from .cache import BlockMap, PagedTensor, block_table
 from .compare import TOLERANCE, error_pairs, tally_outputs
 from .mamba_state import Bugs
 from ..device.verdicts import Verdicts
+from ..device.matmul import matmul_tf32
 from ..device.transfer import to_device, upload
 
 SCORE_ELEMS = 1 << 26  # the largest attention score matrix the prefill path materialises
-
-
-@contextmanager
-def _matmul_tf32(enabled: bool):
-    """Allow TF32 float32 matrix products inside the block (restored after)."""
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = enabled or before
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 @dataclass
@@ -172,7 +161,7 @@ class MLAExecution:
     def _prefill_path(self, probe: MLAProbe, q_nope, q_pe, cache, block_row, c, n):
         """With a bf16/fp16 cache the engine runs this path on the matrix units; here its float32
         products may use TF32 (10-bit inputs, float32 sums), well inside the dtype's tolerance."""
-        with _matmul_tf32(self.low_precision and cache.is_cuda):
+        with matmul_tf32(self.low_precision and cache.is_cuda):
             return self._prefill_path_fp32(probe, q_nope, q_pe, cache, block_row, c, n)
 
     def _prefill_path_fp32(self, probe: MLAProbe, q_nope, q_pe, cache, block_row, c, n):

@@ -31,13 +31,14 @@ import triton.language as tl
 
 from ..device.transfer import upload, upload_many
 
-# tile schedule: (query, head) rows a program takes, keys a block, and the width of a
-# score chunk; values are accumulated in up to four column chunks (registers: 16 rows x 512
-# float64 values over 4 warps is 128 registers a thread)
-ROWS = 16  # the smallest tile a float64 product takes
-KEYS_PER_BLOCK = 32
-SCORE_CHUNK = 64
-WARPS = 4
+# tile schedules, from bench_oracle (H200): (query, head) rows a program takes, keys a block,
+# the width of a score chunk, warps. Values are accumulated in up to four column chunks.
+# Keys shared by a group of heads (the absorbed latent: 576 wide, values 512): 16 rows (the
+# smallest tile a float64 product takes; 16 x 512 float64 values over 4 warps is 128 registers a
+# thread) x 32 keys, 4 warps (8 warps, 32 rows or 16 keys: 1.1-1.9x slower).
+SHARED = (16, 32, 64, 4)
+# A key per head (the expanded form: 192 wide, values 128): more queries a tile share its loads.
+PER_HEAD = (32, 32, 64, 8)
 STAGES = 1
 
 
@@ -155,8 +156,9 @@ def latent_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
     HK, DV = k.shape[2], v.shape[-1]
     assert H % HK == 0 and k.shape[-1] == DK and v.shape[:3] == k.shape[:3]
     G = H // HK
-    BG = min(triton.next_power_of_2(G), ROWS)
-    BQ = ROWS // BG
+    rows, keys_per_block, score_chunk, warps = SHARED if G > 1 else PER_HEAD
+    BG = min(triton.next_power_of_2(G), rows)
+    BQ = rows // BG
     DVC = max(16, triton.next_power_of_2(triton.cdiv(DV, 4)))
     o = torch.empty((L, nq, H, DV), dtype=torch.float64, device=q.device) if out is None else out
     dev = q.device
@@ -173,6 +175,6 @@ def latent_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
         q, k, v, o, ids[0], ids[1], ids[2], meta[0], meta[1], meta[2], meta[3],
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), scale_t, HK,
-        G=G, BG=BG, BQ=BQ, DK=DK, DC=SCORE_CHUNK, DV=DV, DVC=DVC, NV=triton.cdiv(DV, DVC), BN=KEYS_PER_BLOCK,
-        num_warps=WARPS, num_stages=STAGES)
+        G=G, BG=BG, BQ=BQ, DK=DK, DC=score_chunk, DV=DV, DVC=DVC, NV=triton.cdiv(DV, DVC), BN=keys_per_block,
+        num_warps=warps, num_stages=STAGES)
     return o

@@ -191,6 +191,7 @@ class MLAStack:
         self.layers = len(probes)
         self.heads = self.geo.heads
         self.key_elems = 2 * self.geo.entry_dim()  # a key's two table rows and its entry
+        self._w32: tuple[torch.Tensor, torch.Tensor] | None = None  # W_UK, W_UV in float32 (expanded_keys)
 
     def hidden(self, tok: torch.Tensor) -> torch.Tensor:
         """(layers, *tok.shape, hidden)."""
@@ -221,15 +222,27 @@ class MLAStack:
         q_nope, q_pe = self.queries(tok, pos, n_pos)
         return torch.cat([torch.einsum("lqkd,lkdr->lqkr", q_nope, self.w_uk), q_pe], dim=-1)
 
-    def expanded_keys(self, lat: torch.Tensor, layer: int, dtype: torch.dtype = torch.float64):
+    def expanded_keys(self, lat: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's per-head keys [kv_c W_UK | k_pe] (n, H, nope + rope) and values kv_c W_UV (n, H, v) of its
-        latent entries lat (n, kv_lora + rope). Every product is an integer times a power of two and every sum
-        below 2**24 of that unit, so the values are exact in float64 and still exact in float32."""
+        latent entries lat (n, kv_lora + rope), in float32, exactly: the values float64 gives.
+
+        kv_c is an integer below 2**12 (times 2**-7) and a weight one of [-4, 4] (times a power of two),
+        so with kv_c split into its low 6 bits and the rest, each part an integer below 2**7 (of its
+        unit), both products' inputs are exact in TF32 (11 bits), every partial sum is an integer
+        below 2**24 of its unit whatever the order, and the parts' sum too (kv_lora_rank <= 1024):
+        exact float32 products on the tensor cores (``device.matmul.matmul_tf32``), or on any CPU."""
         Lr, H = self.geo.kv_lora_rank, self.heads
-        kv = lat[:, :Lr].to(torch.float64)
-        k = torch.cat([torch.einsum("nr,kdr->nkd", kv, self.w_uk[layer]),
-                       lat[:, None, Lr:].to(torch.float64).expand(-1, H, -1)], dim=-1)
-        return k.to(dtype), torch.einsum("nr,krv->nkv", kv, self.w_uv[layer]).to(dtype)
+        if Lr > 1 << 10:
+            raise ValueError(f"kv_lora_rank {Lr}: per-head keys are exact in float32 up to 1024")
+        if self._w32 is None:
+            self._w32 = (self.w_uk.to(torch.float32), self.w_uv.to(torch.float32))
+        w_uk, w_uv = self._w32[0][layer], self._w32[1][layer]
+        kv = lat[:, :Lr].to(torch.float32)
+        low = torch.remainder(kv * 2.0 ** LATENT_SHIFT, 64.0) * 2.0 ** -LATENT_SHIFT
+        high = kv - low
+        k_nope = torch.einsum("nr,kdr->nkd", low, w_uk) + torch.einsum("nr,kdr->nkd", high, w_uk)
+        v = torch.einsum("nr,krv->nkv", low, w_uv) + torch.einsum("nr,krv->nkv", high, w_uv)
+        return torch.cat([k_nope, lat[:, None, Lr:].to(torch.float32).expand(-1, H, -1)], dim=-1), v
 
     def expands(self, b: int, q: int, n: int) -> bool:
         """Whether attending q queries over n keys costs fewer operations with every key up-projected
