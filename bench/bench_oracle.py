@@ -71,16 +71,19 @@ def mla_step(f64: float) -> dict:
     want = None
     results = []
     # (the absorbed rows' schedule, the expanded rows'): (query, head) rows x keys, score chunk, warps
+    # and whether absorbed rows take the kernel too (else: torch's padded batches)
     default = (lat.SHARED, lat.PER_HEAD)
-    schedules = [None, default] + [(lat.SHARED, p) for p in ((16, 32, 64, 4), (32, 32, 64, 4), (64, 32, 64, 8))
-                                   if p != lat.PER_HEAD] + [((16, 32, 32, 4), lat.PER_HEAD)]
+    schedules = [None, default + (False,), default + (True,), (lat.SHARED, (32, 32, 64, 4), False),
+                 ((16, 64, 64, 4), lat.PER_HEAD, True)]
     for sched in schedules:
         name = "torch: padded batches, scores in memory" if sched is None else \
-            "fused: absorbed {}x{}/{}/{}w, expanded {}x{}/{}/{}w".format(*sched[0], *sched[1])
+            "fused: expanded {}x{}/{}/{}w; absorbed ".format(*sched[1]) + \
+            ("by the kernel {}x{}/{}/{}w".format(*sched[0]) if sched[2] else "by torch")
         try:
             if sched is not None:
-                lat.SHARED, lat.PER_HEAD = sched
-            oracle = MLAOracle(probes, torch.device("cuda"), fused=sched is not None)
+                lat.SHARED, lat.PER_HEAD = sched[:2]
+            oracle = MLAOracle(probes, torch.device("cuda"), fused=sched is not None,
+                               absorbed_kernel=sched is not None and sched[2])
             got = oracle.expected(rows)
             if want is None:
                 want = got

@@ -15,7 +15,8 @@ where in the cache to *look* when it compares.
 * MLA and GQA attention: dense causal attention in float64 over the committed prefix,
   recomputed each step from the token ids (K, V and latent entries are exact,
   ``layers/mla.py``, ``layers/gqa.py``); for MLA, queries absorbed or keys up-projected,
-  whichever costs less for a batch (``MLAStack.attend``), equal up to float64 rounding.
+  whichever costs less for a batch (``MLAStack.attend``), equal up to float64 rounding. On a
+  GPU float64 kernels do most of it, with no score in memory (``DenseOracle``'s ``fused``).
 """
 
 from __future__ import annotations
@@ -139,13 +140,15 @@ class DenseOracle:
     request's projected keys (``KeyMemo``): a long row then attends alone over them. A row too
     long for one piece (a long prefill chunk) has its keys projected once for all its pieces.
 
-    ``fused`` (default: on a GPU, for the GQA probe's stack): no padded batches, and neither keys
-    nor scores in memory. Rows are packed up to ``budget_elems`` elements of queries and outputs
-    (a longer row alone); their queries are projected in torch, and one float64 kernel
-    (``kernels/dense_attention_f64.py``) projects each key block from its token ids and attends."""
+    ``fused`` (default: on a GPU): scores never in memory. GQA: no padded batches, and no keys in
+    memory either: rows are packed up to ``budget_elems`` elements of queries and outputs (a
+    longer row alone); their queries are projected in torch, and one float64 kernel
+    (``kernels/dense_attention_f64.py``) projects each key block from its token ids and attends.
+    MLA: a long prefill chunk's per-head keys are projected once (exactly, in float32) and one
+    float64 kernel attends over them (``_expected_latent``)."""
 
     def __init__(self, stack, device: torch.device, budget_elems: int = 1 << 27, work_bound: bool | None = None,
-                 memo_bytes: int = 0, fused: bool | None = None):
+                 memo_bytes: int = 0, fused: bool | None = None, absorbed_kernel: bool = False):
         self.stack = stack
         self.device = device
         # batching for a machine where the work, not the calls, is the cost (default: a CPU)
@@ -156,6 +159,7 @@ class DenseOracle:
             fused = fused_by_default(device)
         self.fused = fused
         self.mla = isinstance(stack, MLAStack)
+        self.absorbed_kernel = absorbed_kernel  # (MLA, fused: see _expected_latent)
         self.stack32 = stack.cast(torch.float32) if fused and not self.mla else None  # the GQA kernel's tables
 
     def forget(self, key) -> None:
@@ -168,6 +172,10 @@ class DenseOracle:
         c..c+k-1 over the tokens [0, c+k). ``keys``: each row's request (for the key memo)."""
         if self.fused:
             return self._expected_latent(rows) if self.mla else self._expected_fused(rows)
+        return self._expected_batched(rows, keys)
+
+    def _expected_batched(self, rows: list[tuple[np.ndarray, int, int]], keys: list | None) -> list[torch.Tensor]:
+        """The torch path: rows' query pieces in padded batches (or, with the key memo, over kept keys)."""
         per_q = self.stack.layers * self.stack.heads  # score elements per query and key
         per_k = self.stack.layers * self.stack.key_elems  # K/V (or latent) elements per key and row
         out: list[list[tuple[int, torch.Tensor]]] = [[] for _ in rows]
@@ -259,10 +267,14 @@ class DenseOracle:
 
 
     def _expected_latent(self, rows: list[tuple[np.ndarray, int, int]]) -> list[torch.Tensor]:
-        """MLA, fused: each row in its cheaper association (``MLAStack.expands``), by one float64
-        kernel over keys in memory (``kernels/latent_attention_f64.py``). Absorbed rows go in groups
-        whose queries, latent outputs and outputs fit the budget (a longer row's queries in pieces);
-        an expanded row goes alone, a layer at a time (its per-head keys are the large part)."""
+        """MLA, fused: each row in its cheaper association (``MLAStack.expands``). An expanded row
+        (a long prefill chunk) goes alone to one float64 kernel over keys in memory
+        (``kernels/latent_attention_f64.py``), a layer at a time (its per-head keys are the large
+        part). Absorbed rows (decodes) take the torch path's padded batches: on an H200 the same
+        kernel over the latent (``absorbed_kernel``) took 48.9 ms where torch took 40.9 for
+        ``bench_oracle``'s DeepSeek-V3 step (its 576-wide queries do not fit in registers). With
+        ``absorbed_kernel`` they go in groups whose queries, latent outputs and outputs fit the
+        budget (a longer row's queries in pieces)."""
         st = self.stack
         g = st.geo
         H, Lr, R, N, V, Ly = st.heads, g.kv_lora_rank, g.qk_rope_head_dim, g.qk_nope_head_dim, g.v_head_dim, st.layers
@@ -271,10 +283,14 @@ class DenseOracle:
         per_key = Ly * (Lr + R)
         group: list[tuple[int, int, int]] = []  # (row, first query, queries): absorbed pieces
         used = 0
+        batched: list[int] = []  # absorbed rows for the torch path
         for i, (_, c, k) in enumerate(rows):
             n = c + k
             if Lr <= 1 << 10 and st.expands(1, k, n) and n * H * (N + R + V) <= self.budget:
                 self._expanded_row(rows[i], out[i])
+                continue
+            if not self.absorbed_kernel:
+                batched.append(i)
                 continue
             step = max(1, (self.budget - n * per_key) // per_query)
             for q0 in range(0, k, step):
@@ -287,6 +303,9 @@ class DenseOracle:
                 used += cost
         if group:
             self._absorbed_group(rows, group, out)
+        if batched:
+            for i, o in zip(batched, self._expected_batched([rows[i] for i in batched], None)):
+                out[i].append((0, o))
         return [torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])], dim=1) for parts in out]
 
     def _absorbed_group(self, rows, group: list[tuple[int, int, int]], out: list) -> None:
@@ -321,14 +340,13 @@ class DenseOracle:
         n = c + k
         tok_d, pos_d = upload_many([toks[:n], np.arange(n)], self.device)
         lat = st.latents_at(tok_d, pos_d, n)  # (Ly, n, Lr + R)
-        q_nope, q_pe = st.queries(tok_d[c:], pos_d[c:], n)
-        q = torch.cat([q_nope, q_pe], dim=-1)  # (Ly, k, H, N + R)
-        del q_nope, q_pe
         o = torch.empty((st.layers, k, st.heads, st.geo.v_head_dim), dtype=torch.float64, device=self.device)
-        for layer in range(st.layers):
+        for layer in range(st.layers):  # (a long chunk's queries of every layer at once would be gigabytes)
+            q = torch.cat(st.queries(tok_d[c:], pos_d[c:], n, layer), dim=-1)  # (1, k, H, N + R)
             with matmul_tf32():  # exact: ``MLAStack.expanded_keys``
                 kk, vv = st.expanded_keys(lat[layer], layer)
-            latent_attention(q[layer:layer + 1], kk[None], vv[None], [0], [k], [0], [c], st.scale, out=o[layer:layer + 1])
+            latent_attention(q, kk[None], vv[None], [0], [k], [0], [c], st.scale, out=o[layer:layer + 1])
+            del q, kk, vv
         out_row.append((0, o))
 
 
@@ -405,9 +423,10 @@ MLA_ORACLE_ELEMS = 1 << 28  # float64 elements of one MLA oracle batch: scores a
 
 
 def MLAOracle(probes: list[MLAProbe], device: torch.device, budget_elems: int = MLA_ORACLE_ELEMS,
-              work_bound: bool | None = None, fused: bool | None = None) -> DenseOracle:
+              work_bound: bool | None = None, fused: bool | None = None, absorbed_kernel: bool = False) -> DenseOracle:
     """Dense float64 attention over the committed tokens of every MLA layer."""
-    return DenseOracle(MLAStack(probes, device), device, budget_elems, work_bound, fused=fused)
+    return DenseOracle(MLAStack(probes, device), device, budget_elems, work_bound, fused=fused,
+                       absorbed_kernel=absorbed_kernel)
 
 
 def GQAOracle(probes: list[GQAProbe], device: torch.device, budget_elems: int = 1 << 26,

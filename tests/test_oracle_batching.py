@@ -160,16 +160,18 @@ def test_a_row_in_several_pieces_projects_its_keys_once(monkeypatch, work_bound)
             assert torch.allclose(out[layer], want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("absorbed_kernel", [True, False], ids=["absorbed-kernel", "absorbed-torch"])
 @pytest.mark.parametrize("association", ["cheaper", "long-rows-expanded"])
 @pytest.mark.parametrize("budget", [1 << 28, 5_000], ids=["one-group", "query-pieces"])
-def test_fused_mla_oracle_equals_the_definition(monkeypatch, association, budget):
-    """The GPU's MLA oracle path (``fused``: rows absorbed into the latent space in packed groups,
-    or expanded per head a row and a layer at a time, by one float64 kernel over keys in memory;
-    here under the Triton interpreter): the one-row definition's values, whatever the budget (a
-    small one splits a row's queries into pieces) and whichever association a row takes."""
+def test_fused_mla_oracle_equals_the_definition(monkeypatch, association, budget, absorbed_kernel):
+    """The GPU's MLA oracle path (``fused``: rows expanded per head a row and a layer at a time by
+    one float64 kernel over keys in memory, absorbed rows by the torch batches or the same kernel
+    over the latent in packed groups; here under the Triton interpreter): the one-row
+    definition's values, whatever the budget (a small one splits a row's queries into pieces) and
+    whichever association a row takes."""
     geo = MLA[0]()
     probes = [MLAProbe(geo, layer, seed=3) for layer in range(2)]
-    oracle = MLAOracle(probes, torch.device("cpu"), budget, fused=True)
+    oracle = MLAOracle(probes, torch.device("cpu"), budget, fused=True, absorbed_kernel=absorbed_kernel)
     from hybridsim.kernels import latent_attention_f64 as kernel
     launches = []
     real = kernel.latent_attention
@@ -180,8 +182,9 @@ def test_fused_mla_oracle_equals_the_definition(monkeypatch, association, budget
     rows = _rows(4)
     got = oracle.expected(rows)
     expanded = association == "long-rows-expanded" and budget > 1 << 20
-    assert (geo.heads in launches) == expanded and (1 in launches)  # kv heads: per-head keys, or the latent
-    if budget < 1 << 20:
+    assert (geo.heads in launches) == expanded  # kv heads: per-head keys, or the latent (1)
+    assert (1 in launches) == absorbed_kernel
+    if budget < 1 << 20 and absorbed_kernel:
         assert len(launches) > len(ROWS)  # query pieces in groups of their own
     for (toks, c, k), out in zip(rows, got):
         assert out.shape == (2, k, geo.heads, geo.v_head_dim)

@@ -37,8 +37,9 @@ from ..device.transfer import upload, upload_many
 # smallest tile a float64 product takes; 16 x 512 float64 values over 4 warps is 128 registers a
 # thread) x 32 keys, 4 warps (8 warps, 32 rows or 16 keys: 1.1-1.9x slower).
 SHARED = (16, 32, 64, 4)
-# A key per head (the expanded form: 192 wide, values 128): more queries a tile share its loads.
-PER_HEAD = (32, 32, 64, 8)
+# A key per head (the expanded form: 192 wide, values 128, the queries kept in registers):
+# 16 rows x 32 keys, 4 warps (32 rows 2% slower; 64 rows or 8 warps 1.1-2x).
+PER_HEAD = (16, 32, 64, 4)
 STAGES = 1
 
 
@@ -61,6 +62,20 @@ def latent_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 @triton.jit
+def _query_chunk(q, q_rows, c, DK: tl.constexpr, DC: tl.constexpr):
+    d = c * DC + tl.arange(0, DC)
+    return tl.load(q + q_rows[:, None] + d[None, :], mask=(d < DK)[None, :], other=0.0)
+
+
+@triton.jit
+def _score_chunk(qc, k_base, k_rows, nm, c, DK: tl.constexpr, DC: tl.constexpr):
+    """Columns c*DC.. of the tile's queries times the same columns of the block's keys, in float64."""
+    d = c * DC + tl.arange(0, DC)
+    kc = tl.load(k_base + k_rows[:, None] + d[None, :], mask=nm[:, None] & (d < DK)[None, :], other=0.0)
+    return tl.dot(qc, tl.trans(kc.to(tl.float64)))
+
+
+@triton.jit
 def _value_chunk(p, v_ptr, v_rows, nm, c, DV: tl.constexpr, DVC: tl.constexpr):
     """p (rows x keys) times columns c*DVC.. of the block's values, in float64."""
     d = c * DVC + tl.arange(0, DVC)
@@ -78,8 +93,8 @@ def _store_chunk(o_ptr, o_rows, keep, acc, l_i, c, DV: tl.constexpr, DVC: tl.con
 def _latent_attention_kernel(q, k, v, o, tile_row, tile_q0, tile_h0, q_start, q_len, k_start, pos0,
                              sq_l, sq_t, sq_h, sk_l, sk_t, sk_h, sv_l, sv_t, sv_h, so_l, so_t, so_h, scale_ptr,
                              HK, G: tl.constexpr, BG: tl.constexpr, BQ: tl.constexpr, DK: tl.constexpr,
-                             DC: tl.constexpr, DV: tl.constexpr, DVC: tl.constexpr, NV: tl.constexpr,
-                             BN: tl.constexpr):
+                             DC: tl.constexpr, NQC: tl.constexpr, DV: tl.constexpr, DVC: tl.constexpr,
+                             NV: tl.constexpr, BN: tl.constexpr):
     """One program: BQ queries of one row times BG query heads (from tile_h0) of KV head
     program_id(1) % HK's group, of layer program_id(1) // HK (tile rows m = query * BG + head)."""
     t = tl.program_id(0)
@@ -110,17 +125,33 @@ def _latent_attention_kernel(q, k, v, o, tile_row, tile_q0, tile_h0, q_start, q_
     acc2 = tl.zeros([BQ * BG, DVC], tl.float64)
     acc3 = tl.zeros([BQ * BG, DVC], tl.float64)
     hi = p0 + tl.minimum(i0 + BQ, ql)  # keys 0..hi-1: up to the tile's last query
+    if NQC <= 4:
+        q0 = _query_chunk(q, q_rows, 0, DK, DC)
+        q1 = q0
+        q2 = q0
+        q3 = q0
+        if NQC > 1:
+            q1 = _query_chunk(q, q_rows, 1, DK, DC)
+        if NQC > 2:
+            q2 = _query_chunk(q, q_rows, 2, DK, DC)
+        if NQC > 3:
+            q3 = _query_chunk(q, q_rows, 3, DK, DC)
     for n0 in range(0, hi, BN):
         n = n0 + tl.arange(0, BN)
         nm = n < hi
         k_rows = (ks + n).to(tl.int64) * sk_t
-        s = tl.zeros([BQ * BG, BN], tl.float64)
-        for c in tl.static_range(0, DK, DC):
-            d = c + tl.arange(0, DC)
-            dm = d < DK
-            qc_ = tl.load(q + q_rows[:, None] + d[None, :], mask=dm[None, :], other=0.0)
-            kc = tl.load(k_base + k_rows[:, None] + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
-            s += tl.dot(qc_, tl.trans(kc.to(tl.float64)))
+        if NQC <= 4:  # the tile's queries stay in registers
+            s = _score_chunk(q0, k_base, k_rows, nm, 0, DK, DC)
+            if NQC > 1:
+                s += _score_chunk(q1, k_base, k_rows, nm, 1, DK, DC)
+            if NQC > 2:
+                s += _score_chunk(q2, k_base, k_rows, nm, 2, DK, DC)
+            if NQC > 3:
+                s += _score_chunk(q3, k_base, k_rows, nm, 3, DK, DC)
+        else:  # too wide to keep (the absorbed latent): each chunk loaded again for every key block
+            s = tl.zeros([BQ * BG, BN], tl.float64)
+            for c in tl.static_range(0, NQC):
+                s += _score_chunk(_query_chunk(q, q_rows, c, DK, DC), k_base, k_rows, nm, c, DK, DC)
         s = tl.where(n[None, :] <= qpos[:, None], s * scale, float("-inf"))  # key 0 is seen by all: m stays finite
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
@@ -175,6 +206,6 @@ def latent_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
         q, k, v, o, ids[0], ids[1], ids[2], meta[0], meta[1], meta[2], meta[3],
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), scale_t, HK,
-        G=G, BG=BG, BQ=BQ, DK=DK, DC=score_chunk, DV=DV, DVC=DVC, NV=triton.cdiv(DV, DVC), BN=keys_per_block,
+        G=G, BG=BG, BQ=BQ, DK=DK, DC=score_chunk, NQC=triton.cdiv(DK, score_chunk), DV=DV, DVC=DVC, NV=triton.cdiv(DV, DVC), BN=keys_per_block,
         num_warps=warps, num_stages=STAGES)
     return o

@@ -211,10 +211,13 @@ class MLAStack:
         lat[..., :Lr] *= 2.0 ** -LATENT_SHIFT
         return lat
 
-    def queries(self, tok: torch.Tensor, pos: torch.Tensor, n_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def queries(self, tok: torch.Tensor, pos: torch.Tensor, n_pos: int,
+                layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """q_nope (layers, n, H, nope) and q_pe (layers, n, H, rope), float64 and unscaled, of tokens tok (n,)
-        at positions pos (n,) below n_pos."""
-        return queries_of(self.hidden(tok), self.w_qn, self.w_qr, pos[:, None], n_pos)
+        at positions pos (n,) below n_pos; of one layer only (a leading axis of 1) if ``layer`` is given."""
+        ly = slice(None) if layer is None else slice(layer, layer + 1)
+        x = token_rows(self.emb1[ly], self.emb2[ly], tok)
+        return queries_of(x, self.w_qn[ly], self.w_qr[ly], pos[:, None], n_pos)
 
     def absorbed_queries(self, tok: torch.Tensor, pos: torch.Tensor, n_pos: int) -> torch.Tensor:
         """[q_nope W_UK | q_pe] (layers, n, H, kv_lora + rope), unscaled: a query in the latent space,
