@@ -70,15 +70,16 @@ def mla_step(f64: float) -> dict:
           f"floor {floor * 1e3:.2f} ms")
     want = None
     results = []
-    # (the absorbed rows' schedule, the expanded rows'): (query, head) rows x keys, score chunk, warps
+    # (the absorbed rows' schedule, the expanded rows'): (query, head) rows x keys, score chunk, warps, stages
     # and whether absorbed rows take the kernel too (else: torch's padded batches)
     default = (lat.SHARED, lat.PER_HEAD)
-    schedules = [None, default + (False,), default + (True,), (lat.SHARED, (32, 32, 64, 4), False),
-                 ((16, 64, 64, 4), lat.PER_HEAD, True)]
+    schedules = [None, default + (False,), default + (True,)] + [
+        (lat.SHARED, p, False) for p in ((16, 32, 64, 4, 2), (16, 32, 64, 4, 3), (32, 32, 64, 4, 2))] + [
+        ((16, 32, 64, 4, 2), lat.PER_HEAD, True)]
     for sched in schedules:
         name = "torch: padded batches, scores in memory" if sched is None else \
-            "fused: expanded {}x{}/{}/{}w; absorbed ".format(*sched[1]) + \
-            ("by the kernel {}x{}/{}/{}w".format(*sched[0]) if sched[2] else "by torch")
+            "fused: expanded {}x{}/{}/{}w/{}s; absorbed ".format(*sched[1]) + \
+            ("by the kernel {}x{}/{}/{}w/{}s".format(*sched[0]) if sched[2] else "by torch")
         try:
             if sched is not None:
                 lat.SHARED, lat.PER_HEAD = sched[:2]

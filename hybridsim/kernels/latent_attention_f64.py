@@ -32,15 +32,14 @@ import triton.language as tl
 from ..device.transfer import upload, upload_many
 
 # tile schedules, from bench_oracle (H200): (query, head) rows a program takes, keys a block,
-# the width of a score chunk, warps. Values are accumulated in up to four column chunks.
-# Keys shared by a group of heads (the absorbed latent: 576 wide, values 512): 16 rows (the
-# smallest tile a float64 product takes; 16 x 512 float64 values over 4 warps is 128 registers a
-# thread) x 32 keys, 4 warps (8 warps, 32 rows or 16 keys: 1.1-1.9x slower).
-SHARED = (16, 32, 64, 4)
+# the width of a score chunk, warps, pipeline stages. Values are accumulated in up to four
+# column chunks. Keys shared by a group of heads (the absorbed latent: 576 wide, values 512):
+# 16 rows (the smallest tile a float64 product takes; 16 x 512 float64 values over 4 warps is 128
+# registers a thread) x 32 keys, 4 warps (8 warps, 32 rows or 16 keys: 1.1-1.9x slower).
+SHARED = (16, 32, 64, 4, 1)
 # A key per head (the expanded form: 192 wide, values 128, the queries kept in registers):
-# 16 rows x 32 keys, 4 warps (32 rows 2% slower; 64 rows or 8 warps 1.1-2x).
-PER_HEAD = (16, 32, 64, 4)
-STAGES = 1
+# 16 rows x 32 keys, 4 warps (32 rows 4% slower; 64 rows or 8 warps 1.1-2x).
+PER_HEAD = (16, 32, 64, 4, 1)
 
 
 def latent_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: list[int],
@@ -187,7 +186,7 @@ def latent_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
     HK, DV = k.shape[2], v.shape[-1]
     assert H % HK == 0 and k.shape[-1] == DK and v.shape[:3] == k.shape[:3]
     G = H // HK
-    rows, keys_per_block, score_chunk, warps = SHARED if G > 1 else PER_HEAD
+    rows, keys_per_block, score_chunk, warps, stages = SHARED if G > 1 else PER_HEAD
     BG = min(triton.next_power_of_2(G), rows)
     BQ = rows // BG
     DVC = max(16, triton.next_power_of_2(triton.cdiv(DV, 4)))
@@ -207,5 +206,5 @@ def latent_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), scale_t, HK,
         G=G, BG=BG, BQ=BQ, DK=DK, DC=score_chunk, NQC=triton.cdiv(DK, score_chunk), DV=DV, DVC=DVC, NV=triton.cdiv(DV, DVC), BN=keys_per_block,
-        num_warps=warps, num_stages=STAGES)
+        num_warps=warps, num_stages=stages)
     return o
