@@ -74,7 +74,7 @@ def mla_step(f64: float) -> dict:
     # and whether absorbed rows take the kernel too (else: torch's padded batches)
     default = (lat.SHARED, lat.PER_HEAD)
     schedules = [None, default + (False,), default + (True,)] + [
-        (lat.SHARED, p, False) for p in ((16, 32, 64, 4, 2), (16, 32, 64, 4, 3), (32, 32, 64, 4, 2))] + [
+        (lat.SHARED, p, False) for p in ((16, 32, 64, 4, 1), (16, 32, 64, 4, 2), (32, 32, 64, 4, 3))] + [
         ((16, 32, 64, 4, 2), lat.PER_HEAD, True)]
     for sched in schedules:
         name = "torch: padded batches, scores in memory" if sched is None else \

@@ -1,8 +1,8 @@
 """Where a checked run's time goes: run a scenario once to compile the kernels, then again
 under cProfile with the device synchronised at the end, and print the top functions.
 
-    python3 bench/profile_run.py scenarios/nemotron_h_8b.yaml [--max-steps N] [--kernels triton]
-        [--timed 3] [--sync-debug] [--cuda-profile] [--sort cumulative]
+    python3 bench/profile_run.py scenarios/nemotron_h_8b.yaml [--max-steps N] [--warm-steps N]
+        [--kernels triton] [--timed 3] [--sync-phases] [--sync-debug] [--cuda-profile] [--sort cumulative]
 
 ``--timed N`` times N runs without the profiler first (the numbers for a bar: cProfile itself
 slows a host-bound loop); ``--sync-debug`` counts the lines where the host waits for the device.
@@ -46,6 +46,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("scenario")
     ap.add_argument("--max-steps", type=int, default=None)
+    ap.add_argument("--warm-steps", type=int, default=None,
+                    help="the first run (it compiles the kernels) stops after this many steps")
     ap.add_argument("--kernels", default="auto")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--top", type=int, default=30)
@@ -57,7 +59,7 @@ def main() -> None:
                     help="also a run whose phase timers wait for the device at every boundary: each phase's own device time")
     ap.add_argument("--no-cprofile", action="store_true", help="skip the last run, under cProfile")
     a = ap.parse_args()
-    res, first = once(a.scenario, a.max_steps, a.kernels, a.device)
+    res, first = once(a.scenario, a.warm_steps or a.max_steps, a.kernels, a.device)
     if a.cuda_profile:  # device time by operator (a third run, so host timings stay clean)
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
@@ -85,7 +87,8 @@ def main() -> None:
         r, _ = once(a.scenario, a.max_steps, a.kernels, a.device)
         for m in mods:
             m.perf_counter = perf_counter
-        print(f"synced phases: whole loop {r.wall_s:.3f} s = {1e3 * r.wall_s / r.stats.steps:.1f} ms/step; "
+        print(f"synced phases: {r.stats.steps} steps, failures {sum(t.failures for t in r.checks.tallies.values())}; "
+              f"whole loop {r.wall_s:.3f} s = {1e3 * r.wall_s / r.stats.steps:.1f} ms/step; "
               + ", ".join(f"{t['phase']} {1e3 * t['total_s'] / r.stats.steps:.1f}" for t in r.timings) + " ms/step")
     if a.sync_debug:  # a run with torch's sync warnings on: which lines make the host wait
         import collections
@@ -93,10 +96,10 @@ def main() -> None:
         torch.cuda.set_sync_debug_mode("warn")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            once(a.scenario, a.max_steps, a.kernels, a.device)
+            r, _ = once(a.scenario, a.max_steps, a.kernels, a.device)
         torch.cuda.set_sync_debug_mode(0)
         where = collections.Counter(f"{w.filename}:{w.lineno}" for w in caught)
-        print(f"host-device syncs: {len(caught)} in {res.stats.steps} steps")
+        print(f"host-device syncs: {len(caught)} in {r.stats.steps} steps")
         for loc, n in where.most_common(a.top):
             print(f"  {n:6d}  {loc}")
     if a.no_cprofile:

@@ -286,7 +286,7 @@ class DenseOracle:
         batched: list[int] = []  # absorbed rows for the torch path
         for i, (_, c, k) in enumerate(rows):
             n = c + k
-            if Lr <= 1 << 10 and st.expands(1, k, n) and n * H * (N + R + V) <= self.budget:
+            if Lr <= 1 << 10 and st.expands(1, k, n, bounded=False):
                 self._expanded_row(rows[i], out[i])
                 continue
             if not self.absorbed_kernel:
@@ -333,20 +333,29 @@ class DenseOracle:
             out[i].append((q0, o[:, qs:qs + ql]))
 
     def _expanded_row(self, row, out_row: list) -> None:
-        """One row with every key up-projected per head, a layer at a time."""
+        """One row with every key up-projected per head, a layer at a time, and the heads in groups
+        whose keys and values fit the budget (a long chunk over long context: all of them at once
+        would be gigabytes)."""
         from .kernels.latent_attention_f64 import latent_attention
         st = self.stack
+        g = st.geo
         toks, c, k = row
         n = c + k
         tok_d, pos_d = upload_many([toks[:n], np.arange(n)], self.device)
         lat = st.latents_at(tok_d, pos_d, n)  # (Ly, n, Lr + R)
-        o = torch.empty((st.layers, k, st.heads, st.geo.v_head_dim), dtype=torch.float64, device=self.device)
+        o = torch.empty((st.layers, k, st.heads, g.v_head_dim), dtype=torch.float64, device=self.device)
+        per_head = n * (g.qk_nope_head_dim + g.qk_rope_head_dim + g.v_head_dim)  # float32 key and value elements
+        group = max(1, min(st.heads, self.budget // per_head))
         for layer in range(st.layers):  # (a long chunk's queries of every layer at once would be gigabytes)
             q = torch.cat(st.queries(tok_d[c:], pos_d[c:], n, layer), dim=-1)  # (1, k, H, N + R)
-            with matmul_tf32():  # exact: ``MLAStack.expanded_keys``
-                kk, vv = st.expanded_keys(lat[layer], layer)
-            latent_attention(q, kk[None], vv[None], [0], [k], [0], [c], st.scale, out=o[layer:layer + 1])
-            del q, kk, vv
+            for h0 in range(0, st.heads, group):
+                heads = slice(h0, min(st.heads, h0 + group))
+                with matmul_tf32():  # exact: ``MLAStack.expanded_keys``
+                    kk, vv = st.expanded_keys(lat[layer], layer, heads)
+                latent_attention(q[:, :, heads], kk[None], vv[None], [0], [k], [0], [c], st.scale,
+                                 out=o[layer:layer + 1, :, heads])
+                del kk, vv
+            del q
         out_row.append((0, o))
 
 

@@ -225,9 +225,11 @@ class MLAStack:
         q_nope, q_pe = self.queries(tok, pos, n_pos)
         return torch.cat([torch.einsum("lqkd,lkdr->lqkr", q_nope, self.w_uk), q_pe], dim=-1)
 
-    def expanded_keys(self, lat: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def expanded_keys(self, lat: torch.Tensor, layer: int,
+                      heads: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's per-head keys [kv_c W_UK | k_pe] (n, H, nope + rope) and values kv_c W_UV (n, H, v) of its
-        latent entries lat (n, kv_lora + rope), in float32, exactly: the values float64 gives.
+        latent entries lat (n, kv_lora + rope), in float32, exactly: the values float64 gives. ``heads``:
+        only those heads' (a long row's keys for every head at once can be gigabytes).
 
         kv_c is an integer below 2**12 (times 2**-7) and a weight one of [-4, 4] (times a power of two),
         so with kv_c split into its low 6 bits and the rest, each part an integer below 2**7 (of its
@@ -239,7 +241,8 @@ class MLAStack:
             raise ValueError(f"kv_lora_rank {Lr}: per-head keys are exact in float32 up to 1024")
         if self._w32 is None:
             self._w32 = (self.w_uk.to(torch.float32), self.w_uv.to(torch.float32))
-        w_uk, w_uv = self._w32[0][layer], self._w32[1][layer]
+        w_uk, w_uv = self._w32[0][layer, heads], self._w32[1][layer, heads]
+        H = w_uk.shape[0]
         kv = lat[:, :Lr].to(torch.float32)
         low = torch.remainder(kv * 2.0 ** LATENT_SHIFT, 64.0) * 2.0 ** -LATENT_SHIFT
         high = kv - low
@@ -247,10 +250,11 @@ class MLAStack:
         v = torch.einsum("nr,krv->nkv", low, w_uv) + torch.einsum("nr,krv->nkv", high, w_uv)
         return torch.cat([k_nope, lat[:, None, Lr:].to(torch.float32).expand(-1, H, -1)], dim=-1), v
 
-    def expands(self, b: int, q: int, n: int) -> bool:
+    def expands(self, b: int, q: int, n: int, bounded: bool = True) -> bool:
         """Whether attending q queries over n keys costs fewer operations with every key up-projected
         (k_nope, v per key and head) than absorbed (queries into the latent space): long prefill
-        chunks, yes; decode rows, no. Bounded by ``EXPANDED_ELEMS``."""
+        chunks, yes; decode rows, no. ``bounded``: and the batch's up-projected keys fit
+        ``EXPANDED_ELEMS`` (the torch path holds them all at once)."""
         H, Lr, R, N, V = self.heads, self.geo.kv_lora_rank, self.geo.qk_rope_head_dim, \
             self.geo.qk_nope_head_dim, self.geo.v_head_dim
         absorbed = q * H * (N * Lr + n * (2 * Lr + R) + Lr * V)
@@ -258,7 +262,7 @@ class MLAStack:
         # on a CPU the up-projection's copies of every key per head cost about as much as products:
         # taken there at half the operations (measured at the tiny presets' sizes)
         factor = 1 if self.emb1.is_cuda else 2
-        return factor * expanded < absorbed and b * n * H * (N + V) <= EXPANDED_ELEMS
+        return factor * expanded < absorbed and (not bounded or b * n * H * (N + V) <= EXPANDED_ELEMS)
 
     def attend(self, tok: torch.Tensor, qpos: torch.Tensor, expand: bool | None = None) -> torch.Tensor:
         """Causal attention in float64 for b padded rows: tok (b, n) committed tokens, query
