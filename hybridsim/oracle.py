@@ -342,20 +342,20 @@ class DenseOracle:
         toks, c, k = row
         n = c + k
         tok_d, pos_d = upload_many([toks[:n], np.arange(n)], self.device)
-        lat = st.latents_at(tok_d, pos_d, n)  # (Ly, n, Lr + R)
         o = torch.empty((st.layers, k, st.heads, g.v_head_dim), dtype=torch.float64, device=self.device)
         per_head = n * (g.qk_nope_head_dim + g.qk_rope_head_dim + g.v_head_dim)  # float32 key and value elements
         group = max(1, min(st.heads, self.budget // per_head))
-        for layer in range(st.layers):  # (a long chunk's queries of every layer at once would be gigabytes)
+        for layer in range(st.layers):  # (a long chunk's queries and latents of every layer at once: gigabytes)
             q = torch.cat(st.queries(tok_d[c:], pos_d[c:], n, layer), dim=-1)  # (1, k, H, N + R)
+            lat = st.latents_at(tok_d, pos_d, n, layer)[0]  # (n, Lr + R)
             for h0 in range(0, st.heads, group):
                 heads = slice(h0, min(st.heads, h0 + group))
                 with matmul_tf32():  # exact: ``MLAStack.expanded_keys``
-                    kk, vv = st.expanded_keys(lat[layer], layer, heads)
+                    kk, vv = st.expanded_keys(lat, layer, heads)
                 latent_attention(q[:, :, heads], kk[None], vv[None], [0], [k], [0], [c], st.scale,
                                  out=o[layer:layer + 1, :, heads])
                 del kk, vv
-            del q
+            del q, lat
         out_row.append((0, o))
 
 

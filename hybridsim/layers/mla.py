@@ -202,10 +202,11 @@ class MLAStack:
         the values ``latent_of`` gives."""
         return self.latents_at(tok, torch.arange(tok.shape[1], device=tok.device), n_pos)
 
-    def latents_at(self, tok: torch.Tensor, pos: torch.Tensor, n_pos: int) -> torch.Tensor:
+    def latents_at(self, tok: torch.Tensor, pos: torch.Tensor, n_pos: int, layer: int | None = None) -> torch.Tensor:
         """``latents`` of tokens tok (...) at positions pos (broadcastable to tok's last axes), each
-        below n_pos: (layers, ..., kv_lora + rope)."""
-        lat = token_rows(self.key1, self.key2, tok)  # (a fresh tensor: scaled and rotated in place)
+        below n_pos: (layers, ..., kv_lora + rope); of one layer only (a leading axis of 1) if ``layer`` is given."""
+        ly = slice(None) if layer is None else slice(layer, layer + 1)
+        lat = token_rows(self.key1[ly], self.key2[ly], tok)  # (a fresh tensor: scaled and rotated in place)
         Lr = self.geo.kv_lora_rank
         lat[..., Lr:] = rope_exact(lat[..., Lr:], pos, n_pos) * 2.0 ** -ROPE_SHIFT
         lat[..., :Lr] *= 2.0 ** -LATENT_SHIFT
