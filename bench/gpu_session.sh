@@ -18,7 +18,7 @@ python3 -c "import torch,triton;print(torch.cuda.get_device_name(0), torch.__ver
 run() { timeout "$1" python3 -m hybridsim.cli run "scenarios/$2.yaml" --kernels triton --device cuda "${@:3}"; }
 if [[ $WHAT == *tests* ]]; then
   python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_probe.py tests/test_kernels_triton.py tests/test_paged_attention.py tests/test_ceilings.py \
-    tests/test_gpu_run.py tests/test_block_copy.py tests/test_partial_exec.py tests/test_dense_attention_f64.py \
+    tests/test_gpu_run.py tests/test_block_copy.py tests/test_partial_exec.py tests/test_dense_attention_f64.py tests/test_latent_attention_f64.py \
     2>&1 | tail -15 | tee $OUT/gpu_tests.log
 fi
 if [[ $WHAT == *vllm* ]]; then  # the engine's kernels: each op against the reference, then both Mooncake runs
@@ -30,7 +30,7 @@ fi
 if [[ $WHAT == *bench* ]]; then
   python3 bench/bench_kernels.py --out $OUT/kernels.json ${BENCH_ARGS:-} 2>&1 | tail -40
 fi
-if [[ $WHAT == *oracle* ]]; then  # the oracle's float64 attention (GQA kernel, MLA torch) and the probe scans
+if [[ $WHAT == *oracle* ]]; then  # the oracle's float64 attention (GQA and MLA kernels, and torch) and the probe scans
   python3 bench/bench_oracle.py --out $OUT/oracle.json 2>&1 | tail -12
   python3 bench/bench_scan.py --out $OUT/scan.json 2>&1 | tail -25
 fi
