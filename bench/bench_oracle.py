@@ -48,11 +48,12 @@ def step_rows(seed: int = 0) -> list[tuple[np.ndarray, int, int]]:
     return [(g.integers(0, 10 ** 6, size=c + k).astype(np.int64), c, k) for c, k in shape]
 
 
-def mla_step(f64: float) -> dict:
-    """The MLA oracle (torch, and the fused float64 kernel with its schedules) at DeepSeek-V3's geometry with the scenario's 8
-    layers, on a step shaped like ``deepseek_v3_mooncake``'s: two prefill chunks and 26 rows of 2
-    committed tokens (one draft) over 1k-12k. Its floor: each row's float64 FLOPs in its cheaper
-    association (``MLAStack.expands``' count) at the measured float64 rate."""
+def mla_step(f64: float) -> list[dict]:
+    """The MLA oracle (torch, and the fused float64 kernel with its schedules) at DeepSeek-V3's
+    geometry with the scenario's 8 layers, on a step shaped like ``deepseek_v3_mooncake``'s: two
+    prefill chunks and 26 rows of 2 committed tokens (one draft) over 1k-12k. Its floor: each
+    row's float64 FLOPs in its cheaper association (``MLAStack.expands``' count) at the measured
+    float64 rate. Returns one result per path and schedule."""
     geo = build_preset("deepseek-v3").mla.model_copy(update={"layers": 8})
     probes = [MLAProbe(geo, layer, seed=22) for layer in range(geo.layers)]
     g = np.random.default_rng(1)
@@ -66,8 +67,8 @@ def mla_step(f64: float) -> dict:
         expanded = n * H * Lr * (N + V) + p * H * (N + R + V)
         flops += 2 * geo.layers * min(absorbed, expanded)
     floor = flops / f64
-    print(f"MLA oracle, DeepSeek-V3 x 8 layers, {len(rows)} rows: {flops / 1e12:.2f} TFLOP in the cheaper associations, "
-          f"floor {floor * 1e3:.2f} ms")
+    print(f"MLA oracle, DeepSeek-V3 x 8 layers, {len(rows)} rows: {flops / 1e12:.2f} TFLOP in the cheaper "
+          f"associations, floor {floor * 1e3:.2f} ms")
     want = None
     results = []
     # (the absorbed rows' schedule, the expanded rows'): (query, head) rows x keys, score chunk, warps, stages

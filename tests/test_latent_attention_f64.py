@@ -87,7 +87,8 @@ def _expanded_keys_exact(device: str) -> None:
         want_k = torch.einsum("nr,kdr->nkd", kv, stack.w_uk[layer])
         want_v = torch.einsum("nr,krv->nkv", kv, stack.w_uv[layer])
         assert torch.equal(k[..., :geo.qk_nope_head_dim].double(), want_k)
-        assert torch.equal(k[..., geo.qk_nope_head_dim:].double(), lat[layer, :, None, Lr:].expand_as(k[..., geo.qk_nope_head_dim:]))
+        k_pe = k[..., geo.qk_nope_head_dim:]
+        assert torch.equal(k_pe.double(), lat[layer, :, None, Lr:].expand_as(k_pe))
         assert torch.equal(v.double(), want_v)
 
 

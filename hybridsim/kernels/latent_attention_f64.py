@@ -9,6 +9,9 @@ The MLA probe's two associations are both grouped attention over exact keys:
 * expanded (long prefill chunks): each head has its own key [kv_c W_UK | k_pe] and value
   kv_c W_UV, projected once per step in torch.
 
+The oracle runs its expanded rows here; its decode rows measured faster in torch's padded
+batches (``oracle.DenseOracle._expected_latent``).
+
 Keys and values come in float32 or float64 holding exact values (``layers/mla.py``: integers
 times powers of two); scores and the weighted sum run in float64 on the tensor cores (DMMA), with
 a running maximum and sum as in flash attention. The torch oracle materialises every score of
@@ -177,7 +180,8 @@ def _latent_attention_kernel(q, k, v, o, tile_row, tile_q0, tile_h0, q_start, q_
 
 
 def latent_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: list[int], q_len: list[int],
-                     k_start: list[int], pos0: list[int], scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                     k_start: list[int], pos0: list[int], scale: float,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """``latent_attention_reference`` in one launch (Triton: a GPU, or the interpreter).
     q (layers, tokens, heads, DK) float64; k (layers, keys, kv heads, DK) and v (layers, keys, kv
     heads, DV) float32 or float64 (v may be a view of k: the latent's kv_c part), last axis
@@ -206,6 +210,6 @@ def latent_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
         q, k, v, o, ids[0], ids[1], ids[2], meta[0], meta[1], meta[2], meta[3],
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), scale_t, HK,
-        G=G, BG=BG, BQ=BQ, DK=DK, DC=score_chunk, NQC=triton.cdiv(DK, score_chunk), DV=DV, DVC=DVC, NV=triton.cdiv(DV, DVC), BN=keys_per_block,
-        num_warps=warps, num_stages=stages)
+        G=G, BG=BG, BQ=BQ, DK=DK, DC=score_chunk, NQC=triton.cdiv(DK, score_chunk), DV=DV, DVC=DVC,
+        NV=triton.cdiv(DV, DVC), BN=keys_per_block, num_warps=warps, num_stages=stages)
     return o

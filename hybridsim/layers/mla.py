@@ -237,7 +237,7 @@ class MLAStack:
         unit), both products' inputs are exact in TF32 (11 bits), every partial sum is an integer
         below 2**24 of its unit whatever the order, and the parts' sum too (kv_lora_rank <= 1024):
         exact float32 products on the tensor cores (``device.matmul.matmul_tf32``), or on any CPU."""
-        Lr, H = self.geo.kv_lora_rank, self.heads
+        Lr = self.geo.kv_lora_rank
         if Lr > 1 << 10:
             raise ValueError(f"kv_lora_rank {Lr}: per-head keys are exact in float32 up to 1024")
         if self._w32 is None:
