@@ -191,7 +191,11 @@ def plan_memory(s: Scenario, groups, device: torch.device, checked_kernels: bool
         plan.items.append(MemoryItem("MLA step transients (estimate)", int(1.15 * step),
                                      f"largest step of {budget:,} tokens: outputs, queries, up-projections, scores; "
                                      "15% allocator margin"))
-        plan.items.append(MemoryItem("MLA oracle (estimate)", oracle, "float64 expected outputs, scores, key tables"))
+        # on a GPU a long chunk's per-head keys (float32, a group of heads at a time within the same
+        # budget) take the place of its scores: the same bound holds (oracle.DenseOracle._expected_latent)
+        what = ("float64 expected outputs, decode rows' scores or a long chunk's per-head keys, key tables"
+                if fused_by_default(device) else "float64 expected outputs, scores, key tables")
+        plan.items.append(MemoryItem("MLA oracle (estimate)", oracle, what))
     plan.available = free_bytes(device)
     return plan
 
