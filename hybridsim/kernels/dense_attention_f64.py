@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ..device.transfer import upload, upload_many
+from .flash_f64 import row_of_tile, softmax_block
 from ..layers.exact import rotation_tables
 from ..layers.gqa import V_SHIFT
 from ..layers.mla import ROPE_SHIFT, TABLE, TABLE2
@@ -103,12 +104,7 @@ def _probe_attention_kernel(q, tokens, emb1, emb2, wk, wv, cc, ss, o, tile_row, 
     layer = tl.program_id(1) // KVH
     kh = tl.program_id(1) % KVH
     scale = tl.load(scale_ptr)  # float64 (a float argument would arrive as float32: scores of 1e4 would move by 1e-4)
-    r = tl.load(tile_row + t)
-    i0 = tl.load(tile_q0 + t)
-    qs = tl.load(q_start + r)
-    ql = tl.load(q_len + r)
-    ks = tl.load(k_start + r)
-    p0 = tl.load(pos0 + r)
+    r, i0, qs, ql, ks, p0 = row_of_tile(t, tile_row, tile_q0, q_start, q_len, k_start, pos0)
     m = tl.arange(0, BQ * GP)
     qi = i0 + m // GP
     g = m % GP
@@ -136,10 +132,7 @@ def _probe_attention_kernel(q, tokens, emb1, emb2, wk, wv, cc, ss, o, tile_row, 
         s = (tl.dot(q_lo, tl.trans(k_lo.to(tl.float64))) + tl.dot(q_hi, tl.trans(k_hi.to(tl.float64)))) \
             * K_SHIFT * scale
         s = tl.where(n[None, :] <= qpos[:, None], s, float("-inf"))  # key 0 is seen by every row: m stays finite
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_new, alpha, p, l_i = softmax_block(s, m_i, l_i)
         v_lo, v_hi = _halves(x, wv, layer, kh, KVH, HID, D, BH)
         acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo.to(tl.float64))
         acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi.to(tl.float64))

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from ..device.transfer import upload, upload_many
+from .flash_f64 import row_of_tile, softmax_block
 
 # tile schedules, from bench_oracle (H200): (query, head) rows a program takes, keys a block,
 # the width of a score chunk, warps, pipeline stages. Values are accumulated in up to four
@@ -104,13 +105,8 @@ def _latent_attention_kernel(q, k, v, o, tile_row, tile_q0, tile_h0, q_start, q_
     layer = (tl.program_id(1) // HK).to(tl.int64)
     kh = tl.program_id(1) % HK
     scale = tl.load(scale_ptr)  # float64 (a float argument would arrive as float32)
-    r = tl.load(tile_row + t)
-    i0 = tl.load(tile_q0 + t)
+    r, i0, qs, ql, ks, p0 = row_of_tile(t, tile_row, tile_q0, q_start, q_len, k_start, pos0)
     g0 = tl.load(tile_h0 + t)
-    qs = tl.load(q_start + r)
-    ql = tl.load(q_len + r)
-    ks = tl.load(k_start + r)
-    p0 = tl.load(pos0 + r)
     m = tl.arange(0, BQ * BG)
     qi = i0 + m // BG
     g = g0 + m % BG
@@ -156,10 +152,7 @@ def _latent_attention_kernel(q, k, v, o, tile_row, tile_q0, tile_h0, q_start, q_
             for c in tl.static_range(0, NQC):
                 s += _score_chunk(_query_chunk(q, q_rows, c, DK, DC), k_base, k_rows, nm, c, DK, DC)
         s = tl.where(n[None, :] <= qpos[:, None], s * scale, float("-inf"))  # key 0 is seen by all: m stays finite
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_new, alpha, p, l_i = softmax_block(s, m_i, l_i)
         v_rows = (ks + n).to(tl.int64) * sv_t
         acc0 = acc0 * alpha[:, None] + _value_chunk(p, v_base, v_rows, nm, 0, DV, DVC)
         if NV > 1:
