@@ -100,3 +100,58 @@ def test_expanded_keys_are_exact_in_float32():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_expanded_keys_are_exact_on_the_tensor_cores():
     _expanded_keys_exact("cuda")
+
+
+_COMPILE_FOR_HOPPER = """
+import triton
+from triton import compile as build
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hybridsim.kernels import latent_attention_f64 as lat
+
+# DeepSeek-V3: expanded rows (a key per head: 192 wide, values 128), absorbed (the 576-wide latent, values 512)
+for G, DK, DV, (rows, keys, chunk, warps, stages) in ((1, 192, 128, lat.PER_HEAD), (128, 576, 512, lat.SHARED)):
+    BG = min(G, rows)
+    DVC = max(16, triton.next_power_of_2(triton.cdiv(DV, 4)))
+    const = dict(G=G, BG=BG, BQ=rows // BG, DK=DK, DC=chunk, NQC=triton.cdiv(DK, chunk), DV=DV, DVC=DVC,
+                 NV=triton.cdiv(DV, DVC), BN=keys)
+    kern = lat._latent_attention_kernel
+    names = kern.arg_names
+    sig = {}
+    for name in names:
+        if name in const:
+            sig[name] = "constexpr"
+        elif name in ("q", "o", "scale_ptr"):
+            sig[name] = "*fp64"
+        elif name in ("k", "v"):
+            sig[name] = "*fp32"
+        elif name == "HK":
+            sig[name] = "i32"
+        elif name.startswith(("sq_", "sk_", "sv_", "so_")):
+            sig[name] = "i64"
+        else:
+            sig[name] = "*i64"
+    src = ASTSource(fn=kern, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()})
+    out = build(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    print(G, out.metadata.shared, "f64" in out.asm["ptx"] and "mma.sync" in out.asm["ptx"])
+"""
+
+
+def test_latent_attention_compiles_for_hopper_at_deepseek_shapes():
+    """Without a GPU: Triton's front end and ptxas build both tile schedules for sm_90 at
+    DeepSeek-V3's shapes, within Hopper's shared memory (227 KB a block), their products on the
+    float64 tensor cores (a schedule the device rejects is caught anywhere). A process of its
+    own: this module runs Triton's interpreter."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], capture_output=True, text=True, env=env,
+                       timeout=300)
+    if r.returncode and ("ptxas" in r.stderr or "No module named 'triton" in r.stderr):
+        pytest.skip(f"no Triton NVIDIA tool chain here: {r.stderr.strip().splitlines()[-1]}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    for line in r.stdout.strip().splitlines():
+        group, shared, dmma = line.split()
+        assert int(shared) <= 227 * 1024 and dmma == "True", line
+    assert len(r.stdout.strip().splitlines()) == 2
