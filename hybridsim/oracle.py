@@ -122,7 +122,7 @@ class MambaOracle:
 
 
 def fused_by_default(device) -> bool:
-    """Whether the GQA oracle runs as one float64 kernel (``DenseOracle``'s ``fused``): on a GPU."""
+    """Whether the attention oracles run as float64 kernels (``DenseOracle``'s ``fused``): on a GPU."""
     return torch.device(device).type == "cuda"
 
 
@@ -251,20 +251,12 @@ class DenseOracle:
     def _fused_group(self, rows, group: list[int], out: list) -> None:
         """The group's queries projected (float64), then one kernel: keys from token ids inside it."""
         from .kernels.dense_attention_f64 import probe_attention
-        n = [rows[i][1] + rows[i][2] for i in group]
-        q_len = [rows[i][2] for i in group]
-        pos0 = [rows[i][1] for i in group]
-        k_start = np.concatenate([[0], np.cumsum(n)[:-1]]).tolist()
-        q_start = np.concatenate([[0], np.cumsum(q_len)[:-1]]).tolist()
-        toks = np.concatenate([rows[i][0][:m] for i, m in zip(group, n)])
-        qtok = np.concatenate([rows[i][0][c:m] for i, c, m in zip(group, pos0, n)])
-        qpos = np.concatenate([np.arange(c, m) for c, m in zip(pos0, n)])
-        tok_d, qtok_d, qpos_d = upload_many([toks, qtok, qpos], self.device)
-        q = self.stack.queries(qtok_d, qpos_d, max(n)).contiguous()
-        o = probe_attention(self.stack32, q, tok_d, q_start, q_len, k_start, pos0)
-        for j, i in enumerate(group):
-            out[i] = o[:, q_start[j]:q_start[j] + q_len[j]]
-
+        p = _Packed(rows, [(i, 0, rows[i][2]) for i in group])
+        tok_d, qtok_d, qpos_d = upload_many([p.tokens, p.qtok, p.qpos], self.device)
+        q = self.stack.queries(qtok_d, qpos_d, p.n_pos).contiguous()
+        o = probe_attention(self.stack32, q, tok_d, p.q_start, p.q_len, p.k_start, p.pos0)
+        for i, qs, ql in zip(group, p.q_start, p.q_len):
+            out[i] = o[:, qs:qs + ql]
 
     def _expected_latent(self, rows: list[tuple[np.ndarray, int, int]]) -> list[torch.Tensor]:
         """MLA, fused: each row in its cheaper association (``MLAStack.expands``). An expanded row
@@ -277,7 +269,7 @@ class DenseOracle:
         budget (a longer row's queries in pieces)."""
         st = self.stack
         g = st.geo
-        H, Lr, R, N, V, Ly = st.heads, g.kv_lora_rank, g.qk_rope_head_dim, g.qk_nope_head_dim, g.v_head_dim, st.layers
+        H, Lr, R, V, Ly = st.heads, g.kv_lora_rank, g.qk_rope_head_dim, g.v_head_dim, st.layers
         out: list[list[tuple[int, torch.Tensor]]] = [[] for _ in rows]
         per_query = Ly * H * (2 * (Lr + R) + V)  # float64 elements: its query, latent output and output
         per_key = Ly * (Lr + R)
@@ -314,22 +306,15 @@ class DenseOracle:
         from .kernels.latent_attention_f64 import latent_attention
         st = self.stack
         Lr = st.geo.kv_lora_rank
-        n = [rows[i][1] + q1 for i, _, q1 in group]  # keys a piece's last query sees
-        pos0 = [rows[i][1] + q0 for i, q0, _ in group]
-        q_len = [q1 - q0 for _, q0, q1 in group]
-        k_start = np.concatenate([[0], np.cumsum(n)[:-1]]).tolist()
-        q_start = np.concatenate([[0], np.cumsum(q_len)[:-1]]).tolist()
-        toks = np.concatenate([rows[i][0][:m] for (i, _, _), m in zip(group, n)])
-        kpos = np.concatenate([np.arange(m) for m in n])
-        qtok = np.concatenate([rows[i][0][p:m] for (i, _, _), p, m in zip(group, pos0, n)])
-        qpos = np.concatenate([np.arange(p, m) for p, m in zip(pos0, n)])
-        tok_d, kpos_d, qtok_d, qpos_d = upload_many([toks, kpos, qtok, qpos], self.device)
-        lat = st.latents_at(tok_d, kpos_d, max(n)).to(torch.float32)[:, :, None]  # exact: (Ly, keys, 1, Lr + R)
-        q = st.absorbed_queries(qtok_d, qpos_d, max(n))
-        o_lat = latent_attention(q, lat, lat[..., :Lr], q_start, q_len, k_start, pos0, st.scale)
+        p = _Packed(rows, group)
+        kpos = np.concatenate([np.arange(m) for m in p.n])
+        tok_d, kpos_d, qtok_d, qpos_d = upload_many([p.tokens, kpos, p.qtok, p.qpos], self.device)
+        lat = st.latents_at(tok_d, kpos_d, p.n_pos).to(torch.float32)[:, :, None]  # exact: (Ly, keys, 1, Lr + R)
+        q = st.absorbed_queries(qtok_d, qpos_d, p.n_pos)
+        o_lat = latent_attention(q, lat, lat[..., :Lr], p.q_start, p.q_len, p.k_start, p.pos0, st.scale)
         del q
         o = torch.einsum("lqkr,lkrv->lqkv", o_lat, st.w_uv)
-        for (i, q0, _), qs, ql in zip(group, q_start, q_len):
+        for (i, q0, _), qs, ql in zip(group, p.q_start, p.q_len):
             out[i].append((q0, o[:, qs:qs + ql]))
 
     def _expanded_row(self, row, out_row: list) -> None:
@@ -357,6 +342,24 @@ class DenseOracle:
                 del kk, vv
             del q, lat
         out_row.append((0, o))
+
+
+class _Packed:
+    """Rows' query pieces (row, first query, end) packed for the float64 kernels' layout: a piece
+    owns its row's tokens up to its last query (``n`` of them, from ``k_start`` in ``tokens``) and
+    its queries (``q_len`` of them, from ``q_start`` in ``qtok`` and ``qpos``, the first at
+    position ``pos0``)."""
+
+    def __init__(self, rows: list[tuple[np.ndarray, int, int]], pieces: list[tuple[int, int, int]]):
+        self.n = [rows[i][1] + q1 for i, _, q1 in pieces]  # keys a piece's last query sees
+        self.pos0 = [rows[i][1] + q0 for i, q0, _ in pieces]
+        self.q_len = [q1 - q0 for _, q0, q1 in pieces]
+        self.k_start = np.concatenate([[0], np.cumsum(self.n)[:-1]]).tolist()
+        self.q_start = np.concatenate([[0], np.cumsum(self.q_len)[:-1]]).tolist()
+        self.tokens = np.concatenate([rows[i][0][:m] for (i, _, _), m in zip(pieces, self.n)])
+        self.qtok = np.concatenate([rows[i][0][p:m] for (i, _, _), p, m in zip(pieces, self.pos0, self.n)])
+        self.qpos = np.concatenate([np.arange(p, m) for p, m in zip(self.pos0, self.n)])
+        self.n_pos = max(self.n)
 
 
 @dataclass

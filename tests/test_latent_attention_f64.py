@@ -18,6 +18,8 @@ if not torch.cuda.is_available():
 
 from hybridsim.kernels.latent_attention_f64 import latent_attention, latent_attention_reference  # noqa: E402
 
+from .helpers import compile_for_hopper  # noqa: E402
+
 INTERPRETER = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test (CPU); -m gpu runs it compiled")
 
 
@@ -142,16 +144,8 @@ def test_latent_attention_compiles_for_hopper_at_deepseek_shapes():
     DeepSeek-V3's shapes, within Hopper's shared memory (227 KB a block), their products on the
     float64 tensor cores (a schedule the device rejects is caught anywhere). A process of its
     own: this module runs Triton's interpreter."""
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], capture_output=True, text=True, env=env,
-                       timeout=300)
-    if r.returncode and ("ptxas" in r.stderr or "No module named 'triton" in r.stderr):
-        pytest.skip(f"no Triton NVIDIA tool chain here: {r.stderr.strip().splitlines()[-1]}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    for line in r.stdout.strip().splitlines():
+    lines = compile_for_hopper(_COMPILE_FOR_HOPPER).strip().splitlines()
+    for line in lines:
         group, shared, dmma = line.split()
         assert int(shared) <= 227 * 1024 and dmma == "True", line
-    assert len(r.stdout.strip().splitlines()) == 2
+    assert len(lines) == 2

@@ -28,6 +28,8 @@ from hybridsim.layers.mla import MLAProbe, MLAStack, dense_reference  # noqa: E4
 from hybridsim.model import MambaGeometry, MLAGeometry  # noqa: E402
 from hybridsim.presets import build_preset  # noqa: E402
 
+from .helpers import compile_for_hopper  # noqa: E402
+
 GEOMETRIES = {
     "mamba2": MambaGeometry(layers=3, heads=4, head_dim=8, d_state=16, n_groups=2, conv_kernel=4),
     "mamba1": MambaGeometry(kind="mamba1", layers=2, heads=2, head_dim=8, d_state=4, conv_kernel=4),
@@ -432,13 +434,4 @@ def test_chunked_scan_compiles_for_hopper_at_real_shapes(preset):
     model's shapes in the oracle's mode, its products on Hopper's tensor cores (an int8 product
     of inner size 16 once failed only on the device; this catches that class of error anywhere).
     A process of its own: this module runs Triton's interpreter."""
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER, preset], capture_output=True, text=True, env=env,
-                       timeout=300)
-    if r.returncode and ("ptxas" in r.stderr or "No module named 'triton" in r.stderr):
-        pytest.skip(f"no Triton NVIDIA tool chain here: {r.stderr.strip().splitlines()[-1]}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.strip() == "True"
+    assert compile_for_hopper(_COMPILE_FOR_HOPPER, preset).strip() == "True"
