@@ -11,7 +11,7 @@ cores (``probe_scan_chunked``): their floor is their int8 products at the measur
 8192-cube ``torch._int_mm``) or their traffic, a lower bound only (their element-wise work on the
 CUDA cores, conv inputs and reductions mod Q, has no measured rate of its own).
 
-    python3 bench/bench_scan.py [--out results.json]
+    python3 bench/bench_scan.py [--out results.json] [--only 'oracle rows,prefill']
 """
 
 from __future__ import annotations
@@ -123,6 +123,7 @@ def chunked_macs(tab, rows: int, tokens: int, bt: int) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--only", default="", help="|-separated parts of case names: only those cases")
     a = ap.parse_args()
     geo = build_preset("nemotron-h-8b").mamba
     tab = stack_tables([MambaProbe(geo, layer, 1) for layer in range(geo.layers)], "cuda")
@@ -150,6 +151,8 @@ def main() -> None:
                   (f"prefill 4 x 1024, oracle mode, chunks of {bt}, {warps} warps", 4, 1024, True, kw)]
     cases += [("prefill 4 x 1024, token by token", 4, 1024, False, dict(chunked=False)),
               ("prefill 4 x 1024, oracle mode, token by token", 4, 1024, True, dict(chunked=False))]
+    if a.only:
+        cases = [c for c in cases if any(part in c[0] for part in a.only.split("|"))]
     for name, r, n, cmp, kw in cases:
         t, elem, read, written = case(tab, r, n, cmp, **kw)
         bw_floor = rates.floor(read, written).seconds

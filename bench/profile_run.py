@@ -42,6 +42,31 @@ def once(path: str, max_steps, kernels: str, device: str):
     return res, perf_counter() - t0
 
 
+def _timed_call(spec: str):
+    """Replace module:Qualified.name with a wrapper that waits for the device before and after each
+    call and adds up the time: (spec, owner, name, original, [seconds, calls])."""
+    import importlib
+    mod, qual = spec.split(":")
+    owner = importlib.import_module(mod)
+    *path, name = qual.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    orig = getattr(owner, name)
+    acc = [0.0, 0]
+
+    def timed(*args, **kw):
+        torch.cuda.synchronize()
+        t = perf_counter()
+        try:
+            return orig(*args, **kw)
+        finally:
+            torch.cuda.synchronize()
+            acc[0] += perf_counter() - t
+            acc[1] += 1
+    setattr(owner, name, timed)
+    return spec, owner, name, orig, acc
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("scenario")
@@ -57,6 +82,9 @@ def main() -> None:
     ap.add_argument("--cuda-profile", action="store_true", help="also print device time per operator")
     ap.add_argument("--sync-phases", action="store_true",
                     help="also a run whose phase timers wait for the device at every boundary: each phase's own device time")
+    ap.add_argument("--time-calls", default="",
+                    help="with --sync-phases: comma-separated module:Qualified.name callables, each call timed with "
+                         "the device synced before and after (inclusive of what it calls), in ms a step")
     ap.add_argument("--no-cprofile", action="store_true", help="skip the last run, under cProfile")
     a = ap.parse_args()
     res, first = once(a.scenario, a.warm_steps or a.max_steps, a.kernels, a.device)
@@ -84,9 +112,13 @@ def main() -> None:
         mods = (ae, me, mle, ve)
         for m in mods:
             m.perf_counter = synced
+        calls = [_timed_call(spec) for spec in a.time_calls.split(",") if spec]
         r, _ = once(a.scenario, a.max_steps, a.kernels, a.device)
         for m in mods:
             m.perf_counter = perf_counter
+        for spec, owner, name, orig, acc in calls:
+            setattr(owner, name, orig)
+            print(f"  {spec}: {acc[1]} calls, {1e3 * acc[0] / r.stats.steps:.1f} ms/step (synced)")
         print(f"synced phases: {r.stats.steps} steps, failures {sum(t.failures for t in r.checks.tallies.values())}; "
               f"whole loop {r.wall_s:.3f} s = {1e3 * r.wall_s / r.stats.steps:.1f} ms/step; "
               + ", ".join(f"{t['phase']} {1e3 * t['total_s'] / r.stats.steps:.1f}" for t in r.timings) + " ms/step")

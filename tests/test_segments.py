@@ -1,12 +1,21 @@
-"""rel_errors (stacked, two-level reductions) against the per-pair definition."""
+"""rel_errors (stacked, two-level reductions) against the per-pair definition, and its per-row
+reduction as a Triton kernel (``row_stats_triton``) against the torch one."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
-from hybridsim.kernels import segments
-from hybridsim.kernels.segments import rel_errors
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hybridsim.kernels import segments  # noqa: E402
+from hybridsim.kernels.row_stats_triton import row_stats  # noqa: E402
+from hybridsim.kernels.segments import rel_errors, row_stats_reference  # noqa: E402
+
+INTERPRETER = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test (CPU); -m gpu runs it compiled")
 
 
 def _one(g: torch.Tensor, w: torch.Tensor) -> list[float]:
@@ -18,9 +27,7 @@ def _one(g: torch.Tensor, w: torch.Tensor) -> list[float]:
     return [diff, diff / max(top, 1e-30), float(special)]
 
 
-@pytest.mark.parametrize("batch,large", [(1 << 24, 1 << 18), (50, 1 << 18), (1 << 24, 20)])
-def test_rel_errors_equal_the_per_pair_definition(monkeypatch, batch, large):
-    """50: many stacked passes and pairs larger than a pass alone; 20: many pairs reduced alone."""
+def _pairs_errors(monkeypatch, batch: int, large: int, device: str) -> None:
     monkeypatch.setattr(segments, "BATCH", batch)
     monkeypatch.setattr(segments, "LARGE", large)
     gen = torch.Generator().manual_seed(3)
@@ -35,8 +42,67 @@ def test_rel_errors_equal_the_per_pair_definition(monkeypatch, batch, large):
         if k % 11 == 0 and g.numel():
             g.view(-1)[-1] = float("inf")
             w.view(-1)[-1] = float("inf")
-        got.append(g)
-        want.append(w)
+        got.append(g.to(device))
+        want.append(w.to(device))
     res = rel_errors(got, want).tolist()
-    assert res == [_one(g, w) for g, w in zip(got, want)]
+    assert res == [_one(g.cpu(), w.cpu()) for g, w in zip(got, want)]
     assert any(r[2] == 1.0 for r in res) and any(r[0] > 0 for r in res)
+
+
+@pytest.mark.parametrize("batch,large", [(1 << 24, 1 << 18), (50, 1 << 18), (1 << 24, 20)])
+def test_rel_errors_equal_the_per_pair_definition(monkeypatch, batch, large):
+    """50: many stacked passes and pairs larger than a pass alone; 20: many pairs reduced alone."""
+    _pairs_errors(monkeypatch, batch, large, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,large", [(1 << 24, 1 << 18), (50, 1 << 18), (1 << 24, 20)])
+def test_rel_errors_on_the_gpu_equal_the_per_pair_definition(monkeypatch, batch, large):
+    """The GPU's path: every per-row reduction by the Triton kernel."""
+    _pairs_errors(monkeypatch, batch, large, "cuda")
+
+
+def _rows(dtype, rows: int, width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """want (float64) and got near it in dtype, with NaN and ±inf sprinkled on both sides: some
+    where both agree, some where only one side has them, some rows clean."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, width, generator=gen, dtype=torch.float64) * 100
+    g = (w + torch.randn(rows, width, generator=gen, dtype=torch.float64)).to(dtype)
+    for value in (float("nan"), float("inf"), float("-inf")):
+        for side in ((g,), (w,), (g, w)):
+            r, c = (int(x) for x in torch.randint(0, rows, (1,), generator=gen).tolist() + torch.randint(
+                0, width, (1,), generator=gen).tolist())
+            for t in side:
+                t[r, c] = value
+    return g, w
+
+
+@INTERPRETER
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("width", [1, 700, 2500, 20000])  # one element; a ragged block; blocks; pieces of a row
+def test_row_stats_kernel_equals_the_torch_reduction(monkeypatch, dtype, width):
+    """Exact: a maximum of exactly computed float64 differences is the same whatever the order; the
+    output poisoned first (a row left unwritten shows)."""
+    _row_stats_case(monkeypatch, dtype, width, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("width", [1, 700, 2500, 16384, 40000])
+def test_row_stats_kernel_on_the_gpu(monkeypatch, dtype, width):
+    _row_stats_case(monkeypatch, dtype, width, "cuda")
+
+
+def _row_stats_case(monkeypatch, dtype, width: int, device: str) -> None:
+    g, w = _rows(dtype, 37, width, seed=width)
+    g, w = g.to(device), w.to(device)
+    want = row_stats_reference(g, w)
+    with monkeypatch.context() as m:
+        empty = torch.empty
+        m.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
+        got = row_stats(g, w)
+    assert torch.equal(got, want)
+    assert want[:, 2].sum() > 0 and (want[:, 2] == 0).any()  # rows with differing specials and rows without
+    # a strided view (every other column) reads what it is given
+    assert torch.equal(row_stats(g[:, ::2], w[:, ::2]), row_stats_reference(g[:, ::2], w[:, ::2]))
+
