@@ -282,6 +282,29 @@ def memory_rows(ceil):
     return rows
 
 
+def compare_rows(ceil):
+    """The checks' per-row reduction of (got, want) pairs (``row_stats_triton.row_stats``): a
+    DeepSeek-V3 prefill chunk's outputs of one layer (1,024 tokens x 128 heads x 128, bf16 against
+    the oracle's float64) as 1,024 rows and as one row (a large pair), and a Nemotron-H-8B step's
+    attention outputs (4,096 tokens x 32 x 128). Floor: both operands read once."""
+    from hybridsim.kernels.row_stats_triton import row_stats
+    from hybridsim.kernels.segments import row_stats_reference
+    rows = []
+    for name, shape in (("1,024 rows x 16,384, bf16 vs float64", (1024, 128 * 128)),
+                        ("1 row x 16.8 M, bf16 vs float64", (1, 1024 * 128 * 128)),
+                        ("4,096 rows x 4,096, bf16 vs float64", (4096, 32 * 128))):
+        w = torch.randn(shape, dtype=torch.float64, device="cuda")
+        g = (w + 1e-3 * torch.randn_like(w)).to(torch.bfloat16)
+        assert torch.equal(row_stats(g, w), row_stats_reference(g, w))
+        t = bench(lambda: row_stats(g, w))
+        t_ref = bench(lambda: row_stats_reference(g, w), rep=50)
+        traffic = Traffic(read=g.numel() * (g.element_size() + w.element_size()), written=shape[0] * 3 * 8)
+        rows.append({"kernel": "row_stats (output checks)", "case": name, "time_us": t * 1e6,
+                     "torch_time_us": t_ref * 1e6, **floor_fields(ceil, traffic, t)})
+        del g, w
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -296,7 +319,7 @@ def main():
                     help="block_n,num_warps,num_stages;...")
     ap.add_argument("--gqa-splits", default="1,4,8,16")
     ap.add_argument("--gqa-eager", action="store_true", help="time eagerly instead of replaying a CUDA graph")
-    ap.add_argument("--only", default="state_copy,memory,mla,gqa")
+    ap.add_argument("--only", default="state_copy,memory,mla,gqa,compare")
     args = ap.parse_args()
     configs = [tuple(int(x) for x in c.split(",")) for c in args.mla_configs.split(";")]
     splits = [int(x) for x in args.mla_splits.split(",") if x]
@@ -312,6 +335,8 @@ def main():
     if "gqa" in only:
         rows += gqa_rows(ceil, [tuple(int(x) for x in c.split(",")) for c in args.gqa_configs.split(";")],
                          [int(x) for x in args.gqa_splits.split(",") if x], graph=not args.gqa_eager)
+    if "compare" in only:
+        rows += compare_rows(ceil)
     if "mla" in only:
         rows += mla_rows(ceil, configs, splits, tuple(args.mla_impls.split(",")))
     args.out.write_text(json.dumps({"device": props.name, "sms": props.multi_processor_count,
@@ -323,8 +348,9 @@ def main():
     print(f"\n{props.name}: {ceil.line()}")
     print(f"{'kernel':28s} {'case':34s} {'time':>10s} {'floor':>10s} {'bound':>9s} {'% of floor':>10s}")
     for r in rows:
+        torch_time = f"  torch {r['torch_time_us']:9.1f}us" if r.get("torch_time_us") else ""
         print(f"{r['kernel']:28s} {r['case']:34s} {r['time_us']:9.1f}us {r['floor_us']:8.1f}us {r['bound']:>9s} "
-              f"{pct_text(r['pct_floor'])}")
+              f"{pct_text(r['pct_floor'])}{torch_time}")
     above = [r for r in rows if r["above_floor"]]
     if above:
         print(f"{len(above)} row(s) above their floor: a floor is wrong (the ceilings or the byte/FLOP accounting)")
