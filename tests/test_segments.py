@@ -93,6 +93,20 @@ def test_row_stats_kernel_on_the_gpu(monkeypatch, dtype, width):
     _row_stats_case(monkeypatch, dtype, width, "cuda")
 
 
+@INTERPRETER
+def test_row_stats_kernel_with_longer_pieces(monkeypatch):
+    """A row that would need more pieces than the grid's axis allows takes longer pieces."""
+    from hybridsim.kernels import row_stats_triton
+    monkeypatch.setattr(row_stats_triton, "MAX_PIECES", 2)
+    assert row_stats_triton.split(20000) == (10240, 2)
+    _row_stats_case(monkeypatch, torch.bfloat16, 20000, "cpu")
+    monkeypatch.setattr(row_stats_triton, "MAX_PIECES", 65535)
+    for width in (1, 8192, 8193, 1 << 29, (1 << 29) + 1, 3 << 30):
+        piece_len, pieces = row_stats_triton.split(width)
+        assert piece_len % row_stats_triton.BLOCK == 0 and piece_len >= row_stats_triton.PIECE
+        assert 1 <= pieces <= 65535 and (pieces - 1) * piece_len < width <= pieces * piece_len
+
+
 def _row_stats_case(monkeypatch, dtype, width: int, device: str) -> None:
     g, w = _rows(dtype, 37, width, seed=width)
     g, w = g.to(device), w.to(device)

@@ -12,7 +12,10 @@ the result equals the torch reference bit for bit whatever the tiling.
 x channels belong to one program each; the B and C channels of a group are computed by
 every program of the group (it needs them) but written and compared by one (the group's
 first head, first tile), so each page element is touched by exactly one program.
-Addresses of pages are int64.
+Addresses of pages are int64. In the oracle's mode (``COMPARE``) a program reads its channels'
+keys and conv weights again each token instead of holding them across the loop, and folds
+mismatches into the stats with atomics masked to the mismatching lanes: there the registers go
+to the compared pages' tiles (bench/history/2026-11-27_session28.md).
 """
 
 from __future__ import annotations

@@ -8,10 +8,10 @@ launches. A large pair (a prefill chunk's outputs) is reduced where it lies: sta
 would only copy it.
 
 The per-row reduction on a GPU is one Triton pass (``row_stats_triton.row_stats``: each element
-read once); in
-torch it took about a dozen passes over float64 working copies (NaN/inf masks, cleaned copies,
-differences): 24.5 ms a step of ``deepseek_v3_mooncake``'s oracle on an H200, more than its
-decode rows' attention. ``row_stats_reference`` is the same reduction in torch (a CPU's path).
+read once); in torch it took about a dozen passes over float64 working copies (NaN/inf masks,
+cleaned copies, differences): 24.5 ms a step of ``deepseek_v3_mooncake``'s oracle on an H200,
+more than its decode rows' attention. ``row_stats_reference`` is the same reduction in torch (a
+CPU's path).
 """
 
 from __future__ import annotations
