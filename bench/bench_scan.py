@@ -11,7 +11,7 @@ cores (``probe_scan_chunked``): their floor is their int8 products at the measur
 8192-cube ``torch._int_mm``) or their traffic, a lower bound only (their element-wise work on the
 CUDA cores, conv inputs and reductions mod Q, has no measured rate of its own).
 
-    python3 bench/bench_scan.py [--out results.json] [--only 'oracle rows,prefill']
+    python3 bench/bench_scan.py [--out results.json] [--only 'oracle rows|prefill']
 """
 
 from __future__ import annotations

@@ -2,10 +2,13 @@
 under cProfile with the device synchronised at the end, and print the top functions.
 
     python3 bench/profile_run.py scenarios/nemotron_h_8b.yaml [--max-steps N] [--warm-steps N]
-        [--kernels triton] [--timed 3] [--sync-phases] [--sync-debug] [--cuda-profile] [--sort cumulative]
+        [--kernels triton] [--timed 3] [--sync-phases [--time-calls MOD:NAME,...]] [--sync-debug]
+        [--cuda-profile] [--sort cumulative]
 
 ``--timed N`` times N runs without the profiler first (the numbers for a bar: cProfile itself
-slows a host-bound loop); ``--sync-debug`` counts the lines where the host waits for the device.
+slows a host-bound loop); ``--sync-debug`` counts the lines where the host waits for the device;
+``--time-calls hybridsim.oracle:DenseOracle._expanded_row,...`` splits a synced phase further (each
+named callable's own device time, what it calls included).
 """
 
 from __future__ import annotations
@@ -42,16 +45,21 @@ def once(path: str, max_steps, kernels: str, device: str):
     return res, perf_counter() - t0
 
 
-def _timed_call(spec: str):
-    """Replace module:Qualified.name with a wrapper that waits for the device before and after each
-    call and adds up the time: (spec, owner, name, original, [seconds, calls])."""
+def _resolve(spec: str):
+    """module:Qualified.name -> (the object holding the callable, its name, the callable)."""
     import importlib
     mod, qual = spec.split(":")
     owner = importlib.import_module(mod)
     *path, name = qual.split(".")
     for part in path:
         owner = getattr(owner, part)
-    orig = getattr(owner, name)
+    return owner, name, getattr(owner, name)
+
+
+def _timed_call(spec: str):
+    """Replace module:Qualified.name with a wrapper that waits for the device before and after each
+    call and adds up the time: (spec, owner, name, original, [seconds, calls])."""
+    owner, name, orig = _resolve(spec)
     acc = [0.0, 0]
 
     def timed(*args, **kw):
@@ -87,6 +95,15 @@ def main() -> None:
                          "the device synced before and after (inclusive of what it calls), in ms a step")
     ap.add_argument("--no-cprofile", action="store_true", help="skip the last run, under cProfile")
     a = ap.parse_args()
+    if a.time_calls:
+        if not a.sync_phases:
+            ap.error("--time-calls times calls in the --sync-phases run: give both")
+        for spec in a.time_calls.split(","):
+            try:
+                _resolve(spec)
+            except (ValueError, ImportError, AttributeError) as e:
+                ap.error(f"--time-calls: {spec!r}: {e} (each as module:Qualified.name, e.g. "
+                         "hybridsim.oracle:MambaOracle.check)")
     res, first = once(a.scenario, a.warm_steps or a.max_steps, a.kernels, a.device)
     if a.cuda_profile:  # device time by operator (a third run, so host timings stay clean)
         from torch.profiler import ProfilerActivity, profile
