@@ -108,7 +108,7 @@ def test_row_stats_kernel_with_longer_pieces(monkeypatch):
 
 
 def _row_stats_case(monkeypatch, dtype, width: int, device: str) -> None:
-    g, w = _rows(dtype, 37, width, seed=width)
+    g, w = _rows(dtype, 37 if width < 5000 or device != "cpu" else 7, width, seed=width)  # (the interpreter is slow)
     g, w = g.to(device), w.to(device)
     want = row_stats_reference(g, w)
     with monkeypatch.context() as m:
