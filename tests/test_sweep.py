@@ -592,7 +592,9 @@ def test_local_pool_runs_gpu_jobs_one_per_gpu_in_a_worker_that_keeps_the_gpu(mon
     devices. A GPU worker that dies costs its job one retry, in a fresh worker; the rest go on."""
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     dies = str(tmp_path / "died-once")
-    jobs = ([Job(f"g{i}", _gpu_seen, (0.4, dies if i == 2 else ""), gpu=True) for i in range(6)]
+    # (GPU jobs of 1 s: a CPU job's fresh process must start before the first of them ends, and on a
+    # busy 2-core machine a process start once took longer than the 0.4 s they had)
+    jobs = ([Job(f"g{i}", _gpu_seen, (1.0, dies if i == 2 else ""), gpu=True) for i in range(6)]
             + [Job(f"c{i}", _gpu_seen, (0.4, "")) for i in range(2)])
     outcomes = {o.key: o for o in run_local(jobs, workers=4, gpus=["3", "7"])}
     got = {k: o.value for k, o in outcomes.items()}
