@@ -8,7 +8,8 @@ under cProfile with the device synchronised at the end, and print the top functi
 ``--timed N`` times N runs without the profiler first (the numbers for a bar: cProfile itself
 slows a host-bound loop); ``--sync-debug`` counts the lines where the host waits for the device;
 ``--time-calls hybridsim.oracle:DenseOracle._expanded_row,...`` splits a synced phase further (each
-named callable's own device time, what it calls included).
+named callable's own device time, what it calls included; a call made inside another timed call is
+counted apart, "within" it, so a callable that both the system and the oracle use splits by caller).
 """
 
 from __future__ import annotations
@@ -56,23 +57,58 @@ def _resolve(spec: str):
     return owner, name, getattr(owner, name)
 
 
+_ACTIVE: list[str] = []  # the timed calls under way, outermost first
+
+
 def _timed_call(spec: str):
     """Replace module:Qualified.name with a wrapper that waits for the device before and after each
-    call and adds up the time: (spec, owner, name, original, [seconds, calls])."""
+    call and adds up the time, keyed by the timed call it ran within (None: none): a callable both the
+    system and the oracle use is then split by caller. Returns (spec, owner, name, original,
+    {within: [seconds, calls]})."""
     owner, name, orig = _resolve(spec)
-    acc = [0.0, 0]
+    acc: dict = {}
 
     def timed(*args, **kw):
+        within = _ACTIVE[-1] if _ACTIVE else None
         torch.cuda.synchronize()
         t = perf_counter()
+        _ACTIVE.append(spec)
         try:
             return orig(*args, **kw)
         finally:
+            _ACTIVE.pop()
             torch.cuda.synchronize()
-            acc[0] += perf_counter() - t
-            acc[1] += 1
+            a = acc.setdefault(within, [0.0, 0])
+            a[0] += perf_counter() - t
+            a[1] += 1
     setattr(owner, name, timed)
     return spec, owner, name, orig, acc
+
+
+def compiled_variants() -> dict[str, int]:
+    """Compiled variants of every Triton/Gluon kernel hybridsim has loaded, by name: compared before and
+    after a run, they say which kernels compiled (or loaded from Triton's disk cache) inside it. A
+    variant is a specialisation: an integer argument that changes class between steps (1, a multiple
+    of 16, other) makes a new one in the middle of a run."""
+    from triton.runtime.jit import JITFunction
+    out = {}
+    for mod_name, mod in list(sys.modules.items()):
+        if not mod_name.startswith("hybridsim.") or mod is None:
+            continue
+        for name, obj in vars(mod).items():
+            if isinstance(obj, JITFunction):
+                n = 0
+                for v in getattr(obj, "device_caches", {}).values():
+                    cache = next((c for c in v if isinstance(c, dict)), {}) if isinstance(v, tuple) else v
+                    n += len(cache)
+                out[f"{obj.fn.__module__.rsplit('.', 1)[-1]}.{obj.fn.__name__}"] = n
+    return out
+
+
+def report_compiles(before: dict[str, int]) -> None:
+    grew = {k: v - before.get(k, 0) for k, v in compiled_variants().items() if v > before.get(k, 0)}
+    print("  kernel variants compiled or loaded inside this run: "
+          + (", ".join(f"{k} +{n}" for k, n in sorted(grew.items())) if grew else "none"))
 
 
 def main() -> None:
@@ -111,10 +147,12 @@ def main() -> None:
             once(a.scenario, a.max_steps, a.kernels, a.device)
         print(tp.key_averages().table(sort_by="self_cuda_time_total", row_limit=a.top))
     for k in range(a.timed):  # cProfile slows a host-bound loop: these are the honest numbers
+        before = compiled_variants()
         r, _ = once(a.scenario, a.max_steps, a.kernels, a.device)
         print(f"timed run {k + 1}: {r.stats.steps} steps, failures {sum(t.failures for t in r.checks.tallies.values())}; "
               f"whole loop {r.wall_s:.3f} s = {1e3 * r.wall_s / r.stats.steps:.1f} ms/step; "
               + ", ".join(f"{t['phase']} {1e3 * t['total_s'] / r.stats.steps:.1f}" for t in r.timings) + " ms/step")
+        report_compiles(before)
     if a.sync_phases and torch.cuda.is_available():
         # the engine's phase timers read the clock after the device has finished what was queued:
         # each phase then holds its own device time, not whichever phase waits for it later
@@ -130,15 +168,19 @@ def main() -> None:
         for m in mods:
             m.perf_counter = synced
         calls = [_timed_call(spec) for spec in a.time_calls.split(",") if spec]
+        before = compiled_variants()
         r, _ = once(a.scenario, a.max_steps, a.kernels, a.device)
         for m in mods:
             m.perf_counter = perf_counter
         for spec, owner, name, orig, acc in calls:
             setattr(owner, name, orig)
-            print(f"  {spec}: {acc[1]} calls, {1e3 * acc[0] / r.stats.steps:.1f} ms/step (synced)")
+            for within, (sec, n) in acc.items():
+                where = f" within {within}" if within else ""
+                print(f"  {spec}{where}: {n} calls, {1e3 * sec / r.stats.steps:.1f} ms/step (synced)")
         print(f"synced phases: {r.stats.steps} steps, failures {sum(t.failures for t in r.checks.tallies.values())}; "
               f"whole loop {r.wall_s:.3f} s = {1e3 * r.wall_s / r.stats.steps:.1f} ms/step; "
               + ", ".join(f"{t['phase']} {1e3 * t['total_s'] / r.stats.steps:.1f}" for t in r.timings) + " ms/step")
+        report_compiles(before)
     if a.sync_debug:  # a run with torch's sync warnings on: which lines make the host wait
         import collections
         import warnings

@@ -19,7 +19,11 @@ from ..device.transfer import upload_many
 from .paged_attention import key_limit
 
 
-@triton.jit
+# Integer arguments that change from step to step (counts, splits, table widths) are not
+# specialised: Triton compiles a variant per class (1, a multiple of 16, other), so a new class
+# compiled the kernel again in the middle of a run (bench/profile_run.py reports variants made
+# inside a measured run). Strides stay specialised: their alignment feeds vector loads.
+@triton.jit(do_not_specialize=["n_rows", "num_splits"])
 def combine_splits_kernel(o_part, lse_part, out, lse_out, n_rows, num_splits, L: tl.constexpr,
                           BLOCK_L: tl.constexpr, ROWS: tl.constexpr):
     """Merge the splits' partials of ROWS rows in one pass: weights exp(lse_s - max);
@@ -45,7 +49,7 @@ def combine_splits_kernel(o_part, lse_part, out, lse_out, n_rows, num_splits, L:
     tl.store(lse_out + r, tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, wsum))), mask=rm)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _reshape_and_cache_kernel(key, value, slots, k_cache, v_cache, n, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
                               KVH: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
                               ROWS: tl.constexpr):
@@ -70,7 +74,7 @@ def _reshape_and_cache_kernel(key, value, slots, k_cache, v_cache, n, sk_b, sk_t
              v.to(v_cache.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["table_stride", "keys_per_split", "num_tokens"])
 def _paged_attention_kernel(q, k_cache, v_cache, block_table, tile_row, tile_q0, qsl, seq_lens, out, lse_part,
                             sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, table_stride, keys_per_split, num_tokens,
                             qk_scale_log2, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
