@@ -62,39 +62,55 @@ def ceiling_rate(programs: int = 132 * 16, steps: int = 512) -> float:
     return programs * steps * 32 * 128 / t
 
 
-def case(tab, rows: int, tokens: int, compare: bool, every: bool | None = None, **kw):
+def case(tab, rows: int, tokens: int, compare: bool, every: bool | None = None, differ: bool = False, **kw):
     """rows x tokens through all layers; each row starts from a cached state and writes the state
     after every token (``every``; by default decode rows, as the system's speculative rows) or after
-    its last (prefill rows, and the oracle's rows); pages as the engine's slots."""
+    its last (prefill rows, and the oracle's rows); pages as the engine's slots.
+
+    In oracle mode (``compare``) the system's rows run first, then the oracle's rows are timed: they
+    write their end states to pages of their own, so every repetition starts from the same states
+    and everything agrees, as in a checked run without failures (checked after the timing). With
+    ``differ`` they write back over their starting pages, as before session 29: from the second
+    repetition on every output and state differs (the cost of a run where everything fails)."""
     every = tokens <= 4 if every is None else every
     L, K, dim = tab.layers, tab.K, tab.dim
     groups = 6
     slots = L // groups
-    pages = rows * groups + 1
+    pages = 2 * rows * groups + 1
     conv = torch.randint(0, Q, (slots, pages, K - 1 + 3, dim), device="cuda", dtype=torch.float32)
     temporal = torch.randint(0, Q, (slots, pages, tab.H, tab.P, tab.N), device="cuda", dtype=torch.float32)
     slot = torch.tensor([layer // groups for layer in range(L)], device="cuda")
-    b = ScanBuilder(L)
-    for r in range(rows):
-        pg = [1 + r * groups + layer % groups for layer in range(L)]
-        i = b.add_row(torch.randint(0, 10 ** 6, (tokens,)).tolist(), pg, y_from=0, y_count=tokens)
-        for t in (range(tokens) if every else [tokens - 1]):
-            b.write(i, t, pg, pg)
-        if compare:
-            b.compare(i, tokens - 1, pg, pg, 0, r)
+    toks = [torch.randint(0, 10 ** 6, (tokens,)).tolist() for _ in range(rows)]
+
+    def builder(oracle: bool) -> ScanBuilder:
+        b = ScanBuilder(L)
+        for r in range(rows):
+            pg = [1 + r * groups + layer % groups for layer in range(L)]
+            out = [p + rows * groups for p in pg] if oracle and not differ else pg
+            i = b.add_row(toks[r], pg, y_from=0, y_count=tokens)
+            for t in (range(tokens) if every else [tokens - 1]):
+                b.write(i, t, out, out)
+            if oracle:
+                b.compare(i, tokens - 1, pg, pg, 0, r)
+        return b
     window = torch.randint(0, Q, (rows, L, K - 1, dim), device="cuda", dtype=torch.float32)
     y = torch.empty(rows * tokens, L, tab.H * tab.P, dtype=torch.int32, device="cuda")
     starts = torch.arange(rows, device="cuda") * tokens
     opts, kw = kw, dict(y_out=y)
-    if compare:  # as the oracle runs: the system's outputs and states are there and agree
+    b = builder(False)
+    if compare:  # as the oracle runs: the system's outputs and states are there
         state = (conv.clone(), temporal.clone())  # the oracle's own copy of the starting states
         ref, _ = b.build(window, conv, temporal, slot, "cuda", y_start=starts, y_out=y)
         scan_triton(tab, ref, **opts)  # the system under test writes its states and outputs
         kw = dict(cmp=(conv, temporal, slot), y_ref=y)
         conv, temporal = state
+        b = builder(True)
     ln, _ = b.build(window, conv, temporal, slot, "cuda", y_start=starts, **kw)
     scan_triton(tab, ln, **opts)  # compile
     t = triton.testing.do_bench(lambda: scan_triton(tab, ln, **opts), warmup=20, rep=200, return_mode="median") * 1e-3
+    if compare:
+        bad = int(ln.stats[..., 0].sum())
+        assert (bad > 0) == differ, f"oracle mode: {bad} mismatching elements (expected {'some' if differ else 'none'})"
     elem = rows * tokens * L * tab.H * tab.P * tab.N
     page = tab.H * tab.P * tab.N * 4
     writes = rows * (tokens if every else 1)
@@ -136,7 +152,9 @@ def main() -> None:
     # the oracle's short rows write one state (at their end): token by token or one chunk each
     for n in (1, 4):
         cases += [(f"decode 128 x {n}, oracle rows, token by token", 128, n, True, dict(every=False, chunked=False)),
-                  (f"decode 128 x {n}, oracle rows, chunked", 128, n, True, dict(every=False, chunk_min=1))]
+                  (f"decode 128 x {n}, oracle rows, chunked", 128, n, True, dict(every=False, chunk_min=1)),
+                  (f"decode 128 x {n}, oracle rows, token by token, every element differs", 128, n, True,
+                   dict(every=False, chunked=False, differ=True))]
     cases += [("decode 128 x 4, chunked (a chunk a token)", 128, 4, False, dict(chunk_min=1))]
     for bp, warps in ((16, 4), (32, 8), (64, 8)):  # token by token: tile sweep (default 32 x 4 warps above)
         kw = dict(block_p=bp, num_warps=warps)
@@ -149,6 +167,7 @@ def main() -> None:
         kw = dict(chunk_tokens=bt, chunk_warps=warps)
         cases += [(f"prefill 4 x 1024, chunks of {bt}, {warps} warps", 4, 1024, False, kw),
                   (f"prefill 4 x 1024, oracle mode, chunks of {bt}, {warps} warps", 4, 1024, True, kw)]
+    cases += [("prefill 4 x 1024, oracle mode, chunks of 32, every element differs", 4, 1024, True, dict(differ=True))]
     cases += [("prefill 4 x 1024, token by token", 4, 1024, False, dict(chunked=False)),
               ("prefill 4 x 1024, oracle mode, token by token", 4, 1024, True, dict(chunked=False))]
     if a.only:
