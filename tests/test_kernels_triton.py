@@ -297,8 +297,7 @@ STEP_INTS = {
     ("attention_triton", "_paged_attention_kernel"): {"table_stride", "keys_per_split", "num_tokens"},
     ("attention_triton", "combine_splits_kernel"): {"n_rows", "num_splits"},
     ("attention_triton", "_reshape_and_cache_kernel"): {"n"},
-    ("mla_gluon", "_mla_gluon_split_kernel"): {"n_qrows", "M", "nq", "max_blocks", "keys_per_split", "num_splits",
-                                               "merge_here", "halves"},
+    ("mla_gluon", "_mla_gluon_split_kernel"): {"n_qrows", "max_blocks", "keys_per_split", "num_splits"},
 }
 
 

@@ -45,8 +45,9 @@ except Exception:  # pragma: no cover - depends on the installed Triton
 
 if HAVE_GLUON:
 
-    @gluon.jit(do_not_specialize=["n_qrows", "M", "nq", "max_blocks", "keys_per_split", "num_splits",
-                                   "merge_here", "halves"])  # (counts that change between steps)
+    # counts that change between steps are not specialised (a new class compiled a variant mid-run);
+    # M, nq and the merge flags select code and stay (unspecialised, they cost 1-2%: session 29)
+    @gluon.jit(do_not_specialize=["n_qrows", "max_blocks", "keys_per_split", "num_splits"])
     def _mla_gluon_split_kernel(q_lat, q_pe, kv_desc, kr_desc, block_table, seq_lens, o_part, lse_part,
                                 o_out, lse_out, counters, n_qrows, M, H, nq, max_blocks, keys_per_split,
                                 num_splits, merge_here, halves, qk_scale_log2,

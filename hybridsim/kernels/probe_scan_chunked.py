@@ -209,12 +209,15 @@ def _chunked_scan_kernel(
             inr = jm & (j >= yf) & (j < yf + yc)
             yo_ref = ((ys + j - yf).to(tl.int64)[:, None] * L64 + lay) * HP + xc[None, :]
             yr = tl.load(y_ref + yo_ref, mask=inr[:, None], other=0)
-            # mismatches folded where they are, as the token-by-token kernel does: three reductions
-            # across the tile's warps a chunk cost the oracle's chunks 25.1 against the system's 20.3
-            # ms a step of nemotron_h_8b_mooncake (H200), where everything agrees
+            # mismatches counted along each token's outputs, then folded per token with masked
+            # atomics: no reduction over the whole tile a chunk (three of them took the oracle's
+            # chunks to 25.1 against the system's 20.3 ms a step of nemotron_h_8b_mooncake, H200),
+            # and no atomic per element (where every output differs that took 403 ms for bench_scan's
+            # 4 x 1,024 tokens against 50 with whole-tile reductions)
             bad = (yr != y) & inr[:, None]
-            _fold(stats + ((n_cmp + b) * L64 + lay) * 3, bad, bad.to(tl.int64), tl.abs(yr - y).to(tl.int64),
-                  (j - yf).to(tl.int64)[:, None] + xc[None, :].to(tl.int64) * 0)
+            cnt = tl.sum(bad.to(tl.int64), axis=1)
+            d = tl.max(tl.where(bad, tl.abs(yr - y), 0), axis=1).to(tl.int64)
+            _fold(stats + ((n_cmp + b) * L64 + lay) * 3, cnt > 0, cnt, d, (j - yf).to(tl.int64))
         # the state after the chunk's last token
         A_end = tl.load(powt + tl.sum(e, axis=0) % (QQ - 1))
         h = (A_end * ((h + _mdot(tl.trans(W), Bv, QQ)) % QQ)) % QQ
