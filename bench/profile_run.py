@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from hybridsim.config import load_scenario  # noqa: E402
+from hybridsim.device.builds import built_variants, grown  # noqa: E402
 from hybridsim.runner import plan_scenario  # noqa: E402
 
 
@@ -85,30 +86,12 @@ def _timed_call(spec: str):
     return spec, owner, name, orig, acc
 
 
-def compiled_variants() -> dict[str, int]:
-    """Compiled variants of every Triton/Gluon kernel hybridsim has loaded, by name: compared before and
-    after a run, they say which kernels compiled (or loaded from Triton's disk cache) inside it. A
-    variant is a specialisation: an integer argument that changes class between steps (1, a multiple
-    of 16, other) makes a new one in the middle of a run."""
-    from triton.runtime.jit import JITFunction
-    out = {}
-    for mod_name, mod in list(sys.modules.items()):
-        if not mod_name.startswith("hybridsim.") or mod is None:
-            continue
-        for name, obj in vars(mod).items():
-            if isinstance(obj, JITFunction):
-                n = 0
-                for v in getattr(obj, "device_caches", {}).values():
-                    cache = next((c for c in v if isinstance(c, dict)), {}) if isinstance(v, tuple) else v
-                    n += len(cache)
-                out[f"{obj.fn.__module__.rsplit('.', 1)[-1]}.{obj.fn.__name__}"] = n
-    return out
-
-
 def report_compiles(before: dict[str, int]) -> None:
-    grew = {k: v - before.get(k, 0) for k, v in compiled_variants().items() if v > before.get(k, 0)}
+    """Kernel variants built inside the run just timed (``hybridsim/device/builds.py``): a variant
+    compiled mid-run is in the figure."""
+    grew = grown(before, built_variants())
     print("  kernel variants compiled or loaded inside this run: "
-          + (", ".join(f"{k} +{n}" for k, n in sorted(grew.items())) if grew else "none"))
+          + (", ".join(f"{k} +{n}" for k, n in grew.items()) if grew else "none"))
 
 
 def main() -> None:
@@ -147,7 +130,7 @@ def main() -> None:
             once(a.scenario, a.max_steps, a.kernels, a.device)
         print(tp.key_averages().table(sort_by="self_cuda_time_total", row_limit=a.top))
     for k in range(a.timed):  # cProfile slows a host-bound loop: these are the honest numbers
-        before = compiled_variants()
+        before = built_variants()
         r, _ = once(a.scenario, a.max_steps, a.kernels, a.device)
         print(f"timed run {k + 1}: {r.stats.steps} steps, failures {sum(t.failures for t in r.checks.tallies.values())}; "
               f"whole loop {r.wall_s:.3f} s = {1e3 * r.wall_s / r.stats.steps:.1f} ms/step; "
@@ -168,7 +151,7 @@ def main() -> None:
         for m in mods:
             m.perf_counter = synced
         calls = [_timed_call(spec) for spec in a.time_calls.split(",") if spec]
-        before = compiled_variants()
+        before = built_variants()
         r, _ = once(a.scenario, a.max_steps, a.kernels, a.device)
         for m in mods:
             m.perf_counter = perf_counter

@@ -147,7 +147,18 @@ def timings_table(res: RunResult) -> Table:
     rows.append(("whole loop", res.wall_s))
     for name, total in rows:
         t.add_row(name, f"{total * 1e3:,.1f} ms", f"{total / steps * 1e6:,.1f} µs")
+    if res.kernel_builds:
+        t.caption = builds_caption(res.kernel_builds)
     return t
+
+
+def builds_caption(builds: dict[str, int]) -> str:
+    """What the whole loop's time includes besides the run's work: kernels Triton built inside it
+    (``device/builds.py``)."""
+    n = sum(builds.values())
+    names = ", ".join(f"{k} ({v})" if v > 1 else k for k, v in builds.items())
+    return (f"the whole loop includes building {n:,} kernel variant{'s' * (n != 1)} (Triton compiles a kernel "
+            f"the first time a launch needs it, or loads it from its cache on a later run): {names}")
 
 
 def _pct_of_floor(r: dict) -> str:

@@ -11,6 +11,7 @@ from time import perf_counter
 from typing import Callable, Optional
 
 from .checks import Checks
+from .device.builds import built_variants, grown
 from .config import LoadedScenario, blocks_problem, peak_tokens
 from .errors import InputError
 from .sched.invariants import NAME as INVARIANTS, InvariantChecker
@@ -52,6 +53,7 @@ class RunResult:
     planner: Optional[str] = None  # whose scheduler planned the steps, when not hybridsim's
     memory: Optional[dict] = None  # the memory plan (engine/memory.py) and, on a GPU, the measured peak
     whole_block_hit_tokens: Optional[int] = None  # partial-block hits: the same workload's with whole-block units
+    kernel_builds: Optional[dict] = None  # executed runs: kernel variants built inside the loop (device/builds.py)
 
     @property
     def failed(self) -> bool:
@@ -75,6 +77,7 @@ class RunResult:
                  "steps_per_s": round(self.stats.steps / self.wall_s, 1) if self.wall_s else None},
             ],
             "kernel_timings": self.kernel_timings,
+            **({"kernel_builds": self.kernel_builds} if self.kernel_builds is not None else {}),
             "memory": self.memory,
             **({"plan": self.planner} if self.planner else {}),
         }
@@ -150,6 +153,7 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
     records: list[StepRecord] = []
     pool = sim.kv.pool
     usable = pool.num_blocks - 1
+    builds_before = built_variants() if executor is not None else None
     t0 = last = perf_counter()
     try:
         for plan, outcome in sim:
@@ -171,6 +175,7 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
             writer.abort()
         raise
     wall = perf_counter() - t0
+    builds = grown(builds_before, built_variants()) if builds_before is not None else None
     if writer is not None:
         writer.close()
     sim.stats.notes.extend(notes)
@@ -183,4 +188,5 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
         if executor.kernel_timer is not None:
             res.kernel_timings = executor.kernel_timer.summary()
         res.memory = executor.memory_report()
+        res.kernel_builds = builds
     return res

@@ -1,0 +1,49 @@
+"""Kernel variants built while a loop ran: what a run's wall time includes besides its work.
+
+Triton builds a kernel the first time a launch meets a new specialisation (its constexprs, and
+each integer argument's class: 1, a multiple of 16, other), compiling it or loading it from its
+disk cache, inside whatever timed loop made the launch. A first run on a machine compiles for
+tens of seconds inside its loop; a count that changes class between steps compiled a kernel
+again in the middle of a real-scale run (bench/history/2026-11-27_session29.md). Counting the
+variants held in memory before and after a loop says whether the loop's time includes building.
+"""
+
+from __future__ import annotations
+
+import sys
+
+# modules whose kernels a run may launch: hybridsim's own, and the engine's (``--kernels vllm``)
+PREFIXES = ("hybridsim.", "vllm.")
+
+
+def built_variants() -> dict[str, int]:
+    """Variants in memory now, per loaded Triton or Gluon kernel ('module.name'): each one was built
+    (compiled, or loaded from Triton's cache) by this process. Empty without Triton; kernels under
+    Triton's interpreter build nothing."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:  # pragma: no cover - Triton is a dependency; a trimmed install still runs
+        return {}
+    out: dict[str, int] = {}
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or not mod_name.startswith(PREFIXES):
+            continue
+        for obj in list(vars(mod).values()):
+            if isinstance(obj, JITFunction):
+                n = sum(len(_kernel_cache(v)) for v in getattr(obj, "device_caches", {}).values())
+                if n:
+                    out[f"{mod_name.rsplit('.', 1)[-1]}.{obj.fn.__name__}"] = n
+    return out
+
+
+def _kernel_cache(entry) -> dict:
+    """A device's entry in ``JITFunction.device_caches``: a tuple whose first dict maps a
+    specialisation to its built kernel (Triton 3.x), or that dict itself."""
+    if isinstance(entry, dict):
+        return entry
+    return next((c for c in entry if isinstance(c, dict)), {}) if isinstance(entry, tuple) else {}
+
+
+def grown(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """Variants built between two counts, per kernel (kernels that built none left out)."""
+    return {k: n - before.get(k, 0) for k, n in sorted(after.items()) if n > before.get(k, 0)}
