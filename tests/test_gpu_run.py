@@ -35,3 +35,18 @@ def test_gpu_run_and_replay_report_kernel_timings(tmp_path):
     rep = replay_trace(trace, kernels="triton", device="cuda")
     assert not rep.failed
     _assert_timings(rep.kernel_timings)
+
+
+def test_a_second_identical_run_builds_no_kernel():
+    """``kernel_builds`` counts the variants Triton built inside a run's loop: the same scenario run
+    again in the same process needs none (an integer that changes class between steps would build
+    one mid-run: ``tests/test_kernels_triton.py::STEP_INTS``), and the count sees the kernels the
+    runs hold (it is not empty because it looked nowhere)."""
+    from hybridsim.device.builds import built_variants
+    path = REPO / "scenarios" / "quickstart.yaml"
+    first = plan_scenario(load_scenario(path), kernels="triton", device="cuda")
+    second = plan_scenario(load_scenario(path), kernels="triton", device="cuda")
+    assert not first.failed and not second.failed
+    assert first.kernel_builds is not None and second.kernel_builds == {}
+    held = built_variants()
+    assert any(k.startswith("probe_scan_triton.") for k in held) and sum(held.values()) >= sum(first.kernel_builds.values())
