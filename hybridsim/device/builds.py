@@ -18,12 +18,13 @@ PREFIXES = ("hybridsim.", "vllm.")
 
 def built_variants() -> dict[str, int]:
     """Variants in memory now, per loaded Triton or Gluon kernel ('module.name'): each one was built
-    (compiled, or loaded from Triton's cache) by this process. Empty without Triton; kernels under
-    Triton's interpreter build nothing."""
-    try:
-        from triton.runtime.jit import JITFunction
-    except ImportError:  # pragma: no cover - Triton is a dependency; a trimmed install still runs
+    (compiled, or loaded from Triton's cache) by this process. Empty where Triton is not loaded (no
+    kernel was built, and a run with the reference kernels need not pay its import, a third of a
+    second); kernels under Triton's interpreter build nothing."""
+    jit = sys.modules.get("triton.runtime.jit")
+    if jit is None:
         return {}
+    JITFunction = jit.JITFunction
     out: dict[str, int] = {}
     for mod_name, mod in list(sys.modules.items()):
         if mod is None or not mod_name.startswith(PREFIXES):
