@@ -4,17 +4,20 @@ chunks (one over cached context) and 20 speculative decode rows of 3 committed t
 tokens of context.
 
 Two paths, the same values: the padded batches of dense float64 attention in torch (keys and
-scores in memory), and the fused path (queries projected in torch, then one float64 kernel that
-projects each key block from its token ids and attends, neither keys nor scores in memory:
-``kernels/dense_attention_f64.py``), with its tile schedules swept. Both are also compared with
-the CPU's float64 on a sample of rows. The floor is the step's float64 FLOPs (QK^T and PV of every
-(query, key) pair a causal row computes) at the card's measured float64 matmul rate (an
-8192-cube ``torch.mm``), or the traffic of q, k, v and o, whichever is larger: a lower bound (the
-keys' projection, exact integer products on TF32, is not in it). Last, the MLA oracle on a
+scores in memory), and the fused path (queries projected in torch, then float64 kernels with no
+score in memory, ``kernels/dense_attention_f64.py``: a decode row projects each key block from
+its token ids inside its program, a prefill chunk's keys are projected once into a float32
+workspace that its query tiles read, loads pipelined), with the workspace tiles' schedule swept,
+and once with no workspace (every tile projecting its keys: the path before it). Both are also
+compared with the CPU's float64 on a sample of rows. The floor is the step's float64 FLOPs (QK^T
+and PV of every (query, key) pair a causal row computes) at the card's measured float64 matmul
+rate (an 8192-cube ``torch.mm``), or the traffic of q, k, v and o, whichever is larger: a lower
+bound (the keys' projection, exact integer products on TF32, and the workspace's float32 traffic
+are not in it). Last, the MLA oracle on a
 DeepSeek-V3 step against its own float64 floor: the torch path and the fused one
 (``kernels/latent_attention_f64.py``) with its tile schedules swept.
 
-    python3 bench/bench_oracle.py [--out results.json]
+    python3 bench/bench_oracle.py [--out results.json] [--gqa-only | --mla-only]
 """
 
 from __future__ import annotations
@@ -117,6 +120,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--mla-only", action="store_true", help="only the MLA oracle's step")
+    ap.add_argument("--gqa-only", action="store_true", help="only the GQA oracle's step")
     a = ap.parse_args()
     if a.mla_only:
         f64 = fp64_rate()
@@ -157,24 +161,32 @@ def main() -> None:
         err = rel(got, want)
         err_cpu = rel([got[i][:, :cpu_rows[j][2]] for j, i in enumerate(sample)], on_cpu)
         t = best_seconds(lambda: oracle.expected(rows), runs=3, reps=3)
+        t_prefill = best_seconds(lambda: oracle.expected(rows[:2]), runs=3, reps=3)  # the two prefill chunks alone
         pct = 100 * floor / t
-        results.append({"case": name, "ms": t * 1e3, "TFLOP_s": flops / t / 1e12, "pct_floor": pct,
-                        "max_rel_diff_vs_torch": err, "max_rel_diff_vs_cpu_sample": err_cpu})
-        print(f"  {name:52s} {t * 1e3:8.2f} ms  {flops / t / 1e12:6.1f} TFLOP/s  {pct:5.1f}% of floor  "
+        results.append({"case": name, "ms": t * 1e3, "prefill_ms": t_prefill * 1e3, "TFLOP_s": flops / t / 1e12,
+                        "pct_floor": pct, "max_rel_diff_vs_torch": err, "max_rel_diff_vs_cpu_sample": err_cpu})
+        print(f"  {name:60s} {t * 1e3:8.2f} ms (prefill chunks alone {t_prefill * 1e3:.2f})  "
+              f"{flops / t / 1e12:6.1f} TFLOP/s  {pct:5.1f}% of floor  "
               f"max rel diff: vs the torch path {err:.1e}, vs the CPU on a sample {err_cpu:.1e}"
               + ("  ABOVE FLOOR" if pct > 100 else ""))
 
     timed("torch: padded batches, scores in memory", torch_path)
-    default = (fused.M_LONG, fused.WARPS_LONG, fused.KEYS_PER_BLOCK, fused.STAGES)
-    for m_long, warps, bn, stages in (default, (32, 8, 32, 1), (64, 8, 32, 1)):
-        fused.M_LONG, fused.WARPS_LONG, fused.KEYS_PER_BLOCK, fused.STAGES = m_long, warps, bn, stages
+    # the workspace tiles' schedule ((query, head) rows x keys, warps, stages) and the workspace's
+    # bound; a bound of 0 leaves every row to the tiles that project their own keys
+    default = (fused.WORKSPACE, fused.WORKSPACE_ELEMS)
+    sweep = [default] + [(w, fused.WORKSPACE_ELEMS) for w in (
+        (32, 32, 8, 3), (32, 32, 4, 2), (16, 32, 4, 3), (64, 32, 8, 3))] + [(fused.WORKSPACE, 0)]
+    for sched, bound in sweep:
+        fused.WORKSPACE, fused.WORKSPACE_ELEMS = sched, bound
+        name = ("fused: every tile projecting its keys (no workspace)" if bound == 0 else
+                "fused: workspace tiles {} rows x {} keys, {} warps, {} stage(s)".format(*sched))
         try:
-            timed(f"fused: {m_long} (query, head) rows x {bn} keys, {warps} warps, {stages} stage(s)",
-                  GQAOracle(probes, torch.device("cuda"), ORACLE_SCORES, fused=True))
+            timed(name, GQAOracle(probes, torch.device("cuda"), ORACLE_SCORES, fused=True))
         except Exception as e:  # a schedule the compiler rejects is reported, not fatal
-            print(f"  fused {m_long} x {bn}, {warps} warps, {stages} stage(s): failed: {type(e).__name__}: {str(e)[:200]}")
-    fused.M_LONG, fused.WARPS_LONG, fused.KEYS_PER_BLOCK, fused.STAGES = default
-    results += mla_step(f64)
+            print(f"  {name}: failed: {type(e).__name__}: {str(e)[:200]}")
+    fused.WORKSPACE, fused.WORKSPACE_ELEMS = default
+    if not a.gqa_only:
+        results += mla_step(f64)
     if a.out:
         a.out.write_text(json.dumps({"device": dev, "date": str(date.today()), "fp64_flops": f64,
                                      **rates.as_dict(), "flops": flops, "floor_ms": floor * 1e3,

@@ -140,10 +140,12 @@ class DenseOracle:
     request's projected keys (``KeyMemo``): a long row then attends alone over them. A row too
     long for one piece (a long prefill chunk) has its keys projected once for all its pieces.
 
-    ``fused`` (default: on a GPU): scores never in memory. GQA: no padded batches, and no keys in
-    memory either: rows are packed up to ``budget_elems`` elements of queries and outputs (a
-    longer row alone); their queries are projected in torch, and one float64 kernel
-    (``kernels/dense_attention_f64.py``) projects each key block from its token ids and attends.
+    ``fused`` (default: on a GPU): scores never in memory. GQA: no padded batches: rows are packed
+    up to ``budget_elems`` elements of queries and outputs (a longer row alone); their queries are
+    projected in torch, then float64 kernels (``kernels/dense_attention_f64.py``) attend. A row
+    of one query tile (a decode) projects each key block from its token ids inside the kernel;
+    a long prefill chunk's keys are projected once into a bounded float32 workspace
+    (``WORKSPACE_ELEMS``) that all its tiles read.
     MLA: a long prefill chunk's per-head keys are projected once (exactly, in float32) and one
     float64 kernel attends over them (``_expected_latent``)."""
 
@@ -249,7 +251,8 @@ class DenseOracle:
         return out
 
     def _fused_group(self, rows, group: list[int], out: list) -> None:
-        """The group's queries projected (float64), then one kernel: keys from token ids inside it."""
+        """The group's queries projected (float64), then ``probe_attention``: keys from token ids,
+        projected inside the kernel or, for long rows, once into its workspace."""
         from .kernels.dense_attention_f64 import probe_attention
         p = _Packed(rows, [(i, 0, rows[i][2]) for i in group])
         tok_d, qtok_d, qpos_d = upload_many([p.tokens, p.qtok, p.qpos], self.device)

@@ -1,8 +1,10 @@
-"""The float64 attention kernel the GPU oracle runs (``kernels/dense_attention_f64.py``: keys
-projected from token ids inside it) against its torch definition: packed rows in shuffled order,
-decode rows and long chunks over context, GQA groups of 1, 3 and 4 heads, head sizes whose half
-is and is not a power of two, tokens between rows that no row owns (a read past a row's keys
-changes its output), outputs poisoned first (a query left unwritten shows)."""
+"""The float64 attention kernels the GPU oracle runs (``kernels/dense_attention_f64.py``: keys
+projected from token ids inside the attention kernel, or for long rows once into a workspace)
+against their torch definition: packed rows in shuffled order, decode rows and long chunks over
+context, GQA groups of 1, 3 and 4 heads, head sizes whose half is and is not a power of two,
+tokens between rows that no row owns (a read past a row's keys changes its output), a workspace
+bound that splits long rows into chunks and passes or leaves a row to the in-kernel projection,
+outputs poisoned first (a query left unwritten shows)."""
 
 from __future__ import annotations
 
@@ -15,18 +17,23 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from hybridsim.kernels import dense_attention_f64 as dense  # noqa: E402
 from hybridsim.kernels.dense_attention_f64 import probe_attention, probe_attention_reference  # noqa: E402
 from hybridsim.layers.gqa import GQAProbe, GQAStack  # noqa: E402
 from hybridsim.model import AttentionGeometry  # noqa: E402
 
+from .helpers import compile_for_hopper  # noqa: E402
+
 INTERPRETER = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test (CPU); -m gpu runs it compiled")
+ROWS = [(1, 0), (1, 37), (3, 70), (4, 5), (17, 0), (40, 23), (9, 100)]  # (queries, keys before them)
 
 
-def _check(heads: int, kv_heads: int, d: int, seed: int, device: str) -> None:
+def _check(heads: int, kv_heads: int, d: int, seed: int, device: str, rows=ROWS,
+           workspace_elems: int | None = None) -> None:
     geo = AttentionGeometry(layers=2, heads=heads, kv_heads=kv_heads, head_dim=d, dtype="bfloat16")
     stack = GQAStack([GQAProbe(geo, layer, seed) for layer in range(2)], device)
     rng = random.Random(seed)
-    rows = [(1, 0), (1, 37), (3, 70), (4, 5), (17, 0), (40, 23), (9, 100)]  # (queries, keys before them)
+    rows = list(rows)
     rng.shuffle(rows)
     q_len, pos0 = [a for a, _ in rows], [b for _, b in rows]
     gap = 3  # tokens no row owns, between rows
@@ -40,9 +47,29 @@ def _check(heads: int, kv_heads: int, d: int, seed: int, device: str) -> None:
     want = probe_attention_reference(stack, q, tokens, q_start, q_len, k_start, pos0)
     assert torch.isfinite(want).all()
     out = torch.full_like(q, float("nan"))
-    got = probe_attention(stack.cast(torch.float32), q, tokens, q_start, q_len, k_start, pos0, out=out)
+    got = probe_attention(stack.cast(torch.float32), q, tokens, q_start, q_len, k_start, pos0, out=out,
+                          workspace_elems=workspace_elems)
     assert got.data_ptr() == out.data_ptr() and torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
+
+
+def _launches(monkeypatch) -> dict[str, list]:
+    """The routes ``probe_attention`` takes, recorded: the query counts of the rows each in-kernel
+    launch takes, and (query counts, (layer, KV head) pairs a pass) of each workspace chunk."""
+    seen: dict[str, list] = {"projecting": [], "workspace": []}
+    projecting, workspace = dense._attend_projecting, dense._attend_workspace
+
+    def spy_projecting(c, rows, bq, warps):
+        seen["projecting"].append(sorted(c.q_len[r] for r in rows))
+        return projecting(c, rows, bq, warps)
+
+    def spy_workspace(c, rows, step):
+        seen["workspace"].append((sorted(c.q_len[r] for r in rows), step))
+        return workspace(c, rows, step)
+
+    monkeypatch.setattr(dense, "_attend_projecting", spy_projecting)
+    monkeypatch.setattr(dense, "_attend_workspace", spy_workspace)
+    return seen
 
 
 @INTERPRETER
@@ -51,8 +78,107 @@ def test_float64_attention_kernel_equals_the_definition(heads, kv_heads, d):
     _check(heads, kv_heads, d, 11, "cpu")
 
 
+@INTERPRETER
+def test_long_rows_attend_over_one_shared_workspace(monkeypatch):
+    """Prefill chunks of several query tiles (groups of 4: 2 queries a decode tile, 8 a long one)
+    share one workspace holding every (layer, KV head) of their keys; a row of one long tile and
+    the decodes project their keys in the kernel."""
+    seen = _launches(monkeypatch)
+    _check(8, 2, 32, 23, "cpu", rows=[(2, 40), (1, 0), (7, 30), (64, 0), (33, 90), (9, 5)])
+    assert seen["projecting"] == [[1, 2], [7]]
+    assert seen["workspace"] == [([9, 33, 64], 2 * 2)]  # 2 layers x 2 KV heads at once
+
+
+@INTERPRETER
+def test_a_small_workspace_splits_long_rows(monkeypatch):
+    """A bound of 40 keys with every (layer, KV head): rows of 17 and 35 keys in chunks of their
+    own, a row of 52 keys alone three pairs a pass (then the fourth), and a row of 170 keys (more
+    than the bound holds for even one pair) projecting its keys in the kernel, with the one-tile
+    row."""
+    seen = _launches(monkeypatch)
+    pairs, per_pair = 2 * 2, 2 * 32
+    _check(8, 2, 32, 31, "cpu", rows=[(1, 0), (3, 70), (6, 5), (17, 0), (20, 15), (12, 40), (30, 140)],
+           workspace_elems=pairs * per_pair * 40)
+    assert seen["projecting"] == [[1, 3], [6, 30]]
+    assert sorted(seen["workspace"]) == [([12], 3), ([17], pairs), ([20], pairs)]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("heads,kv_heads,d", [(32, 8, 128), (16, 2, 256), (6, 2, 24)])
 def test_float64_attention_kernel_on_the_gpu(heads, kv_heads, d):
     _check(heads, kv_heads, d, 12, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_long_rows_on_the_gpu_with_a_split_workspace():
+    """Nemotron-H-8B's attention geometry, long chunks over context: one workspace, then a bound
+    that takes the longest row a few pairs a pass and leaves a row too long for one pair."""
+    rows = [(1, 3000), (3, 1200), (600, 0), (300, 2000), (40, 700), (200, 9000)]
+    _check(32, 8, 128, 13, "cuda", rows=rows)
+    _check(32, 8, 128, 14, "cuda", rows=rows, workspace_elems=2 * 128 * 3000)
+
+
+_COMPILE_FOR_HOPPER = """
+from triton import compile as build
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hybridsim.kernels import dense_attention_f64 as dense
+from hybridsim.layers.gqa import V_SHIFT
+from hybridsim.layers.mla import HIDDEN, ROPE_SHIFT, TABLE, TABLE2
+
+# Nemotron-H-8B: 32 heads over 8 KV heads (groups of 4), head size 128
+G, D = 4, 128
+rows, keys, warps, stages = dense.WORKSPACE
+scaled = dict(K_SHIFT=2.0 ** -ROPE_SHIFT, V_SCALE=2.0 ** -V_SHIFT)
+tables = dict(HID=HIDDEN, T1=TABLE, T2=TABLE2)
+cases = (
+    ("short", dense._probe_attention_kernel, dict(G=G, GP=G, BQ=dense.M_SHORT // G, BN=dense.KEYS_PER_BLOCK, **tables,
+                                                  **scaled), dense.WARPS_SHORT, dense.STAGES),
+    ("long", dense._probe_attention_kernel, dict(G=G, GP=G, BQ=dense.M_LONG // G, BN=dense.KEYS_PER_BLOCK, **tables,
+                                                 **scaled), dense.WARPS_LONG, dense.STAGES),
+    ("project", dense._project_keys_kernel, dict(BN=dense.PROJECT_KEYS, **tables), dense.PROJECT_WARPS, 1),
+    ("workspace", dense._workspace_attention_kernel, dict(G=G, GP=G, BQ=rows // G, BN=keys, **scaled), warps, stages),
+)
+for name, kern, const, warps, stages in cases:
+    const = dict(const, D=D, BH=D // 2)
+    names = kern.arg_names
+    sig = {}
+    for arg in names:
+        if arg in const:
+            sig[arg] = "constexpr"
+        elif arg in ("q", "o", "scale_ptr"):
+            sig[arg] = "*fp64"
+        elif arg in ("emb1", "emb2", "wk", "wv", "cc", "ss", "k_ws", "v_ws"):
+            sig[arg] = "*fp32"
+        elif arg in ("KVH", "pair0"):
+            sig[arg] = "i32"
+        elif arg in ("sq_l", "sq_t", "slab"):
+            sig[arg] = "i64"
+        else:
+            sig[arg] = "*i64"
+    # pointers and strides 16-aligned, as the launcher finds them at run time (the loads vectorise)
+    aligned = {(names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items()
+               if t.startswith("*") or a in ("sq_l", "sq_t", "slab")}
+    src = ASTSource(fn=kern, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=aligned)
+    out = build(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    ptx = out.asm["ptx"]
+    print(name, out.metadata.shared, "mma.sync.aligned.m8n8k4.row.col.f64" in ptx, "tf32" in ptx, "cp.async" in ptx)
+"""
+
+
+def test_dense_attention_kernels_compile_for_hopper_at_nemotron_shapes():
+    """Without a GPU: Triton's front end and ptxas build the four launches (decode tiles, long
+    tiles projecting their keys, the workspace's projection, long tiles over the workspace) for
+    sm_90 at Nemotron-H-8B's attention shapes, within Hopper's shared memory (227 KB a block):
+    attention on the float64 tensor cores, projections on TF32 (exact: integers below 2**11), the
+    workspace loads asynchronous (pipelined). A process of its own: this module runs Triton's
+    interpreter."""
+    lines = compile_for_hopper(_COMPILE_FOR_HOPPER).strip().splitlines()
+    got = {name: (int(shared), dmma, tf32, cp_async) for name, shared, dmma, tf32, cp_async in map(str.split, lines)}
+    assert set(got) == {"short", "long", "project", "workspace"}
+    assert all(shared <= 227 * 1024 for shared, *_ in got.values()), got
+    assert got["workspace"][1:] == ("True", "False", "True")
+    assert got["project"][1:3] == ("False", "True")
+    assert got["short"][1:3] == got["long"][1:3] == ("True", "True")

@@ -132,17 +132,30 @@ def plan_memory(s: Scenario, groups, device: torch.device, checked_kernels: bool
         step = (budget * a.layers * (hd + 2 * kvd) * 4  # every layer's Q, K, V of the step
                 + 2 * budget * a.layers * hd * 4  # every layer's outputs until the check, and a split's partials
                 + 6 * 4 * min(PAGED_SCORES, seqs * 16 * a.heads * s.scheduler.max_model_len))  # reference scores
-        if fused_by_default(device):  # one float64 kernel: keys and scores never in memory (oracle.DenseOracle)
+        if fused_by_default(device):  # float64 kernels: scores never in memory (oracle.DenseOracle)
+            from ..kernels.dense_attention_f64 import WORKSPACE_ELEMS
             oracle = 4 * 8 * a.layers * budget * hd  # the step's queries, outputs and rope's two temporaries
-            what = "float64 queries and outputs (keys and scores stay inside the kernel)"
+            what = ("float64 queries and outputs (for rows of one query tile, keys and scores stay inside the kernel; "
+                    "longer rows' keys: the key workspace)")
+            # rows of several query tiles (at most min(seqs, budget / 2): two queries or more each) keep
+            # every layer's float32 K and V, projected once, bounded by the kernel's WORKSPACE_ELEMS
+            keys = s.scheduler.max_model_len * min(seqs, max(1, budget // 2))
+            workspace = MemoryItem("attention oracle key workspace (at most)",
+                                   4 * min(WORKSPACE_ELEMS, a.layers * 2 * kvd * keys),
+                                   f"float32 K/V of long prefill chunks, every layer, projected once for all their "
+                                   f"query tiles (at most {WORKSPACE_ELEMS * 4 / 2**20:,.0f} MiB: more keys take their "
+                                   f"(layer, KV head) pairs in passes)")
         else:
             oracle = (a.layers * budget * hd * 8
                       + 5 * 8 * min(ORACLE_SCORES, budget * a.heads * s.scheduler.max_model_len * a.layers)
                       + a.layers * 2 * kvd * 8 * s.scheduler.max_model_len)  # a long row's K/V, projected once
             what = "float64 K/V (a whole row's, for a long one), scores and outputs"
+            workspace = None
         plan.items.append(MemoryItem("attention step transients (estimate)", step,
                                      f"largest step of {budget:,} tokens: projections, outputs, reference scores"))
         plan.items.append(MemoryItem("attention oracle (estimate)", oracle, what))
+        if workspace is not None:
+            plan.items.append(workspace)
         memo = oracle_memo_bytes(s, device)
         if memo:
             plan.items.append(MemoryItem("attention oracle key memo (at most)", memo,
@@ -159,8 +172,11 @@ def plan_memory(s: Scenario, groups, device: torch.device, checked_kernels: bool
         state = 4 * ((m.conv_kernel - 1) * dim + H * P * m.d_state)
         plan.items.append(MemoryItem("Mamba oracle states", m.layers * seqs * state,
                                      f"{m.layers} layers x {seqs} requests (max_num_seqs)"))
+        # on a GPU the chunked scan's pre-pass holds a launch's B and C as int8 digits (two a value)
+        bc = budget * m.layers * 2 * m.n_groups * m.d_state * 2 if device.type == "cuda" else 0
         plan.items.append(MemoryItem("Mamba step buffers", m.layers * 4 * (budget * H * P + 2 * seqs * (
-            m.conv_kernel - 1) * dim), f"outputs of {budget:,} tokens and starting windows, every layer"))
+            m.conv_kernel - 1) * dim) + bc, f"outputs of {budget:,} tokens and starting windows, every layer"
+                                     + (", and the chunked scan's B and C" if bc else "")))
         if checked_kernels:
             plan.items.append(MemoryItem("checked state copies", 2 * STAGED_PAGES * page,
                                          f"the reference's copy of at most {STAGED_PAGES} touched pages"))

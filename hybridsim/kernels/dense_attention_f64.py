@@ -1,20 +1,30 @@
-"""The GQA probe's causal attention in float64 with neither keys nor scores in memory: the
-attention oracle's arithmetic on a GPU.
+"""The GQA probe's causal attention in float64 with the scores never in memory: the attention
+oracle's arithmetic on a GPU.
 
 The oracle's dense attention in torch (``layers/gqa.py``) projects every key of every row in
 float64 (several passes over tensors of tokens x layers x K/V heads x head size) and
 materialises every score of a batch, then passes over those five times; on a real-scale step
-that is most of the oracle's time. Here one program takes a tile of one row's queries (times the
+that is most of the oracle's time. Here a program takes a tile of one row's queries (times the
 query heads of one KV head of one layer) and walks the row's keys a block at a time:
 
-* the block's K and V are projected from its token ids in the program: the hidden state is two
-  embedding rows, K = rope(x W_K), V = x W_V. Every input is a small integer (|x| <= 16,
-  |W| <= 4, sums below 2**13, the rope table's integers below 2**10), so these products are
-  exact in float32 on the tensor cores (TF32 holds integers below 2**11 exactly; every sum stays
-  below 2**24) and rope's two products and sum are exact in float32 too: the same values
-  ``GQAStack.keys`` computes in float64;
+* a key's K and V come from its token id: the hidden state is two embedding rows,
+  K = rope(x W_K), V = x W_V. Every input is a small integer (|x| <= 16, |W| <= 4, sums below
+  2**13, the rope table's integers below 2**10), so these products are exact in float32 on the
+  tensor cores (TF32 holds integers below 2**11 exactly; every sum stays below 2**24) and rope's
+  two products (below 2**23) and their sum (below 2**24) are exact in float32 too: the same
+  values ``GQAStack.keys`` computes in float64;
 * scores and the weighted sum of V run in float64 (``tl.dot`` on float64: the tensor cores'
   DMMA), with a running maximum and sum as in flash attention.
+
+Where the keys are projected depends on how many tiles walk them. A row of one tile (a decode,
+a short chunk) projects each key block inside its program: nothing is projected twice. A long
+prefill chunk has one tile per few queries, and each would project the same keys again (125
+times over for a 1,000-query chunk in groups of 4 heads), so its keys are projected once per
+(layer, KV head) into a float32 workspace (exact, by the argument above: float32 holds every K
+and V) and its tiles read them from there, the loads pipelined (``num_stages``) as in
+``latent_attention_f64``. The workspace is bounded (``WORKSPACE_ELEMS``): long rows go in chunks
+whose keys fit it, a row too long for that takes its (layer, KV head) pairs a few at a time, and
+a row too long for even one pair projects its keys inside the kernel.
 
 Layout: row r owns queries ``q[:, q_start[r]:q_start[r] + q_len[r]]`` (layers, tokens, heads, D,
 float64, already projected) at positions ``pos0[r] + j`` and keys ``tokens[k_start[r]:...]`` at
@@ -25,6 +35,8 @@ form, row by row: the results agree to float64 rounding (sums in another order),
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -32,17 +44,36 @@ import triton.language as tl
 from ..device.transfer import upload, upload_many
 from .flash_f64 import row_of_tile, softmax_block
 from ..layers.exact import rotation_tables
-from ..layers.gqa import V_SHIFT
+from ..layers.gqa import V_SHIFT, GQAStack
 from ..layers.mla import ROPE_SHIFT, TABLE, TABLE2
 
-# tile schedule, from bench_oracle (H100): 32 (query, head) rows x 32 keys over 4 warps, one stage;
-# 8 warps spill less (ptxas) but ran slower, 16-key blocks and a pipelined loop (more shared memory) too
+# Keys projected in the attention program (rows of one tile, and rows too long for the
+# workspace). Tile schedule from bench_oracle (H100): 32 (query, head) rows x 32 keys over 4
+# warps, one stage; 8 warps spill less (ptxas) but ran slower, 16-key blocks and a pipelined loop
+# (more shared memory) too.
 M_LONG = 32  # (query, head) pairs a program takes for rows with many queries
 M_SHORT = 16  # for short (decode) rows: the smallest tile a float64 product takes
 KEYS_PER_BLOCK = 32
 WARPS_LONG = 4  # (8 warps: 29.3 against 22.0 ms on bench_oracle's step, H100; 64-query tiles 35.3 ms)
 WARPS_SHORT = 4
 STAGES = 1
+# Rows of several tiles, over the workspace: (query, head) rows a program takes, keys a block,
+# warps, pipeline stages. As latent_attention_f64's per-head schedule (keys in memory, loads three
+# deep), with 32 rows: a KV head's query heads share each key load, and twice the rows read the
+# workspace half as often. Built for sm_90 at D = 128 (ptxas, no device): 168 registers, no
+# spills, 32 KiB of shared memory a stage (a 32-key block of float32 K and V), 104.5 KiB in all;
+# not yet timed: bench_oracle sweeps it.
+WORKSPACE = (32, 32, 4, 3)
+# keys a projection program writes for one (layer, KV head): 64 over 8 warps (150 registers;
+# over 4 warps the four TF32 products spill, 32 keys or 64)
+PROJECT_KEYS = 64
+PROJECT_WARPS = 8
+# Float32 elements of K and V a call keeps at once (256 MiB): half the bytes of the float64
+# queries and outputs the executor's oracle packs into one call (ORACLE_SCORES, 2**26 elements,
+# engine/attn_exec.py), so the workspace adds at most half again to the oracle's memory. It holds
+# every (layer, KV head) of 8,192 keys at Nemotron-H-8B's geometry (4 layers x 8 KV heads x 128);
+# a longer row takes its pairs in passes, which costs launches, not work.
+WORKSPACE_ELEMS = 1 << 26
 
 
 def probe_attention_reference(stack, q: torch.Tensor, tokens: torch.Tensor, q_start: list[int], q_len: list[int],
@@ -93,91 +124,287 @@ def _rope(k_lo, k_hi, n, nm, cc, ss, D: tl.constexpr, BH: tl.constexpr):
 
 
 @triton.jit
-def _probe_attention_kernel(q, tokens, emb1, emb2, wk, wv, cc, ss, o, tile_row, tile_q0, q_start, q_len, k_start,
-                            pos0, sq_l, sq_t, scale_ptr, KVH,
-                            HID: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, G: tl.constexpr,
-                            GP: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BQ: tl.constexpr,
-                            BN: tl.constexpr, K_SHIFT: tl.constexpr, V_SCALE: tl.constexpr):
-    """One program: BQ queries of one row times the G query heads of one KV head of one layer
-    (tile rows m = query * GP + head), over all the keys those queries see."""
-    t = tl.program_id(0)
-    layer = tl.program_id(1) // KVH
-    kh = tl.program_id(1) % KVH
-    scale = tl.load(scale_ptr)  # float64 (a float argument would arrive as float32: scores of 1e4 would move by 1e-4)
+def _tile_queries(q, t, layer, kh, tile_row, tile_q0, q_start, q_len, k_start, pos0, sq_l, sq_t,
+                  G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BQ: tl.constexpr):
+    """Tile t's (query, head) rows m = query * GP + head: (its row r, the row's first key slot,
+    each tile row's position, which are real, their offsets in q (and o), the queries' two halves,
+    the keys the tile sees)."""
     r, i0, qs, ql, ks, p0 = row_of_tile(t, tile_row, tile_q0, q_start, q_len, k_start, pos0)
     m = tl.arange(0, BQ * GP)
     qi = i0 + m // GP
     g = m % GP
     valid = (qi < ql) & (g < G)
     qc = tl.minimum(qi, ql - 1)  # a padding row repeats the tile's last query (finite everywhere)
-    qpos = p0 + qc
     dh = tl.arange(0, BH)
     hm = dh < D // 2
     q_off = layer.to(tl.int64) * sq_l + (qs + qc).to(tl.int64) * sq_t + (kh * G + tl.minimum(g, G - 1)) * D
     q_lo = tl.load(q + q_off[:, None] + dh[None, :], mask=hm[None, :], other=0.0)
     q_hi = tl.load(q + q_off[:, None] + D // 2 + dh[None, :], mask=hm[None, :], other=0.0)
+    return r, ks, p0 + qc, valid, q_off, q_lo, q_hi, p0 + tl.minimum(i0 + BQ, ql)  # keys 0..: to its last query
+
+
+@triton.jit
+def _scores(q_lo, q_hi, k_lo, k_hi, n, qpos, scale, K_SHIFT: tl.constexpr):
+    """A key block's scores: q . k exactly (every product and partial sum an integer times 2**-34
+    below 2**53), then the power of two rope's table carries and the softmax scale (the torch
+    form's values); a key after a query masked (key 0 is seen by every row: the maximum stays finite)."""
+    s = (tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))) * K_SHIFT * scale
+    return tl.where(n[None, :] <= qpos[:, None], s, float("-inf"))
+
+
+@triton.jit
+def _store_tile(o, q_off, valid, acc_lo, acc_hi, l_i, D: tl.constexpr, BH: tl.constexpr, V_SCALE: tl.constexpr):
+    dh = tl.arange(0, BH)
+    out = o + q_off[:, None] + dh[None, :]
+    keep = valid[:, None] & (dh < D // 2)[None, :]
+    tl.store(out, acc_lo / l_i[:, None] * V_SCALE, mask=keep)
+    tl.store(out + D // 2, acc_hi / l_i[:, None] * V_SCALE, mask=keep)
+
+
+@triton.jit
+def _probe_attention_kernel(q, tokens, emb1, emb2, wk, wv, cc, ss, o, tile_row, tile_q0, q_start, q_len, k_start,
+                            pos0, sq_l, sq_t, scale_ptr, KVH,
+                            HID: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, G: tl.constexpr,
+                            GP: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BQ: tl.constexpr,
+                            BN: tl.constexpr, K_SHIFT: tl.constexpr, V_SCALE: tl.constexpr):
+    """One program: BQ queries of one row times the G query heads of one KV head of one layer,
+    over all the keys those queries see, each key block projected here."""
+    t = tl.program_id(0)
+    layer = tl.program_id(1) // KVH
+    kh = tl.program_id(1) % KVH
+    scale = tl.load(scale_ptr)  # float64 (a float argument would arrive as float32: scores of 1e4 would move by 1e-4)
+    _, ks, qpos, valid, q_off, q_lo, q_hi, hi = _tile_queries(q, t, layer, kh, tile_row, tile_q0, q_start, q_len,
+                                                              k_start, pos0, sq_l, sq_t, G, GP, D, BH, BQ)
     m_i = tl.full([BQ * GP], float("-inf"), tl.float64)
     l_i = tl.zeros([BQ * GP], tl.float64)
     acc_lo = tl.zeros([BQ * GP, BH], tl.float64)
     acc_hi = tl.zeros([BQ * GP, BH], tl.float64)
-    hi = p0 + tl.minimum(i0 + BQ, ql)  # keys 0..hi-1: up to the tile's last query
     for n0 in range(0, hi, BN):
         n = n0 + tl.arange(0, BN)
         nm = n < hi
         x = _hidden(tokens, ks, n, nm, emb1, emb2, layer, HID, T1, T2)
         k_lo, k_hi = _halves(x, wk, layer, kh, KVH, HID, D, BH)
         k_lo, k_hi = _rope(k_lo, k_hi, n, nm, cc, ss, D, BH)
-        # q . k exactly (every product and partial sum an integer times 2**-34 below 2**53), then
-        # the power of two rope's table carries and the softmax scale: the torch form's values
-        s = (tl.dot(q_lo, tl.trans(k_lo.to(tl.float64))) + tl.dot(q_hi, tl.trans(k_hi.to(tl.float64)))) \
-            * K_SHIFT * scale
-        s = tl.where(n[None, :] <= qpos[:, None], s, float("-inf"))  # key 0 is seen by every row: m stays finite
+        s = _scores(q_lo, q_hi, k_lo.to(tl.float64), k_hi.to(tl.float64), n, qpos, scale, K_SHIFT)
         m_new, alpha, p, l_i = softmax_block(s, m_i, l_i)
-        v_lo, v_hi = _halves(x, wv, layer, kh, KVH, HID, D, BH)
+        v_lo, v_hi = _halves(x, wv, layer, kh, KVH, HID, D, BH)  # (after the scores: fewer registers live)
         acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo.to(tl.float64))
         acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi.to(tl.float64))
         m_i = m_new
-    out = o + q_off[:, None] + dh[None, :]
-    keep = valid[:, None] & hm[None, :]
-    tl.store(out, acc_lo / l_i[:, None] * V_SCALE, mask=keep)
-    tl.store(out + D // 2, acc_hi / l_i[:, None] * V_SCALE, mask=keep)
+    _store_tile(o, q_off, valid, acc_lo, acc_hi, l_i, D, BH, V_SCALE)
+
+
+@triton.jit
+def _project_keys_kernel(tokens, emb1, emb2, wk, wv, cc, ss, k_ws, v_ws, blk_row, blk_n0, q_len, k_start, pos0,
+                         w_start, slab, pair0, KVH,
+                         HID: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, D: tl.constexpr,
+                         BH: tl.constexpr, BN: tl.constexpr):
+    """One program: K (after rope) and V of BN keys of one row (from row position blk_n0) for one
+    (layer, KV head), pair pair0 + program_id(1), into that pair's slab of the workspace
+    (program_id(1) * slab elements in; row r's keys from key slot w_start[r]): exact in float32."""
+    b = tl.program_id(0)
+    j = tl.program_id(1)
+    layer = (pair0 + j) // KVH
+    kh = (pair0 + j) % KVH
+    r = tl.load(blk_row + b)
+    n = tl.load(blk_n0 + b) + tl.arange(0, BN)
+    nm = n < tl.load(pos0 + r) + tl.load(q_len + r)
+    x = _hidden(tokens, tl.load(k_start + r), n, nm, emb1, emb2, layer, HID, T1, T2)
+    k_lo, k_hi = _halves(x, wk, layer, kh, KVH, HID, D, BH)
+    k_lo, k_hi = _rope(k_lo, k_hi, n, nm, cc, ss, D, BH)
+    v_lo, v_hi = _halves(x, wv, layer, kh, KVH, HID, D, BH)
+    dh = tl.arange(0, BH)
+    at = (j.to(tl.int64) * slab + (tl.load(w_start + r) + n) * D)[:, None] + dh[None, :]
+    keep = nm[:, None] & (dh < D // 2)[None, :]
+    tl.store(k_ws + at, k_lo, mask=keep)
+    tl.store(k_ws + at + D // 2, k_hi, mask=keep)
+    tl.store(v_ws + at, v_lo, mask=keep)
+    tl.store(v_ws + at + D // 2, v_hi, mask=keep)
+
+
+@triton.jit
+def _load_halves(ws, rows, nm, D: tl.constexpr, BH: tl.constexpr):
+    """A key block's two halves of D from the workspace (exact float32), in float64."""
+    dh = tl.arange(0, BH)
+    at = ws + rows[:, None] + dh[None, :]
+    m = nm[:, None] & (dh < D // 2)[None, :]
+    return tl.load(at, mask=m, other=0.0).to(tl.float64), tl.load(at + D // 2, mask=m, other=0.0).to(tl.float64)
+
+
+@triton.jit
+def _workspace_attention_kernel(q, k_ws, v_ws, o, tile_row, tile_q0, q_start, q_len, k_start, pos0, w_start,
+                                sq_l, sq_t, slab, pair0, scale_ptr, KVH,
+                                G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BH: tl.constexpr,
+                                BQ: tl.constexpr, BN: tl.constexpr, K_SHIFT: tl.constexpr, V_SCALE: tl.constexpr):
+    """``_probe_attention_kernel`` over keys ``_project_keys_kernel`` wrote: (layer, KV head)
+    pair pair0 + program_id(1), its keys in slab program_id(1) of the workspace."""
+    t = tl.program_id(0)
+    j = tl.program_id(1)
+    layer = (pair0 + j) // KVH
+    kh = (pair0 + j) % KVH
+    scale = tl.load(scale_ptr)  # float64 (a float argument would arrive as float32)
+    r, _, qpos, valid, q_off, q_lo, q_hi, hi = _tile_queries(q, t, layer, kh, tile_row, tile_q0, q_start, q_len,
+                                                             k_start, pos0, sq_l, sq_t, G, GP, D, BH, BQ)
+    base = j.to(tl.int64) * slab + tl.load(w_start + r) * D
+    m_i = tl.full([BQ * GP], float("-inf"), tl.float64)
+    l_i = tl.zeros([BQ * GP], tl.float64)
+    acc_lo = tl.zeros([BQ * GP, BH], tl.float64)
+    acc_hi = tl.zeros([BQ * GP, BH], tl.float64)
+    for n0 in range(0, hi, BN):
+        n = n0 + tl.arange(0, BN)
+        nm = n < hi
+        rows = base + n.to(tl.int64) * D
+        k_lo, k_hi = _load_halves(k_ws, rows, nm, D, BH)
+        s = _scores(q_lo, q_hi, k_lo, k_hi, n, qpos, scale, K_SHIFT)
+        m_new, alpha, p, l_i = softmax_block(s, m_i, l_i)
+        v_lo, v_hi = _load_halves(v_ws, rows, nm, D, BH)
+        acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo)
+        acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi)
+        m_i = m_new
+    _store_tile(o, q_off, valid, acc_lo, acc_hi, l_i, D, BH, V_SCALE)
+
+
+@dataclass
+class _Call:
+    """What every launch of one ``probe_attention`` call shares."""
+
+    stack: GQAStack  # float32 tables
+    q: torch.Tensor
+    tokens: torch.Tensor
+    o: torch.Tensor
+    cc: torch.Tensor  # rope's tables, float32
+    ss: torch.Tensor
+    meta: list[torch.Tensor]  # q_start, q_len, k_start, pos0 on the device
+    scale: torch.Tensor  # float64, on the device
+    q_len: list[int]
+    pos0: list[int]
+    G: int
+    GP: int
+
+    @property
+    def kv_heads(self) -> int:
+        return self.stack.geo.kv_heads
+
+    @property
+    def pairs(self) -> int:
+        """(layer, KV head) pairs: the launches' second axis."""
+        return self.q.shape[0] * self.kv_heads
+
+    def sizes(self) -> dict:
+        """The constexpr sizes every kernel takes."""
+        D = self.q.shape[-1]
+        return dict(D=D, BH=max(16, triton.next_power_of_2(D // 2)))
+
+
+def _tiles(c: _Call, rows: list[int], bq: int, extra: list | None = None) -> tuple[int, list[torch.Tensor]]:
+    """Tiles of bq queries of the rows, the heaviest (most keys) first: their count, and on the
+    device their rows and first queries (and ``extra``'s lists, in the same upload)."""
+    tiles = sorted(((c.pos0[r] + min(i0 + bq, c.q_len[r]), r, i0) for r in rows for i0 in range(0, c.q_len[r], bq)),
+                   reverse=True)
+    ids = upload_many([[r for _, r, _ in tiles], [i0 for _, _, i0 in tiles]] + (extra or []), c.q.device)
+    return len(tiles), ids
+
+
+def _attend_projecting(c: _Call, rows: list[int], bq: int, warps: int) -> None:
+    """The rows in tiles of bq queries, each projecting its keys (one launch)."""
+    n_tiles, ids = _tiles(c, rows, bq)
+    st = c.stack
+    _probe_attention_kernel[(n_tiles, c.pairs)](
+        c.q, c.tokens, st.emb1, st.emb2, st.w_k, st.w_v, c.cc, c.ss, c.o, ids[0], ids[1], *c.meta,
+        c.q.stride(0), c.q.stride(1), c.scale, c.kv_heads,
+        HID=st.emb1.shape[-1], T1=TABLE, T2=TABLE2, G=c.G, GP=c.GP, BQ=bq, BN=KEYS_PER_BLOCK,
+        K_SHIFT=2.0 ** -ROPE_SHIFT, V_SCALE=2.0 ** -V_SHIFT, num_warps=warps, num_stages=STAGES, **c.sizes())
+
+
+def _workspace_plan(n: list[int], rows: list[int], pairs: int, per_pair: int,
+                   bound: int) -> tuple[list[tuple[list[int], int]], list[int]]:
+    """Long rows (row r has n[r] keys, each ``per_pair`` workspace elements per (layer, KV head))
+    in workspace chunks of at most ``bound`` elements: (rows, pairs a pass) per chunk, every pair
+    at once where the rows fit (as many rows a chunk as fit), else a row alone with as many pairs
+    a pass as fit; and the rows too long for even one pair (they project their keys in the
+    attention kernel)."""
+    chunks: list[tuple[list[int], int]] = []
+    too_long: list[int] = []
+    group: list[int] = []
+    keys = 0
+    for r in rows:
+        if n[r] * per_pair > bound:
+            too_long.append(r)
+        elif n[r] * per_pair * pairs > bound:
+            chunks.append(([r], bound // (n[r] * per_pair)))
+        else:
+            if group and (keys + n[r]) * per_pair * pairs > bound:
+                chunks.append((group, pairs))
+                group, keys = [], 0
+            group.append(r)
+            keys += n[r]
+    if group:
+        chunks.append((group, pairs))
+    return chunks, too_long
+
+
+def _attend_workspace(c: _Call, rows: list[int], step: int) -> None:
+    """The rows' keys projected into a float32 workspace (2, step pairs, the rows' keys, D), then
+    attended over in tiles, ``step`` (layer, KV head) pairs a pass."""
+    rows_per_tile, bn, warps, stages = WORKSPACE
+    st = c.stack
+    D = c.q.shape[-1]
+    n = {r: c.pos0[r] + c.q_len[r] for r in rows}
+    w_start = [0] * len(c.q_len)  # each row's first key slot in the workspace
+    at = 0
+    for r in rows:
+        w_start[r], at = at, at + n[r]
+    blocks = [(r, n0) for r in rows for n0 in range(0, n[r], PROJECT_KEYS)]
+    n_tiles, ids = _tiles(c, rows, max(1, rows_per_tile // c.GP),
+                          [w_start, [r for r, _ in blocks], [n0 for _, n0 in blocks]])
+    ws = torch.empty((2, step, at, D), dtype=torch.float32, device=c.q.device)
+    # tiles are the launches' first axis (the fastest), so the programs running at once read few
+    # pairs' keys, which stay in L2 (bench_oracle's step on an H100: 253 tiles a pair, about 264
+    # programs resident, one pair's 5 MiB at a time)
+    for pair0 in range(0, c.pairs, step):
+        pairs = min(step, c.pairs - pair0)
+        _project_keys_kernel[(len(blocks), pairs)](
+            c.tokens, st.emb1, st.emb2, st.w_k, st.w_v, c.cc, c.ss, ws[0], ws[1], ids[3], ids[4], c.meta[1],
+            c.meta[2], c.meta[3], ids[2], at * D, pair0, c.kv_heads,
+            HID=st.emb1.shape[-1], T1=TABLE, T2=TABLE2, BN=PROJECT_KEYS, num_warps=PROJECT_WARPS, **c.sizes())
+        _workspace_attention_kernel[(n_tiles, pairs)](
+            c.q, ws[0], ws[1], c.o, ids[0], ids[1], *c.meta, ids[2], c.q.stride(0), c.q.stride(1), at * D, pair0,
+            c.scale, c.kv_heads, G=c.G, GP=c.GP, BQ=max(1, rows_per_tile // c.GP), BN=bn,
+            K_SHIFT=2.0 ** -ROPE_SHIFT, V_SCALE=2.0 ** -V_SHIFT, num_warps=warps, num_stages=stages, **c.sizes())
 
 
 def probe_attention(stack32, q: torch.Tensor, tokens: torch.Tensor, q_start: list[int], q_len: list[int],
-                    k_start: list[int], pos0: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
-    """``probe_attention_reference`` in one launch per tile size (Triton: a GPU, or the
-    interpreter). ``stack32``: the layers' tables in float32 (``GQAStack(..., torch.float32)``);
-    q (layers, queries, heads, D) float64; tokens (keys,) int64. Rows of few queries take the small
-    tile, the rest the large one; the heaviest tiles (most keys) start first. ``out``: where to
-    write (every row's queries are written)."""
+                    k_start: list[int], pos0: list[int], out: torch.Tensor | None = None, *,
+                    workspace_elems: int | None = None) -> torch.Tensor:
+    """``probe_attention_reference`` in a few launches (Triton: a GPU, or the interpreter).
+    ``stack32``: the layers' tables in float32 (``GQAStack(..., torch.float32)``); q (layers,
+    queries, heads, D) float64; tokens (keys,) int64. Rows of few queries take the small tile and
+    rows of one large tile the large one, each projecting its keys; rows of several large tiles
+    attend over keys projected once into a workspace of at most ``workspace_elems`` float32
+    elements (default ``WORKSPACE_ELEMS``). The heaviest tiles (most keys) of a launch start
+    first. ``out``: where to write (every row's queries are written)."""
     assert q.dtype == torch.float64 and q.stride(-1) == 1 and q.stride(-2) == q.shape[-1]
     assert stack32.emb1.dtype == torch.float32
-    L, _, H, D = q.shape
-    KVH = stack32.geo.kv_heads
-    G = H // KVH
-    GP = triton.next_power_of_2(G)
+    _, _, H, D = q.shape
+    G = H // stack32.geo.kv_heads
     HID = stack32.emb1.shape[-1]
     assert D % 2 == 0 and HID == triton.next_power_of_2(HID) and HID >= 16
     o = torch.empty_like(q) if out is None else out
     dev = q.device
     cc, ss = rotation_tables(D, max(p0 + ql for p0, ql in zip(pos0, q_len)), dev, torch.float32)
-    meta = upload_many([q_start, q_len, k_start, pos0], dev)
-    scale = upload([float(stack32.scale)], dev, torch.float64)
-    short_q = max(1, M_SHORT // GP)
-    for short in (True, False):
-        bq = short_q if short else max(1, M_LONG // GP)
-        tiles = []  # (keys seen, row, first query)
-        for r, (ql, p0) in enumerate(zip(q_len, pos0)):
-            if ql > 0 and (ql <= short_q) == short:
-                tiles += [(p0 + min(i0 + bq, ql), r, i0) for i0 in range(0, ql, bq)]
-        if not tiles:
-            continue
-        tiles.sort(reverse=True)
-        ids = upload_many([[r for _, r, _ in tiles], [i0 for _, _, i0 in tiles]], dev)
-        _probe_attention_kernel[(len(tiles), L * KVH)](
-            q, tokens, stack32.emb1, stack32.emb2, stack32.w_k, stack32.w_v, cc, ss, o, ids[0], ids[1],
-            meta[0], meta[1], meta[2], meta[3], q.stride(0), q.stride(1), scale, KVH,
-            HID=HID, T1=TABLE, T2=TABLE2, G=G, GP=GP, D=D, BH=max(16, triton.next_power_of_2(D // 2)), BQ=bq,
-            BN=KEYS_PER_BLOCK, K_SHIFT=2.0 ** -ROPE_SHIFT, V_SCALE=2.0 ** -V_SHIFT,
-            num_warps=WARPS_SHORT if short else WARPS_LONG, num_stages=STAGES)
+    c = _Call(stack32, q, tokens, o, cc, ss, upload_many([q_start, q_len, k_start, pos0], dev),
+              upload([float(stack32.scale)], dev, torch.float64), q_len, pos0, G, triton.next_power_of_2(G))
+    short_q, long_q = max(1, M_SHORT // c.GP), max(1, M_LONG // c.GP)
+    short = [r for r, ql in enumerate(q_len) if 0 < ql <= short_q]
+    one_tile = [r for r, ql in enumerate(q_len) if short_q < ql <= long_q]
+    several = [r for r, ql in enumerate(q_len) if ql > max(short_q, long_q)]
+    n = [p0 + ql for p0, ql in zip(pos0, q_len)]
+    bound = WORKSPACE_ELEMS if workspace_elems is None else workspace_elems
+    chunks, too_long = _workspace_plan(n, several, c.pairs, 2 * D, bound)
+    if short:
+        _attend_projecting(c, short, short_q, WARPS_SHORT)
+    if one_tile or too_long:
+        _attend_projecting(c, one_tile + too_long, long_q, WARPS_LONG)
+    for rows, step in chunks:
+        _attend_workspace(c, rows, step)
     return o

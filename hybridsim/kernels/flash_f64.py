@@ -1,6 +1,7 @@
 """Pieces the float64 attention kernels share (``dense_attention_f64``: the GQA oracle, keys
-projected inside it; ``latent_attention_f64``: the MLA oracle, keys in memory): where a tile's
-row and queries are, and the running softmax of flash attention."""
+projected inside it or, for long rows, once into a workspace; ``latent_attention_f64``: the MLA
+oracle, keys in memory): where a tile's row and queries are, and the running softmax of flash
+attention."""
 
 from __future__ import annotations
 
