@@ -163,10 +163,11 @@ def main() -> None:
                    dict(every=False, **kw)),
                   (f"decode 128 x 4, oracle rows, {bp}-row tiles, {warps} warps", 128, 4, True,
                    dict(every=False, **kw))]
-    for bt, warps in ((32, 8), (64, 4)):  # chunked (tensor cores): tile sweep
-        kw = dict(chunk_tokens=bt, chunk_warps=warps)
-        cases += [(f"prefill 4 x 1024, chunks of {bt}, {warps} warps", 4, 1024, False, kw),
-                  (f"prefill 4 x 1024, oracle mode, chunks of {bt}, {warps} warps", 4, 1024, True, kw)]
+    for bt, warps, regs in ((32, 8, None), (32, 8, 128), (64, 4, None)):  # chunked (tensor cores): tile sweep
+        kw = dict(chunk_tokens=bt, chunk_warps=warps, chunk_maxnreg=regs)
+        tile = f"chunks of {bt}, {warps} warps, " + (f"{regs} registers" if regs else "registers unbounded")
+        cases += [(f"prefill 4 x 1024, {tile}", 4, 1024, False, kw),
+                  (f"prefill 4 x 1024, oracle mode, {tile}", 4, 1024, True, kw)]
     cases += [("prefill 4 x 1024, oracle mode, chunks of 32, every element differs", 4, 1024, True, dict(differ=True))]
     cases += [("prefill 4 x 1024, token by token", 4, 1024, False, dict(chunked=False)),
               ("prefill 4 x 1024, oracle mode, token by token", 4, 1024, True, dict(chunked=False))]

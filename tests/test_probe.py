@@ -244,6 +244,32 @@ def test_chunked_comparisons_count_what_the_reference_counts():
     assert int(stats[1][..., 0].sum()) == 3
 
 
+@INTERPRETER
+def test_chunked_output_mismatches_fold_over_chunks():
+    """The chunked kernel keeps its output mismatches element by element across a row's chunks
+    and folds them once: several mismatches at the same place in different chunks, and in two
+    rows, count, take the largest difference and the first token exactly as the torch form."""
+    _, tab, b, ln, expect = _case(CHUNKED, 3, [40, 66], pages=32)
+    scan_reference(tab, ln)
+    L = CHUNKED.layers
+    cb = _compare_events(b, ln, expect, L)
+    y_ref = ln.y_out.clone()
+    r1 = int(ln.y_start[1])
+    for t, layer, ch, d in ((2, 1, 4, 3), (34, 1, 4, 9), (35, 1, 5, 2), (65, 0, 7, 1)):
+        y_ref[r1 + t, layer, ch] += d
+    y_ref[int(ln.y_start[0]) + 39, 1, 0] += 4
+    stats = []
+    for scan in (scan_reference, scan_triton):
+        launch, _ = cb.build(ln.init_window, ln.state_conv.clone(), ln.state_temporal.clone(), torch.arange(L),
+                             "cpu", y_start=ln.y_start + 1, cmp=(ln.state_conv.clone(), ln.state_temporal.clone(),
+                                                                 torch.arange(L)), y_ref=y_ref)
+        scan(tab, launch)
+        stats.append(launch.stats)
+    assert torch.equal(stats[0], stats[1])
+    assert int(stats[1][..., 0].sum()) == 5
+    assert int(stats[1][..., 1].max()) == 9
+
+
 def test_every_state_element_depends_on_the_first_token():
     """Change only the first token of 40: (nearly) every element of the final state moves."""
     probe = MambaProbe(build_preset("tiny-hybrid").mamba, 0, seed=1)
@@ -412,7 +438,7 @@ assert chunked_fits(p.H, p.P, p.G, p.N, p.geo.conv_kernel, p.bc_from_conv)
 const = dict(H=p.H, P=p.P, G=p.G, N=p.N, KM1=p.geo.conv_kernel - 1, DIM=p.H * p.P + 2 * p.G * p.N,
              BT=CHUNK_TOKENS, WRITE_Y=False, COMPARE=True, QQ=Q)
 kinds = {"*fp32": {"init_window", "conv", "temporal", "cmp_conv", "cmp_temporal"},
-         "*i32": {"y_out", "y_ref", "emb", "conv_w", "conv_b", "head", "Dt", "powt"}, "*i16": {"bcbuf"}}
+         "*i32": {"parts", "y_out", "y_ref", "emb", "conv_w", "conv_b", "head", "Dt", "powt"}, "*i8": {"bcbuf"}}
 names = kern.arg_names
 sig = {}
 for name in names:

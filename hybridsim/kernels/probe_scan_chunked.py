@@ -21,6 +21,7 @@ fill a chunk, stay with the token-by-token kernel (``scan_triton`` routes them).
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -30,16 +31,32 @@ from .probe_scan_triton import SCAN_INTS, _cmp_state, _fold, _cmp_window, _hash,
 @triton.jit
 def _mdot(a, b, QQ: tl.constexpr):
     """(a @ b) mod Q for residue matrices (int32 in [0, Q)), exact: four int8 products."""
-    ah = (a >> 6).to(tl.int8)
-    al = (a & 63).to(tl.int8)
-    bh = (b >> 6).to(tl.int8)
-    bl = (b & 63).to(tl.int8)
+    return _mdot_sum(a, b) % QQ
+
+
+@triton.jit
+def _mdot_sum(a, b):
+    """a @ b for residue matrices (int32 in [0, Q)), exact and not yet reduced: below 2**30 for an
+    inner size up to 128, so a caller can add one more such sum (or a residue) before reducing."""
+    ah, al = _digits(a)
+    bh, bl = _digits(b)
+    return _digit_dot(ah, al, bh, bl)
+
+
+@triton.jit
+def _digits(a):
+    """A residue r < Q = 2039 as its two base-64 digits (r >> 6, r & 63), int8 both."""
+    return (a >> 6).to(tl.int8), (a & 63).to(tl.int8)
+
+
+@triton.jit
+def _digit_dot(ah, al, bh, bl):
+    """``_mdot_sum`` of operands given as digits (``_digits``)."""
     # one accumulator: ((hh * 64 + hl + lh) * 64 + ll), every partial sum below 2**30
     acc = tl.dot(ah, bh, out_dtype=tl.int32)
     acc = tl.dot(ah, bl, acc * 64, out_dtype=tl.int32)
     acc = tl.dot(al, bh, acc, out_dtype=tl.int32)
-    acc = tl.dot(al, bl, acc * 64, out_dtype=tl.int32)
-    return acc % QQ
+    return tl.dot(al, bl, acc * 64, out_dtype=tl.int32)
 
 
 @triton.jit
@@ -55,13 +72,14 @@ def _u_tile(j, lo, hi, k, iw, ch, cm, KM1: tl.constexpr, DIM: tl.constexpr, QQ: 
 
 
 @triton.jit
-def _token_parts(tokens, start, j, jm, QQ: tl.constexpr):
-    tok = tl.load(tokens + start + tl.maximum(j, 0), mask=jm & (j >= 0), other=0)
-    return (tok % QQ).to(tl.int32), ((tok // QQ) % QQ).to(tl.int32)
+def _token_parts(parts, start, j, jm):
+    """(token mod Q, token / Q mod Q) of row tokens j, from ``token_parts``'s packing."""
+    pp = tl.load(parts + start + tl.maximum(j, 0), mask=jm & (j >= 0), other=0)
+    return pp & 0xFFFF, pp >> 16
 
 
 @triton.jit
-def _conv_tile(tokens, start, j, jm, embl, cwl, cbl, iw, ch, cm, KM1: tl.constexpr, DIM: tl.constexpr,
+def _conv_tile(parts, start, j, jm, embl, cwl, cbl, iw, ch, cm, KM1: tl.constexpr, DIM: tl.constexpr,
                QQ: tl.constexpr):
     """z = (bias + sum of 4 taps) mod Q for tokens j (T,) on channels ch: taps u(j-3) .. u(j).
     Keys and weights are read here, chunk by chunk (cached), not held in registers for the row."""
@@ -70,17 +88,17 @@ def _conv_tile(tokens, start, j, jm, embl, cwl, cbl, iw, ch, cm, KM1: tl.constex
     z = tl.zeros([j.shape[0], ch.shape[0]], dtype=tl.int32) + w[4][None, :]
     for tap in tl.static_range(4):
         jj = j - 3 + tap
-        lo, hi = _token_parts(tokens, start, jj, jm, QQ)
+        lo, hi = _token_parts(parts, start, jj, jm)
         z += w[tap][None, :] * _u_tile(jj, lo, hi, k, iw, ch, cm, KM1, DIM, QQ)
     return z % QQ
 
 
 @triton.jit
-def _u_row(tokens, start, j, k, iw, ch, cm, KM1: tl.constexpr, DIM: tl.constexpr, QQ: tl.constexpr):
+def _u_row(parts, start, j, k, iw, ch, cm, KM1: tl.constexpr, DIM: tl.constexpr, QQ: tl.constexpr):
     """u of one row token j (scalar; j < 0 reads the starting window) on channels ch."""
-    tok = tl.load(tokens + start + tl.maximum(j, 0))
-    lo = (tok % QQ).to(tl.int32)
-    hi = ((tok // QQ) % QQ).to(tl.int32)
+    pp = tl.load(parts + start + tl.maximum(j, 0))
+    lo = pp & 0xFFFF
+    hi = pp >> 16
     u = _hash(lo, hi, k[0], k[1], k[2], k[3], QQ)
     wr = KM1 + j
     wv = _residue(tl.load(iw + tl.minimum(tl.maximum(wr, 0), KM1 - 1) * DIM + ch, mask=cm, other=0.0))
@@ -88,20 +106,21 @@ def _u_row(tokens, start, j, k, iw, ch, cm, KM1: tl.constexpr, DIM: tl.constexpr
 
 
 @triton.jit
-def _window_at(tokens, start, j, embl, iw, ch, cm, KM1: tl.constexpr, DIM: tl.constexpr, QQ: tl.constexpr):
+def _window_at(parts, start, j, embl, iw, ch, cm, KM1: tl.constexpr, DIM: tl.constexpr, QQ: tl.constexpr):
     """The three newest conv inputs after token j (oldest first), as ``_store_window`` takes them."""
     k = _keys(embl, ch, cm)
-    return (_u_row(tokens, start, j - 2, k, iw, ch, cm, KM1, DIM, QQ),
-            _u_row(tokens, start, j - 1, k, iw, ch, cm, KM1, DIM, QQ),
-            _u_row(tokens, start, j, k, iw, ch, cm, KM1, DIM, QQ))
+    return (_u_row(parts, start, j - 2, k, iw, ch, cm, KM1, DIM, QQ),
+            _u_row(parts, start, j - 1, k, iw, ch, cm, KM1, DIM, QQ),
+            _u_row(parts, start, j, k, iw, ch, cm, KM1, DIM, QQ))
 
 
 @triton.jit(do_not_specialize=["L"])
-def _bc_conv_kernel(row_ids, bc_base, tokens, row_start, row_len, init_window, emb, conv_w, conv_b, bcbuf, L,
+def _bc_conv_kernel(row_ids, bc_base, parts, row_start, row_len, init_window, emb, conv_w, conv_b, bcbuf, L,
                     H: tl.constexpr, P: tl.constexpr, G: tl.constexpr, N: tl.constexpr, KM1: tl.constexpr,
                     DIM: tl.constexpr, BT: tl.constexpr, QQ: tl.constexpr):
-    """B and C (after the conv, mod Q) of BT tokens of a row, one layer and group, as int16 into
-    ``bcbuf`` (tokens, L, 2, G, N): every head of the group reads them instead of computing them."""
+    """B and C (after the conv, mod Q) of BT tokens of a row, one layer and group, as their digits
+    (``_digits``) into ``bcbuf`` (tokens, L, 4, G, N) int8: B's high and low digits, then C's. Every
+    head of the group reads them, ready for the tensor cores, instead of computing and splitting them."""
     pid0 = tl.program_id(0)
     grp = tl.program_id(1)
     j = tl.program_id(2) * BT + tl.arange(0, BT)
@@ -119,17 +138,18 @@ def _bc_conv_kernel(row_ids, bc_base, tokens, row_start, row_len, init_window, e
         cwl = conv_w + lay * (4 * DIM)
         cbl = conv_b + lay * DIM
         iw = init_window + (b * L64 + lay) * (KM1 * DIM)
-        out = bcbuf + ((tl.load(bc_base + i) + j).to(tl.int64)[:, None] * L64 + lay) * (2 * G * N) + offs_n[None, :]
+        out = bcbuf + ((tl.load(bc_base + i) + j).to(tl.int64)[:, None] * L64 + lay) * (4 * G * N) + offs_n[None, :]
         bch = H * P + grp * N + offs_n
-        Bv = _conv_tile(tokens, start, j, jm, embl, cwl, cbl, iw, bch, nm, KM1, DIM, QQ)
-        tl.store(out + grp * N, Bv.to(tl.int16), mask=jm[:, None])
-        Cv = _conv_tile(tokens, start, j, jm, embl, cwl, cbl, iw, bch + G * N, nm, KM1, DIM, QQ)
-        tl.store(out + (G + grp) * N, Cv.to(tl.int16), mask=jm[:, None])
+        for part in tl.static_range(2):  # B, then C
+            v = _conv_tile(parts, start, j, jm, embl, cwl, cbl, iw, bch + part * G * N, nm, KM1, DIM, QQ)
+            vh, vl = _digits(v)
+            tl.store(out + (2 * part * G + grp) * N, vh, mask=jm[:, None])
+            tl.store(out + ((2 * part + 1) * G + grp) * N, vl, mask=jm[:, None])
 
 
 @triton.jit(do_not_specialize=SCAN_INTS)
 def _chunked_scan_kernel(
-        row_ids, bc_base, bcbuf, tokens, row_start, row_len, init_window, init_tpage,
+        row_ids, bc_base, bcbuf, parts, row_start, row_len, init_window, init_tpage,
         conv, temporal, state_slot, c_ss, c_sp, c_sr, t_ss, t_sp,
         ev_ptr, ev_t, ev_tpage, ev_cpage,
         y_out, y_start,
@@ -172,6 +192,11 @@ def _chunked_scan_kernel(
     ar = tl.arange(0, BT)
     causal = ar[:, None] >= ar[None, :]
     cslot = 0
+    # output mismatches, element by element over the row's chunks (folded once, after the last):
+    # how many chunks mismatched (bits 0-19) and the largest |difference| (bits 20-30), and the
+    # first mismatching token; no reduction across the tile a chunk
+    ybad = tl.zeros([BT, P], dtype=tl.int32)
+    yfirst = tl.full([BT, P], 2147483647, tl.int32)
     if COMPARE:
         cslot = tl.load(cmp_slot + lay).to(tl.int64)
     t0 = 0
@@ -184,15 +209,18 @@ def _chunked_scan_kernel(
             t1 = tl.minimum(t1, (ct + 1).to(tl.int32))
         j = t0 + ar
         jm = j < t1
-        lo, hi = _token_parts(tokens, start, j, jm, QQ)
+        lo, hi = _token_parts(parts, start, j, jm)
         # y_t's first part: C_t . h_0 (B and C of the chunk's tokens: from the pre-pass)
-        bc_row = bcbuf + ((base + j).to(tl.int64)[:, None] * L64 + lay) * (2 * G * N) + offs_n[None, :]
-        Cv = tl.load(bc_row + (G + grp) * N, mask=jm[:, None], other=0).to(tl.int32)
-        yacc = _mdot(Cv, tl.trans(h), QQ)  # (BT, P)
-        Bv = tl.load(bc_row + grp * N, mask=jm[:, None], other=0).to(tl.int32)
-        S = _mdot(Cv, tl.trans(Bv), QQ)  # (BT, BT): C_t . B_i
+        bc_row = bcbuf + ((base + j).to(tl.int64)[:, None] * L64 + lay) * (4 * G * N) + offs_n[None, :]
+        Ch = tl.load(bc_row + (2 * G + grp) * N, mask=jm[:, None], other=0)
+        Cl = tl.load(bc_row + (3 * G + grp) * N, mask=jm[:, None], other=0)
+        hh, hl = _digits(tl.trans(h))
+        ych = _digit_dot(Ch, Cl, hh, hl)  # (BT, P), reduced below with the chunk's own part
+        Bh = tl.load(bc_row + grp * N, mask=jm[:, None], other=0)
+        Bl = tl.load(bc_row + (G + grp) * N, mask=jm[:, None], other=0)
+        S = _digit_dot(Ch, Cl, tl.trans(Bh), tl.trans(Bl)) % QQ  # (BT, BT): C_t . B_i
         S = tl.where(causal, S, 0)
-        zx = _conv_tile(tokens, start, j, jm, embl, cwl, cbl, iw, xc, pm, KM1, DIM, QQ)
+        zx = _conv_tile(parts, start, j, jm, embl, cwl, cbl, iw, xc, pm, KM1, DIM, QQ)
         e = tl.where(jm, (lo * rho + hi * sig + tau) % (QQ - 1), 0)
         g = 1 + (lo * mu + hi * nu + kap) % (QQ - 1)
         E = tl.cumsum(e, axis=0) % (QQ - 1)
@@ -200,7 +228,12 @@ def _chunked_scan_kernel(
         A_inv = tl.load(powt + (QQ - 1 - E) % (QQ - 1))
         gi = (g * A_inv) % QQ
         W = tl.where(jm[:, None], (gi[:, None] * zx) % QQ, 0)  # (BT, P)
-        yacc = (yacc + _mdot(S, W, QQ)) % QQ
+        # the state after the chunk, A_end (h_0 + W^T B), as A_end h_0 + (A_end W)^T B: A_end
+        # scales the (BT, P) W (its tokens' factors) rather than the (P, N) state, and the sum
+        # (below 2**22 + 2**30) takes one reduction
+        A_end = tl.load(powt + tl.sum(e, axis=0) % (QQ - 1))
+        W_end = tl.where(jm[:, None], (((A_end * gi) % QQ)[:, None] * zx) % QQ, 0)
+        yacc = (ych + _mdot_sum(S, W)) % QQ  # (two sums below 2**30 each: one reduction)
         y = (A[:, None] * yacc + Dh * zx) % QQ
         yo = ((ys + j).to(tl.int64)[:, None] * L64 + lay) * HP + xc[None, :]
         if WRITE_Y:
@@ -209,23 +242,15 @@ def _chunked_scan_kernel(
             inr = jm & (j >= yf) & (j < yf + yc)
             yo_ref = ((ys + j - yf).to(tl.int64)[:, None] * L64 + lay) * HP + xc[None, :]
             yr = tl.load(y_ref + yo_ref, mask=inr[:, None], other=0)
-            # mismatches counted along each token's outputs, then folded per token with masked
-            # atomics: no reduction over the whole tile a chunk (three of them took the oracle's
-            # chunks to 25.1 against the system's 20.3 ms a step of nemotron_h_8b_mooncake, H200),
-            # and no atomic per element (where every output differs that took 403 ms for bench_scan's
-            # 4 x 1,024 tokens against 50 with whole-tile reductions)
             bad = (yr != y) & inr[:, None]
-            cnt = tl.sum(bad.to(tl.int64), axis=1)
-            d = tl.max(tl.where(bad, tl.abs(yr - y), 0), axis=1).to(tl.int64)
-            _fold(stats + ((n_cmp + b) * L64 + lay) * 3, cnt > 0, cnt, d, (j - yf).to(tl.int64))
-        # the state after the chunk's last token
-        A_end = tl.load(powt + tl.sum(e, axis=0) % (QQ - 1))
-        h = (A_end * ((h + _mdot(tl.trans(W), Bv, QQ)) % QQ)) % QQ
+            ybad = (tl.maximum(ybad >> 20, tl.where(bad, tl.abs(yr - y), 0)) << 20) | ((ybad & 0xFFFFF) + bad.to(tl.int32))
+            yfirst = tl.minimum(yfirst, tl.where(bad, (j - yf).to(tl.int32)[:, None], 2147483647))
+        h = (A_end * h + _digit_dot(*_digits(tl.trans(W_end)), Bh, Bl)) % QQ
         last = t1 - 1
         if (et == last) | (ct == last):
-            x0, x1, x2 = _window_at(tokens, start, last, embl, iw, xc, pm, KM1, DIM, QQ)
-            b0, b1, b2 = _window_at(tokens, start, last, embl, iw, bch, nm, KM1, DIM, QQ)
-            c0, c1, c2 = _window_at(tokens, start, last, embl, iw, cch, nm, KM1, DIM, QQ)
+            x0, x1, x2 = _window_at(parts, start, last, embl, iw, xc, pm, KM1, DIM, QQ)
+            b0, b1, b2 = _window_at(parts, start, last, embl, iw, bch, nm, KM1, DIM, QQ)
+            c0, c1, c2 = _window_at(parts, start, last, embl, iw, cch, nm, KM1, DIM, QQ)
             while et == last:
                 tp = tl.load(ev_tpage + ei * L64 + lay).to(tl.int64)
                 cp = tl.load(ev_cpage + ei * L64 + lay).to(tl.int64)
@@ -254,6 +279,17 @@ def _chunked_scan_kernel(
                     ci += 1
                     ct = tl.load(cmp_t + ci, mask=ci < ce, other=-1)
         t0 = t1
+    if COMPARE:
+        cnt = tl.sum(tl.sum(ybad & 0xFFFFF, axis=1), axis=0)
+        _fold(stats + ((n_cmp + b) * L64 + lay) * 3, cnt > 0, cnt.to(tl.int64),
+              tl.max(tl.max(ybad >> 20, axis=1), axis=0).to(tl.int64), tl.min(tl.min(yfirst, axis=1), axis=0).to(tl.int64))
+
+
+def token_parts(tokens: torch.Tensor, q: int) -> torch.Tensor:
+    """The two residues every token's hashes take, (token mod q) + 65536 (token / q mod q), as
+    int32 (both below 2**11): computed once a launch on the device, not in 64-bit integer division
+    five times a token in each of the kernels' programs (several hundred instructions a chunk)."""
+    return ((tokens % q) + ((tokens // q) % q) * 65536).to(torch.int32)
 
 
 def chunked_fits(H: int, P: int, G: int, N: int, K: int, bc_from_conv: bool) -> bool:

@@ -370,6 +370,10 @@ CHUNK_MIN_TOKENS = 32
 # 64 tokens x 8 warps is miscompiled by Triton 3.6 (an out-of-range shared access on the H200)
 CHUNK_TOKENS = 32
 CHUNK_WARPS = 8
+# registers a thread of the chunked kernel may take (None: as ptxas likes, 255 at 32 x 8). At 128 two
+# programs share an SM, 16 warps to hide the products' and reductions' latency, for some spills:
+# bench_scan's 4 x 1,024 tokens 22.3 against 27.8 ms, 29.4 against 32.3 in the oracle's mode (H200)
+CHUNK_MAXNREG: int | None = 128
 PREPASS_TOKENS = 64  # tokens a program of the B/C pre-pass takes
 
 
@@ -391,7 +395,7 @@ def _routes(tables: StackedTables, ln: ScanLaunch, chunk_min: int = CHUNK_MIN_TO
 
 def scan_triton(tables: StackedTables, ln: ScanLaunch, block_p: int = 32, num_warps: int = 4,
                 chunked: bool = True, chunk_tokens: int = CHUNK_TOKENS, chunk_warps: int = CHUNK_WARPS,
-                chunk_min: int = CHUNK_MIN_TOKENS) -> None:
+                chunk_min: int = CHUNK_MIN_TOKENS, chunk_maxnreg: int | None = CHUNK_MAXNREG) -> None:
     """The launch on the GPU (or the interpreter): rows of ``chunk_min`` tokens or more in chunks on
     tensor cores, the rest token by token; the same results bit for bit either way.
     ``chunked=False``: every row token by token."""
@@ -402,7 +406,7 @@ def scan_triton(tables: StackedTables, ln: ScanLaunch, block_p: int = 32, num_wa
     if seq:
         _scan_rows(tables, ln, pk, seq, block_p, num_warps)
     if chk:
-        _scan_rows_chunked(tables, ln, pk, chk, chunk_tokens, chunk_warps)
+        _scan_rows_chunked(tables, ln, pk, chk, chunk_tokens, chunk_warps, chunk_maxnreg)
 
 
 def _args(tables: StackedTables, ln: ScanLaunch):
@@ -452,8 +456,9 @@ def _scan_rows(tables: StackedTables, ln: ScanLaunch, pk: dict, rows: list[int],
         num_warps=num_warps)
 
 
-def _scan_rows_chunked(tables: StackedTables, ln: ScanLaunch, pk: dict, rows: list[int], bt: int, num_warps: int):
-    from .probe_scan_chunked import _bc_conv_kernel, _chunked_scan_kernel
+def _scan_rows_chunked(tables: StackedTables, ln: ScanLaunch, pk: dict, rows: list[int], bt: int, num_warps: int,
+                       maxnreg: int | None = None):
+    from .probe_scan_chunked import _bc_conv_kernel, _chunked_scan_kernel, token_parts
     L, G, N = tables.layers, tables.G, tables.N
     lens = ln.host_len if ln.host_len is not None else ln.row_len.tolist()
     base = [0]
@@ -461,13 +466,16 @@ def _scan_rows_chunked(tables: StackedTables, ln: ScanLaunch, pk: dict, rows: li
         base.append(base[-1] + lens[b])
     dev = ln.tokens.device
     ids, bases = upload(rows, dev), upload(base[:-1], dev)
-    bcbuf = torch.empty(base[-1], L, 2, G, N, dtype=torch.int16, device=dev)
+    parts = token_parts(ln.tokens, Q)
+    bcbuf = torch.empty(base[-1], L, 4, G, N, dtype=torch.int8, device=dev)
     geo = dict(H=tables.H, P=tables.P, G=G, N=N, KM1=tables.K - 1, DIM=tables.dim, QQ=Q)
     _bc_conv_kernel[(len(rows) * L, G, triton.cdiv(max(lens[b] for b in rows), PREPASS_TOKENS))](
-        ids, bases, ln.tokens, ln.row_start, ln.row_len, ln.init_window, pk["emb"], pk["conv_w"], pk["conv_b"],
+        ids, bases, parts, ln.row_start, ln.row_len, ln.init_window, pk["emb"], pk["conv_w"], pk["conv_b"],
         bcbuf, L, BT=PREPASS_TOKENS, **geo, num_warps=4)
     head, _, tail = _args(tables, ln)
+    assert head[0] is ln.tokens  # (the chunked kernel takes the tokens' residues in their place)
     _chunked_scan_kernel[(len(rows) * L, tables.H)](
-        ids, bases, bcbuf, *head, *tail,
+        ids, bases, bcbuf, parts, *head[1:], *tail,
         pk["emb"], pk["conv_w"], pk["conv_b"], pk["head"], pk["D"], pk["pow"], L,
-        BT=bt, WRITE_Y=ln.y_out is not None, COMPARE=ln.compares, **geo, num_warps=num_warps)
+        BT=bt, WRITE_Y=ln.y_out is not None, COMPARE=ln.compares, **geo, num_warps=num_warps,
+        **({"maxnreg": maxnreg} if maxnreg else {}))
