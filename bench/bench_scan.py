@@ -163,7 +163,7 @@ def main() -> None:
                    dict(every=False, **kw)),
                   (f"decode 128 x 4, oracle rows, {bp}-row tiles, {warps} warps", 128, 4, True,
                    dict(every=False, **kw))]
-    for bt, warps, regs in ((32, 8, None), (32, 8, 128), (64, 4, None)):  # chunked (tensor cores): tile sweep
+    for bt, warps, regs in ((32, 8, 128), (32, 8, None), (64, 4, None)):  # chunked (tensor cores): tile sweep
         kw = dict(chunk_tokens=bt, chunk_warps=warps, chunk_maxnreg=regs)
         tile = f"chunks of {bt}, {warps} warps, " + (f"{regs} registers" if regs else "registers unbounded")
         cases += [(f"prefill 4 x 1024, {tile}", 4, 1024, False, kw),

@@ -370,10 +370,13 @@ CHUNK_MIN_TOKENS = 32
 # 64 tokens x 8 warps is miscompiled by Triton 3.6 (an out-of-range shared access on the H200)
 CHUNK_TOKENS = 32
 CHUNK_WARPS = 8
-# registers a thread of the chunked kernel may take (None: as ptxas likes, 255 at 32 x 8). At 128 two
-# programs share an SM, 16 warps to hide the products' and reductions' latency, for some spills:
-# bench_scan's 4 x 1,024 tokens 22.3 against 27.8 ms, 29.4 against 32.3 in the oracle's mode (H200)
-CHUNK_MAXNREG: int | None = 128
+# registers a thread of the chunked kernel may take, in the system's mode and in the oracle's (None:
+# as ptxas likes, 255 at 32 x 8). At 128 two programs share an SM, 16 warps to hide the products'
+# and reductions' latency, for some spills: bench_scan's 4 x 1,024 tokens 21.8 against 27.1 ms. The
+# oracle's mode (its comparisons' code and per-element tallies) spills more there: 32.2 against
+# 30.5 ms unbounded (H200)
+CHUNK_MAXNREG: dict[bool, int | None] = {False: 128, True: None}
+BY_MODE = -1  # (``scan_triton``'s chunk_maxnreg: CHUNK_MAXNREG's figure for the launch's mode)
 PREPASS_TOKENS = 64  # tokens a program of the B/C pre-pass takes
 
 
@@ -395,10 +398,11 @@ def _routes(tables: StackedTables, ln: ScanLaunch, chunk_min: int = CHUNK_MIN_TO
 
 def scan_triton(tables: StackedTables, ln: ScanLaunch, block_p: int = 32, num_warps: int = 4,
                 chunked: bool = True, chunk_tokens: int = CHUNK_TOKENS, chunk_warps: int = CHUNK_WARPS,
-                chunk_min: int = CHUNK_MIN_TOKENS, chunk_maxnreg: int | None = CHUNK_MAXNREG) -> None:
+                chunk_min: int = CHUNK_MIN_TOKENS, chunk_maxnreg: int | None = BY_MODE) -> None:
     """The launch on the GPU (or the interpreter): rows of ``chunk_min`` tokens or more in chunks on
     tensor cores, the rest token by token; the same results bit for bit either way.
-    ``chunked=False``: every row token by token."""
+    ``chunked=False``: every row token by token. ``chunk_maxnreg``: the registers a thread of the
+    chunked kernel may take (None: unbounded; by default ``CHUNK_MAXNREG``'s for the launch's mode)."""
     pk = tables.derived.get("triton")
     if pk is None:
         pk = tables.derived["triton"] = pack_tables(tables)
@@ -406,7 +410,8 @@ def scan_triton(tables: StackedTables, ln: ScanLaunch, block_p: int = 32, num_wa
     if seq:
         _scan_rows(tables, ln, pk, seq, block_p, num_warps)
     if chk:
-        _scan_rows_chunked(tables, ln, pk, chk, chunk_tokens, chunk_warps, chunk_maxnreg)
+        regs = CHUNK_MAXNREG[ln.compares] if chunk_maxnreg == BY_MODE else chunk_maxnreg
+        _scan_rows_chunked(tables, ln, pk, chk, chunk_tokens, chunk_warps, regs)
 
 
 def _args(tables: StackedTables, ln: ScanLaunch):
