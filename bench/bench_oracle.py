@@ -173,20 +173,18 @@ def main() -> None:
     timed("torch: padded batches, scores in memory", torch_path)
     # the workspace tiles' schedule ((query, head) rows x keys, warps, stages) and the workspace's
     # bound; a bound of 0 leaves every row to the tiles that project their own keys
-    default = (fused.WORKSPACE, fused.WORKSPACE_ELEMS, fused.DECODE_WORKSPACE)
-    sweep = [default, (fused.WORKSPACE, fused.WORKSPACE_ELEMS, not fused.DECODE_WORKSPACE)] + [
-        (w, fused.WORKSPACE_ELEMS, fused.DECODE_WORKSPACE) for w in (
-            (32, 32, 8, 3), (32, 32, 4, 2), (16, 32, 4, 3), (64, 32, 8, 3))] + [(fused.WORKSPACE, 0, False)]
-    for sched, bound, decode in sweep:
-        fused.WORKSPACE, fused.WORKSPACE_ELEMS, fused.DECODE_WORKSPACE = sched, bound, decode
+    default = (fused.WORKSPACE, fused.WORKSPACE_ELEMS)
+    sweep = [default] + [(w, fused.WORKSPACE_ELEMS) for w in (
+        (32, 32, 8, 3), (32, 32, 4, 2), (16, 32, 4, 3), (64, 32, 8, 3))] + [(fused.WORKSPACE, 0)]
+    for sched, bound in sweep:
+        fused.WORKSPACE, fused.WORKSPACE_ELEMS = sched, bound
         name = ("fused: every tile projecting its keys (no workspace)" if bound == 0 else
-                "fused: workspace tiles {} rows x {} keys, {} warps, {} stage(s)".format(*sched)
-                + (", decode rows too" if decode else ", decode rows projecting"))
+                "fused: workspace tiles {} rows x {} keys, {} warps, {} stage(s)".format(*sched))
         try:
             timed(name, GQAOracle(probes, torch.device("cuda"), ORACLE_SCORES, fused=True))
         except Exception as e:  # a schedule the compiler rejects is reported, not fatal
             print(f"  {name}: failed: {type(e).__name__}: {str(e)[:200]}")
-    fused.WORKSPACE, fused.WORKSPACE_ELEMS, fused.DECODE_WORKSPACE = default
+    fused.WORKSPACE, fused.WORKSPACE_ELEMS = default
     if not a.gqa_only:
         results += mla_step(f64)
     if a.out:

@@ -63,9 +63,9 @@ def _launches(monkeypatch) -> dict[str, list]:
         seen["projecting"].append(sorted(c.q_len[r] for r in rows))
         return projecting(c, rows, bq, warps)
 
-    def spy_workspace(c, rows, step, rows_per_tile=None):
-        seen["workspace"].append((sorted(c.q_len[r] for r in rows), step) + ((rows_per_tile,) if rows_per_tile else ()))
-        return workspace(c, rows, step, rows_per_tile)
+    def spy_workspace(c, rows, step):
+        seen["workspace"].append((sorted(c.q_len[r] for r in rows), step))
+        return workspace(c, rows, step)
 
     monkeypatch.setattr(dense, "_attend_projecting", spy_projecting)
     monkeypatch.setattr(dense, "_attend_workspace", spy_workspace)
@@ -79,21 +79,14 @@ def test_float64_attention_kernel_equals_the_definition(heads, kv_heads, d):
 
 
 @INTERPRETER
-@pytest.mark.parametrize("decode_workspace", [False, True])
-def test_long_rows_attend_over_one_shared_workspace(monkeypatch, decode_workspace):
+def test_long_rows_attend_over_one_shared_workspace(monkeypatch):
     """Prefill chunks of several query tiles (groups of 4: 2 queries a decode tile, 8 a long one)
-    share one workspace holding every (layer, KV head) of their keys; a row of one long tile
-    projects its keys in the kernel, and so do the decodes unless they take a workspace of their
-    own (``DECODE_WORKSPACE``), in small tiles."""
-    monkeypatch.setattr(dense, "DECODE_WORKSPACE", decode_workspace)
+    share one workspace holding every (layer, KV head) of their keys; a row of one long tile and
+    the decodes project their keys in the kernel."""
     seen = _launches(monkeypatch)
     _check(8, 2, 32, 23, "cpu", rows=[(2, 40), (1, 0), (7, 30), (64, 0), (33, 90), (9, 5)])
-    if decode_workspace:
-        assert seen["projecting"] == [[7]]
-        assert seen["workspace"] == [([9, 33, 64], 2 * 2), ([1, 2], 2 * 2, dense.M_SHORT)]
-    else:
-        assert seen["projecting"] == [[1, 2], [7]]
-        assert seen["workspace"] == [([9, 33, 64], 2 * 2)]  # 2 layers x 2 KV heads at once
+    assert seen["projecting"] == [[1, 2], [7]]
+    assert seen["workspace"] == [([9, 33, 64], 2 * 2)]  # 2 layers x 2 KV heads at once
 
 
 @INTERPRETER
@@ -102,15 +95,12 @@ def test_a_small_workspace_splits_long_rows(monkeypatch):
     own, a row of 52 keys alone three pairs a pass (then the fourth), and a row of 170 keys (more
     than the bound holds for even one pair) projecting its keys in the kernel, with the one-tile
     row."""
-    monkeypatch.setattr(dense, "DECODE_WORKSPACE", True)
     seen = _launches(monkeypatch)
     pairs, per_pair = 2 * 2, 2 * 32
-    _check(8, 2, 32, 31, "cpu", rows=[(1, 0), (3, 70), (6, 5), (17, 0), (20, 15), (12, 40), (30, 140),
-                                      (2, 300)], workspace_elems=pairs * per_pair * 40)
-    # the decodes: one of 73 keys alone two pairs a pass, one of 302 keys projecting in the kernel
-    assert seen["projecting"] == [[2], [6, 30]]
-    assert sorted(seen["workspace"]) == [([1], pairs, dense.M_SHORT), ([3], 2, dense.M_SHORT), ([12], 3),
-                                         ([17], pairs), ([20], pairs)]
+    _check(8, 2, 32, 31, "cpu", rows=[(1, 0), (3, 70), (6, 5), (17, 0), (20, 15), (12, 40), (30, 140)],
+           workspace_elems=pairs * per_pair * 40)
+    assert seen["projecting"] == [[1, 3], [6, 30]]
+    assert sorted(seen["workspace"]) == [([12], 3), ([17], pairs), ([20], pairs)]
 
 
 @pytest.mark.gpu

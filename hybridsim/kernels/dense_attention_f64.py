@@ -74,10 +74,6 @@ PROJECT_WARPS = 8
 # every (layer, KV head) of 8,192 keys at Nemotron-H-8B's geometry (4 layers x 8 KV heads x 128);
 # a longer row takes its pairs in passes, which costs launches, not work.
 WORKSPACE_ELEMS = 1 << 26
-# decode rows (one small tile each) through the workspace too: their keys are projected once
-# either way, but by a separate launch of many short programs rather than inside a few long ones
-# that walk a row's thousands of keys block after block
-DECODE_WORKSPACE = True
 
 
 def probe_attention_reference(stack, q: torch.Tensor, tokens: torch.Tensor, q_start: list[int], q_len: list[int],
@@ -347,12 +343,10 @@ def _workspace_plan(n: list[int], rows: list[int], pairs: int, per_pair: int,
     return chunks, too_long
 
 
-def _attend_workspace(c: _Call, rows: list[int], step: int, rows_per_tile: int | None = None) -> None:
+def _attend_workspace(c: _Call, rows: list[int], step: int) -> None:
     """The rows' keys projected into a float32 workspace (2, step pairs, the rows' keys, D), then
-    attended over in tiles (of ``rows_per_tile`` (query, head) rows: by default ``WORKSPACE``'s),
-    ``step`` (layer, KV head) pairs a pass."""
-    tile_rows, bn, warps, stages = WORKSPACE
-    rows_per_tile = rows_per_tile or tile_rows
+    attended over in tiles, ``step`` (layer, KV head) pairs a pass."""
+    rows_per_tile, bn, warps, stages = WORKSPACE
     st = c.stack
     D = c.q.shape[-1]
     n = {r: c.pos0[r] + c.q_len[r] for r in rows}
@@ -407,15 +401,10 @@ def probe_attention(stack32, q: torch.Tensor, tokens: torch.Tensor, q_start: lis
     n = [p0 + ql for p0, ql in zip(pos0, q_len)]
     bound = WORKSPACE_ELEMS if workspace_elems is None else workspace_elems
     chunks, too_long = _workspace_plan(n, several, c.pairs, 2 * D, bound)
-    short_chunks: list[tuple[list[int], int]] = []
-    if DECODE_WORKSPACE:
-        short_chunks, short = _workspace_plan(n, short, c.pairs, 2 * D, bound)
     if short:
         _attend_projecting(c, short, short_q, WARPS_SHORT)
     if one_tile or too_long:
         _attend_projecting(c, one_tile + too_long, long_q, WARPS_LONG)
     for rows, step in chunks:
         _attend_workspace(c, rows, step)
-    for rows, step in short_chunks:
-        _attend_workspace(c, rows, step, M_SHORT)
     return o
