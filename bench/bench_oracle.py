@@ -8,8 +8,10 @@ scores in memory), and the fused path (queries projected in torch, then float64 
 score in memory, ``kernels/dense_attention_f64.py``: a decode row projects each key block from
 its token ids inside its program, a prefill chunk's keys are projected once into a float32
 workspace that its query tiles read, loads pipelined), with the workspace tiles' schedule swept,
-and once with no workspace (every tile projecting its keys: the path before it). Both are also
-compared with the CPU's float64 on a sample of rows. The floor is the step's float64 FLOPs (QK^T
+once with no workspace (every tile projecting its keys: the path before it), and with the decode
+rows' key ranges (``DECODE_SPLIT_KEYS``) swept, once unsplit (one program walking all of a decode
+tile's keys: the path before them). Both are also compared with the CPU's float64 on a sample of
+rows. The floor is the step's float64 FLOPs (QK^T
 and PV of every (query, key) pair a causal row computes) at the card's measured float64 matmul
 rate (an 8192-cube ``torch.mm``), or the traffic of q, k, v and o, whichever is larger: a lower
 bound (the keys' projection, exact integer products on TF32, and the workspace's float32 traffic
@@ -172,19 +174,28 @@ def main() -> None:
 
     timed("torch: padded batches, scores in memory", torch_path)
     # the workspace tiles' schedule ((query, head) rows x keys, warps, stages) and the workspace's
-    # bound; a bound of 0 leaves every row to the tiles that project their own keys
-    default = (fused.WORKSPACE, fused.WORKSPACE_ELEMS)
-    sweep = [default] + [(w, fused.WORKSPACE_ELEMS) for w in (
-        (32, 32, 8, 3), (32, 32, 4, 2), (16, 32, 4, 3), (64, 32, 8, 3))] + [(fused.WORKSPACE, 0)]
-    for sched, bound in sweep:
-        fused.WORKSPACE, fused.WORKSPACE_ELEMS = sched, bound
+    # bound; a bound of 0 leaves every row to the tiles that project their own keys; then the
+    # decode tiles' key ranges, a range longer than any row leaving each tile one program (unsplit);
+    # their partial results' bound raised for these (ranges of 512 keys would take 134 MiB here)
+    default = (fused.WORKSPACE, fused.WORKSPACE_ELEMS, fused.DECODE_SPLIT_KEYS)
+    partial_elems = fused.PARTIAL_ELEMS
+    unsplit = 1 << 40
+    sweep = [default] + [(w, fused.WORKSPACE_ELEMS, fused.DECODE_SPLIT_KEYS) for w in (
+        (32, 32, 8, 3), (32, 32, 4, 2), (16, 32, 4, 3), (64, 32, 8, 3))] + [(fused.WORKSPACE, 0, default[2])] + [
+        (fused.WORKSPACE, fused.WORKSPACE_ELEMS, k) for k in (unsplit, 256, 512, 1024, 2048) if k != default[2]]
+    for sched, bound, split in sweep:
+        fused.WORKSPACE, fused.WORKSPACE_ELEMS, fused.DECODE_SPLIT_KEYS = sched, bound, split
+        fused.PARTIAL_ELEMS = partial_elems if split == default[2] else 1 << 26
         name = ("fused: every tile projecting its keys (no workspace)" if bound == 0 else
+                "fused: decode tiles unsplit (one program walks a tile's keys)" if split == unsplit else
+                f"fused: decode tiles' keys in ranges of {split}" if split != default[2] else
                 "fused: workspace tiles {} rows x {} keys, {} warps, {} stage(s)".format(*sched))
         try:
             timed(name, GQAOracle(probes, torch.device("cuda"), ORACLE_SCORES, fused=True))
         except Exception as e:  # a schedule the compiler rejects is reported, not fatal
             print(f"  {name}: failed: {type(e).__name__}: {str(e)[:200]}")
-    fused.WORKSPACE, fused.WORKSPACE_ELEMS = default
+    fused.WORKSPACE, fused.WORKSPACE_ELEMS, fused.DECODE_SPLIT_KEYS = default
+    fused.PARTIAL_ELEMS = partial_elems
     if not a.gqa_only:
         results += mla_step(f64)
     if a.out:

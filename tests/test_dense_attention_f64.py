@@ -4,7 +4,8 @@ against their torch definition: packed rows in shuffled order, decode rows and l
 context, GQA groups of 1, 3 and 4 heads, head sizes whose half is and is not a power of two,
 tokens between rows that no row owns (a read past a row's keys changes its output), a workspace
 bound that splits long rows into chunks and passes or leaves a row to the in-kernel projection,
-outputs poisoned first (a query left unwritten shows)."""
+decode rows' keys split into ranges merged after (at a range's boundary, across one, a bound on
+the partial results), outputs poisoned first (a query left unwritten shows)."""
 
 from __future__ import annotations
 
@@ -55,9 +56,11 @@ def _check(heads: int, kv_heads: int, d: int, seed: int, device: str, rows=ROWS,
 
 def _launches(monkeypatch) -> dict[str, list]:
     """The routes ``probe_attention`` takes, recorded: the query counts of the rows each in-kernel
-    launch takes, and (query counts, (layer, KV head) pairs a pass) of each workspace chunk."""
-    seen: dict[str, list] = {"projecting": [], "workspace": []}
-    projecting, workspace = dense._attend_projecting, dense._attend_workspace
+    launch takes, (query counts, (layer, KV head) pairs a pass) of each workspace chunk, and
+    for the decode rows (query counts, the key ranges' length, each tile's ranges) where their
+    keys are split (else they are in "projecting")."""
+    seen: dict[str, list] = {"projecting": [], "workspace": [], "split": []}
+    projecting, workspace, split_plan = dense._attend_projecting, dense._attend_workspace, dense._split_plan
 
     def spy_projecting(c, rows, bq, warps):
         seen["projecting"].append(sorted(c.q_len[r] for r in rows))
@@ -67,8 +70,16 @@ def _launches(monkeypatch) -> dict[str, list]:
         seen["workspace"].append((sorted(c.q_len[r] for r in rows), step))
         return workspace(c, rows, step)
 
+    def spy_split_plan(c, rows, bq, split, bound):
+        plan = split_plan(c, rows, bq, split, bound)
+        if plan is not None:
+            seen["split"].append((sorted(c.q_len[r] for r in rows), plan[0],
+                                  sorted((c.q_len[r], c.pos0[r], ranges) for r, _, ranges in plan[1])))
+        return plan
+
     monkeypatch.setattr(dense, "_attend_projecting", spy_projecting)
     monkeypatch.setattr(dense, "_attend_workspace", spy_workspace)
+    monkeypatch.setattr(dense, "_split_plan", spy_split_plan)
     return seen
 
 
@@ -103,6 +114,45 @@ def test_a_small_workspace_splits_long_rows(monkeypatch):
     assert sorted(seen["workspace"]) == [([12], 3), ([17], pairs), ([20], pairs)]
 
 
+# decode rows (groups of 4: up to 4 queries a tile) over 40-300 keys in ranges of 64: one range
+# (40 and 63 keys before), a last range of one key (64), of the tile's queries alone (3 at 128, a
+# boundary), across a boundary (2 at 191, 4 at 254), and beside them a one-tile row and a workspace row
+SPLIT_ROWS = [(1, 40), (1, 63), (1, 64), (3, 128), (2, 191), (4, 254), (1, 299), (7, 30), (17, 20)]
+
+
+@INTERPRETER
+@pytest.mark.parametrize("heads,kv_heads,d", [(8, 2, 32), (6, 2, 24)], ids=["group4", "group3-d24"])
+def test_decode_rows_split_their_keys_into_ranges(monkeypatch, heads, kv_heads, d):
+    """Ranges of 64 keys: a program per range writes partial results, one launch merges them;
+    rows of one range and rows of five agree with the definition alike."""
+    monkeypatch.setattr(dense, "DECODE_SPLIT_KEYS", 64)
+    seen = _launches(monkeypatch)
+    _check(heads, kv_heads, d, 41, "cpu", rows=SPLIT_ROWS)
+    assert seen["projecting"] == [[7]] and seen["workspace"] == [([17], 2 * 2)]
+    assert seen["split"] == [([1, 1, 1, 1, 2, 3, 4], 64, [
+        (1, 40, [(0, 41)]), (1, 63, [(0, 64)]), (1, 64, [(0, 64), (64, 65)]),
+        (1, 299, [(0, 64), (64, 128), (128, 192), (192, 256), (256, 300)]),
+        (2, 191, [(0, 64), (64, 128), (128, 193)]), (3, 128, [(0, 64), (64, 128), (128, 131)]),
+        (4, 254, [(0, 64), (64, 128), (128, 192), (192, 258)])])]
+
+
+@INTERPRETER
+def test_a_small_partial_bound_takes_longer_ranges(monkeypatch):
+    """Partial results bounded: ranges of 64 keys would take 17 slots, of 128 keys 10 (each 2
+    layers x 2 KV heads x 16 (query, head) rows x 34 float64); a bound of 10 slots doubles the
+    range, a bound of 4 (ranges of 256 keys would take 6) leaves every tile one range (no merge)."""
+    monkeypatch.setattr(dense, "DECODE_SPLIT_KEYS", 64)
+    slot = 2 * 2 * 16 * (32 + 2)
+    rows = [(1, 64), (3, 128), (2, 191), (4, 254), (1, 299)]
+    seen = _launches(monkeypatch)
+    monkeypatch.setattr(dense, "PARTIAL_ELEMS", 10 * slot)
+    _check(8, 2, 32, 43, "cpu", rows=rows)
+    assert [split for _, split, _ in seen["split"]] == [128] and seen["projecting"] == []
+    monkeypatch.setattr(dense, "PARTIAL_ELEMS", 4 * slot)
+    _check(8, 2, 32, 44, "cpu", rows=rows)
+    assert len(seen["split"]) == 1 and seen["projecting"] == [[1, 1, 2, 3, 4]]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("heads,kv_heads,d", [(32, 8, 128), (16, 2, 256), (6, 2, 24)])
@@ -121,6 +171,13 @@ def test_long_rows_on_the_gpu_with_a_split_workspace():
 
 
 _COMPILE_FOR_HOPPER = """
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+
+import triton.backends.nvidia
 from triton import compile as build
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -130,14 +187,19 @@ from hybridsim.layers.mla import HIDDEN, ROPE_SHIFT, TABLE, TABLE2
 
 # Nemotron-H-8B: 32 heads over 8 KV heads (groups of 4), head size 128
 G, D = 4, 128
+tmp = tempfile.mkdtemp()
+tools = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
 rows, keys, warps, stages = dense.WORKSPACE
 scaled = dict(K_SHIFT=2.0 ** -ROPE_SHIFT, V_SCALE=2.0 ** -V_SHIFT)
 tables = dict(HID=HIDDEN, T1=TABLE, T2=TABLE2)
+short = dict(G=G, GP=G, BQ=dense.M_SHORT // G, BN=dense.KEYS_PER_BLOCK, **tables, **scaled)
 cases = (
-    ("short", dense._probe_attention_kernel, dict(G=G, GP=G, BQ=dense.M_SHORT // G, BN=dense.KEYS_PER_BLOCK, **tables,
-                                                  **scaled), dense.WARPS_SHORT, dense.STAGES),
+    ("short", dense._probe_attention_kernel, dict(short, PARTIAL=False), dense.WARPS_SHORT, dense.STAGES),
+    ("split", dense._probe_attention_kernel, dict(short, PARTIAL=True), dense.WARPS_SHORT, dense.STAGES),
+    ("merge", dense._merge_ranges_kernel, dict(G=G, GP=G, BQ=dense.M_SHORT // G, V_SCALE=scaled["V_SCALE"]),
+     dense.MERGE_WARPS, 1),
     ("long", dense._probe_attention_kernel, dict(G=G, GP=G, BQ=dense.M_LONG // G, BN=dense.KEYS_PER_BLOCK, **tables,
-                                                 **scaled), dense.WARPS_LONG, dense.STAGES),
+                                                 **scaled, PARTIAL=False), dense.WARPS_LONG, dense.STAGES),
     ("project", dense._project_keys_kernel, dict(BN=dense.PROJECT_KEYS, **tables), dense.PROJECT_WARPS, 1),
     ("workspace", dense._workspace_attention_kernel, dict(G=G, GP=G, BQ=rows // G, BN=keys, **scaled), warps, stages),
 )
@@ -148,7 +210,7 @@ for name, kern, const, warps, stages in cases:
     for arg in names:
         if arg in const:
             sig[arg] = "constexpr"
-        elif arg in ("q", "o", "scale_ptr"):
+        elif arg in ("q", "o", "scale_ptr", "part"):
             sig[arg] = "*fp64"
         elif arg in ("emb1", "emb2", "wk", "wv", "cc", "ss", "k_ws", "v_ws"):
             sig[arg] = "*fp32"
@@ -164,21 +226,38 @@ for name, kern, const, warps, stages in cases:
     src = ASTSource(fn=kern, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=aligned)
     out = build(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     ptx = out.asm["ptx"]
-    print(name, out.metadata.shared, "mma.sync.aligned.m8n8k4.row.col.f64" in ptx, "tf32" in ptx, "cp.async" in ptx)
+    # registers and spills a thread (ptxas), for the record: pytest -s shows them
+    with open(os.path.join(tmp, name + ".ptx"), "w") as f:
+        f.write(ptx)
+    regs, spills = "?", "?"
+    for ptxas in ("ptxas-blackwell", "ptxas"):  # (whichever of Triton's takes its PTX version)
+        ptxas = os.path.join(tools, ptxas)
+        usage = subprocess.run([ptxas, "-arch=sm_90a", "-v", "-o", os.devnull, f.name], capture_output=True,
+                               text=True).stderr if os.path.exists(ptxas) else ""
+        found = re.search(r"(\\d+) bytes spill stores.*?Used (\\d+) registers", usage, re.S)
+        if found:
+            spills, regs = found.groups()
+            break
+    print(name, out.metadata.shared, "mma.sync.aligned.m8n8k4.row.col.f64" in ptx, "tf32" in ptx, "cp.async" in ptx,
+          regs, spills)
+shutil.rmtree(tmp)
 """
 
 
 def test_dense_attention_kernels_compile_for_hopper_at_nemotron_shapes():
-    """Without a GPU: Triton's front end and ptxas build the four launches (decode tiles, long
-    tiles projecting their keys, the workspace's projection, long tiles over the workspace) for
+    """Without a GPU: Triton's front end and ptxas build the launches (decode tiles, whole or a
+    key range each writing partial results, the ranges' merge, long tiles projecting their keys,
+    the workspace's projection, long tiles over the workspace) for
     sm_90 at Nemotron-H-8B's attention shapes, within Hopper's shared memory (227 KB a block):
     attention on the float64 tensor cores, projections on TF32 (exact: integers below 2**11), the
     workspace loads asynchronous (pipelined). A process of its own: this module runs Triton's
     interpreter."""
     lines = compile_for_hopper(_COMPILE_FOR_HOPPER).strip().splitlines()
-    got = {name: (int(shared), dmma, tf32, cp_async) for name, shared, dmma, tf32, cp_async in map(str.split, lines)}
-    assert set(got) == {"short", "long", "project", "workspace"}
+    print("\n".join(lines))  # (pytest -s: shared memory, DMMA, TF32, cp.async, registers, spilled bytes)
+    got = {name: (int(shared), dmma, tf32, cp_async)
+           for name, shared, dmma, tf32, cp_async, _, _ in map(str.split, lines)}
+    assert set(got) == {"short", "split", "merge", "long", "project", "workspace"}
     assert all(shared <= 227 * 1024 for shared, *_ in got.values()), got
     assert got["workspace"][1:] == ("True", "False", "True")
     assert got["project"][1:3] == ("False", "True")
-    assert got["short"][1:3] == got["long"][1:3] == ("True", "True")
+    assert got["short"][1:3] == got["split"][1:3] == got["long"][1:3] == ("True", "True")

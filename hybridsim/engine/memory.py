@@ -133,7 +133,7 @@ def plan_memory(s: Scenario, groups, device: torch.device, checked_kernels: bool
                 + 2 * budget * a.layers * hd * 4  # every layer's outputs until the check, and a split's partials
                 + 6 * 4 * min(PAGED_SCORES, seqs * 16 * a.heads * s.scheduler.max_model_len))  # reference scores
         if fused_by_default(device):  # float64 kernels: scores never in memory (oracle.DenseOracle)
-            from ..kernels.dense_attention_f64 import WORKSPACE_ELEMS
+            from ..kernels.dense_attention_f64 import DECODE_SPLIT_KEYS, M_SHORT, PARTIAL_ELEMS, WORKSPACE_ELEMS
             oracle = 4 * 8 * a.layers * budget * hd  # the step's queries, outputs and rope's two temporaries
             what = ("float64 queries and outputs (for rows of one query tile, keys and scores stay inside the kernel; "
                     "longer rows' keys: the key workspace)")
@@ -145,17 +145,26 @@ def plan_memory(s: Scenario, groups, device: torch.device, checked_kernels: bool
                                    f"float32 K/V of long prefill chunks, every layer, projected once for all their "
                                    f"query tiles (at most {WORKSPACE_ELEMS * 4 / 2**20:,.0f} MiB: more keys take their "
                                    f"(layer, KV head) pairs in passes)")
+            # decode rows (at most min(seqs, budget)) split their keys into ranges, each range's
+            # running maximum, sum and accumulator in float64 for every (layer, KV head) and
+            # (query, head) row of its tile, bounded by the kernel's PARTIAL_ELEMS
+            tile_rows = max(M_SHORT, 1 << (a.heads // a.kv_heads - 1).bit_length())
+            ranges = min(seqs, budget) * -(-s.scheduler.max_model_len // DECODE_SPLIT_KEYS)
+            partials = MemoryItem("attention oracle split partials (at most)",
+                                  8 * min(PARTIAL_ELEMS, ranges * a.layers * a.kv_heads * tile_rows * (a.head_dim + 2)),
+                                  f"float64 partial results of decode rows' key ranges (about {DECODE_SPLIT_KEYS:,} "
+                                  f"keys each), merged after (at most {PARTIAL_ELEMS * 8 / 2**20:,.0f} MiB: more "
+                                  f"take longer ranges)")
         else:
             oracle = (a.layers * budget * hd * 8
                       + 5 * 8 * min(ORACLE_SCORES, budget * a.heads * s.scheduler.max_model_len * a.layers)
                       + a.layers * 2 * kvd * 8 * s.scheduler.max_model_len)  # a long row's K/V, projected once
             what = "float64 K/V (a whole row's, for a long one), scores and outputs"
-            workspace = None
+            workspace = partials = None
         plan.items.append(MemoryItem("attention step transients (estimate)", step,
                                      f"largest step of {budget:,} tokens: projections, outputs, reference scores"))
         plan.items.append(MemoryItem("attention oracle (estimate)", oracle, what))
-        if workspace is not None:
-            plan.items.append(workspace)
+        plan.items += [item for item in (workspace, partials) if item is not None]
         memo = oracle_memo_bytes(s, device)
         if memo:
             plan.items.append(MemoryItem("attention oracle key memo (at most)", memo,

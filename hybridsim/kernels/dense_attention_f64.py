@@ -26,6 +26,12 @@ and V) and its tiles read them from there, the loads pipelined (``num_stages``) 
 whose keys fit it, a row too long for that takes its (layer, KV head) pairs a few at a time, and
 a row too long for even one pair projects its keys inside the kernel.
 
+A decode row's program walks every key of its row, one block after another: a row of 12k keys
+takes 380 blocks in a row while the step's other programs are long done. So a decode tile's keys
+are split (flash-decoding): ranges of about ``DECODE_SPLIT_KEYS`` keys, one program each, each
+writing its running maximum, sum and unnormalised accumulator (float64, a bounded buffer:
+``PARTIAL_ELEMS``), then one launch merges each tile's ranges into its output.
+
 Layout: row r owns queries ``q[:, q_start[r]:q_start[r] + q_len[r]]`` (layers, tokens, heads, D,
 float64, already projected) at positions ``pos0[r] + j`` and keys ``tokens[k_start[r]:...]`` at
 positions 0, 1, ... (its committed tokens from the first); query j sees keys 0..pos0[r] + j.
@@ -74,6 +80,16 @@ PROJECT_WARPS = 8
 # every (layer, KV head) of 8,192 keys at Nemotron-H-8B's geometry (4 layers x 8 KV heads x 128);
 # a longer row takes its pairs in passes, which costs launches, not work.
 WORKSPACE_ELEMS = 1 << 26
+# Decode tiles' keys in ranges of this many (a multiple of KEYS_PER_BLOCK), one program each, the
+# ranges merged after (``_split_plan``): bench_oracle's 20 decode rows over 1k-12k keys were 640
+# programs the longest of which walked 12k keys (4.7 of the step's 14.68 ms, H200); in ranges of
+# 1,024 they are 137 x 32 programs of at most 32 key blocks (not yet timed: bench_oracle sweeps it)
+DECODE_SPLIT_KEYS = 1024
+# float64 elements the ranges' partial results of one call may take (128 MiB): (ranges, (layer,
+# KV head) pairs, a tile's (query, head) rows, D + 2); a call that would need more takes longer
+# ranges (bench_oracle's step takes 70 MiB in ranges of 1,024; in ranges of 512 it would take 134)
+PARTIAL_ELEMS = 1 << 24
+MERGE_WARPS = 4
 
 
 def probe_attention_reference(stack, q: torch.Tensor, tokens: torch.Tensor, q_start: list[int], q_len: list[int],
@@ -124,23 +140,31 @@ def _rope(k_lo, k_hi, n, nm, cc, ss, D: tl.constexpr, BH: tl.constexpr):
 
 
 @triton.jit
-def _tile_queries(q, t, layer, kh, tile_row, tile_q0, q_start, q_len, k_start, pos0, sq_l, sq_t,
-                  G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BQ: tl.constexpr):
+def _tile_rows(t, layer, kh, tile_row, tile_q0, q_start, q_len, k_start, pos0, sq_l, sq_t,
+               G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr):
     """Tile t's (query, head) rows m = query * GP + head: (its row r, the row's first key slot,
-    each tile row's position, which are real, their offsets in q (and o), the queries' two halves,
-    the keys the tile sees)."""
+    each tile row's position, which are real, their offsets in q (and o), the keys the tile sees)."""
     r, i0, qs, ql, ks, p0 = row_of_tile(t, tile_row, tile_q0, q_start, q_len, k_start, pos0)
     m = tl.arange(0, BQ * GP)
     qi = i0 + m // GP
     g = m % GP
     valid = (qi < ql) & (g < G)
     qc = tl.minimum(qi, ql - 1)  # a padding row repeats the tile's last query (finite everywhere)
+    q_off = layer.to(tl.int64) * sq_l + (qs + qc).to(tl.int64) * sq_t + (kh * G + tl.minimum(g, G - 1)) * D
+    return r, ks, p0 + qc, valid, q_off, p0 + tl.minimum(i0 + BQ, ql)  # keys 0..: to its last query
+
+
+@triton.jit
+def _tile_queries(q, t, layer, kh, tile_row, tile_q0, q_start, q_len, k_start, pos0, sq_l, sq_t,
+                  G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BQ: tl.constexpr):
+    """``_tile_rows`` and the queries' two halves: (r, ks, qpos, valid, q_off, q_lo, q_hi, hi)."""
+    r, ks, qpos, valid, q_off, hi = _tile_rows(t, layer, kh, tile_row, tile_q0, q_start, q_len, k_start, pos0,
+                                               sq_l, sq_t, G, GP, D, BQ)
     dh = tl.arange(0, BH)
     hm = dh < D // 2
-    q_off = layer.to(tl.int64) * sq_l + (qs + qc).to(tl.int64) * sq_t + (kh * G + tl.minimum(g, G - 1)) * D
     q_lo = tl.load(q + q_off[:, None] + dh[None, :], mask=hm[None, :], other=0.0)
     q_hi = tl.load(q + q_off[:, None] + D // 2 + dh[None, :], mask=hm[None, :], other=0.0)
-    return r, ks, p0 + qc, valid, q_off, q_lo, q_hi, p0 + tl.minimum(i0 + BQ, ql)  # keys 0..: to its last query
+    return r, ks, qpos, valid, q_off, q_lo, q_hi, hi
 
 
 @triton.jit
@@ -153,33 +177,54 @@ def _scores(q_lo, q_hi, k_lo, k_hi, n, qpos, scale, K_SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _store_tile(o, q_off, valid, acc_lo, acc_hi, l_i, D: tl.constexpr, BH: tl.constexpr, V_SCALE: tl.constexpr):
+def _store_halves(out, rows, keep_rows, lo, hi, D: tl.constexpr, BH: tl.constexpr):
+    """lo and hi (rows x two halves of D) at out + rows (the rows keep_rows marks)."""
     dh = tl.arange(0, BH)
-    out = o + q_off[:, None] + dh[None, :]
-    keep = valid[:, None] & (dh < D // 2)[None, :]
-    tl.store(out, acc_lo / l_i[:, None] * V_SCALE, mask=keep)
-    tl.store(out + D // 2, acc_hi / l_i[:, None] * V_SCALE, mask=keep)
+    at = out + rows[:, None] + dh[None, :]
+    keep = keep_rows[:, None] & (dh < D // 2)[None, :]
+    tl.store(at, lo, mask=keep)
+    tl.store(at + D // 2, hi, mask=keep)
 
 
 @triton.jit
-def _probe_attention_kernel(q, tokens, emb1, emb2, wk, wv, cc, ss, o, tile_row, tile_q0, q_start, q_len, k_start,
-                            pos0, sq_l, sq_t, scale_ptr, KVH,
+def _store_tile(o, q_off, valid, acc_lo, acc_hi, l_i, D: tl.constexpr, BH: tl.constexpr, V_SCALE: tl.constexpr):
+    _store_halves(o, q_off, valid, acc_lo / l_i[:, None] * V_SCALE, acc_hi / l_i[:, None] * V_SCALE, D, BH)
+
+
+@triton.jit
+def _partial_rows(slot, j, pairs, M: tl.constexpr, D: tl.constexpr):
+    """Where (layer, KV head) pair j of range ``slot`` keeps its M (query, head) rows in the
+    partial buffer (slots, pairs, M, D + 2): the accumulator's D, then the maximum and the sum."""
+    return ((slot.to(tl.int64) * pairs + j) * M + tl.arange(0, M)) * (D + 2)
+
+
+@triton.jit
+def _probe_attention_kernel(q, tokens, emb1, emb2, wk, wv, cc, ss, o, tile_row, tile_q0, tile_k0, tile_k1, q_start,
+                            q_len, k_start, pos0, sq_l, sq_t, scale_ptr, KVH,
                             HID: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, G: tl.constexpr,
                             GP: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BQ: tl.constexpr,
-                            BN: tl.constexpr, K_SHIFT: tl.constexpr, V_SCALE: tl.constexpr):
+                            BN: tl.constexpr, K_SHIFT: tl.constexpr, V_SCALE: tl.constexpr,
+                            PARTIAL: tl.constexpr):
     """One program: BQ queries of one row times the G query heads of one KV head of one layer,
-    over all the keys those queries see, each key block projected here."""
+    over all the keys those queries see, each key block projected here. PARTIAL: over keys
+    tile_k0[t] to tile_k1[t] (exclusive) only, a range of the tile's keys whose first every query
+    of the tile sees (``_split_plan``), its running maximum, sum and accumulator (unnormalised)
+    written to slot t of the partial buffer o (``_partial_rows``) for ``_merge_ranges_kernel``."""
     t = tl.program_id(0)
     layer = tl.program_id(1) // KVH
     kh = tl.program_id(1) % KVH
     scale = tl.load(scale_ptr)  # float64 (a float argument would arrive as float32: scores of 1e4 would move by 1e-4)
     _, ks, qpos, valid, q_off, q_lo, q_hi, hi = _tile_queries(q, t, layer, kh, tile_row, tile_q0, q_start, q_len,
                                                               k_start, pos0, sq_l, sq_t, G, GP, D, BH, BQ)
+    lo = 0
+    if PARTIAL:
+        lo = tl.load(tile_k0 + t)
+        hi = tl.load(tile_k1 + t)
     m_i = tl.full([BQ * GP], float("-inf"), tl.float64)
     l_i = tl.zeros([BQ * GP], tl.float64)
     acc_lo = tl.zeros([BQ * GP, BH], tl.float64)
     acc_hi = tl.zeros([BQ * GP, BH], tl.float64)
-    for n0 in range(0, hi, BN):
+    for n0 in range(lo, hi, BN):
         n = n0 + tl.arange(0, BN)
         nm = n < hi
         x = _hidden(tokens, ks, n, nm, emb1, emb2, layer, HID, T1, T2)
@@ -190,6 +235,44 @@ def _probe_attention_kernel(q, tokens, emb1, emb2, wk, wv, cc, ss, o, tile_row, 
         v_lo, v_hi = _halves(x, wv, layer, kh, KVH, HID, D, BH)  # (after the scores: fewer registers live)
         acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo.to(tl.float64))
         acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi.to(tl.float64))
+        m_i = m_new
+    if PARTIAL:
+        at = _partial_rows(t, tl.program_id(1), tl.num_programs(1), BQ * GP, D)
+        _store_halves(o, at, valid, acc_lo, acc_hi, D, BH)  # (padding rows neither written nor merged)
+        tl.store(o + at + D, m_i, mask=valid)
+        tl.store(o + at + D + 1, l_i, mask=valid)
+    else:
+        _store_tile(o, q_off, valid, acc_lo, acc_hi, l_i, D, BH, V_SCALE)
+
+
+@triton.jit
+def _merge_ranges_kernel(part, o, tile_row, tile_q0, tile_first, tile_ranges, slots, q_start, q_len, k_start, pos0,
+                         sq_l, sq_t, KVH, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BH: tl.constexpr,
+                         BQ: tl.constexpr, V_SCALE: tl.constexpr):
+    """One program: a split tile's (query, head) rows for one (layer, KV head): the partial
+    results of its key ranges (tile_ranges[t] of them, in the partial buffer's slots
+    slots[tile_first[t]]..) merged as flash attention merges key blocks (each range's maximum is
+    finite: every query of the tile sees a key of each range), then normalised and stored as
+    ``_store_tile`` does."""
+    t = tl.program_id(0)
+    j = tl.program_id(1)
+    _, _, _, valid, q_off, _ = _tile_rows(t, j // KVH, j % KVH, tile_row, tile_q0, q_start, q_len, k_start, pos0,
+                                          sq_l, sq_t, G, GP, D, BQ)
+    first = tl.load(tile_first + t)
+    m_i = tl.full([BQ * GP], float("-inf"), tl.float64)
+    l_i = tl.zeros([BQ * GP], tl.float64)
+    acc_lo = tl.zeros([BQ * GP, BH], tl.float64)
+    acc_hi = tl.zeros([BQ * GP, BH], tl.float64)
+    for i in range(first, first + tl.load(tile_ranges + t)):
+        at = _partial_rows(tl.load(slots + i), j, tl.num_programs(1), BQ * GP, D)
+        m_s = tl.load(part + at + D, mask=valid, other=0.0)
+        m_new = tl.maximum(m_i, m_s)
+        alpha = tl.exp(m_i - m_new)
+        w = tl.exp(m_s - m_new)
+        a_lo, a_hi = _load_halves(part, at, valid, D, BH)
+        l_i = l_i * alpha + tl.load(part + at + D + 1, mask=valid, other=1.0) * w  # (padding rows: no 0 / 0)
+        acc_lo = acc_lo * alpha[:, None] + a_lo * w[:, None]
+        acc_hi = acc_hi * alpha[:, None] + a_hi * w[:, None]
         m_i = m_new
     _store_tile(o, q_off, valid, acc_lo, acc_hi, l_i, D, BH, V_SCALE)
 
@@ -224,7 +307,8 @@ def _project_keys_kernel(tokens, emb1, emb2, wk, wv, cc, ss, k_ws, v_ws, blk_row
 
 @triton.jit
 def _load_halves(ws, rows, nm, D: tl.constexpr, BH: tl.constexpr):
-    """A key block's two halves of D from the workspace (exact float32), in float64."""
+    """A key block's two halves of D from the workspace (exact float32), in float64 (or rows of
+    the partial buffer, float64 already)."""
     dh = tl.arange(0, BH)
     at = ws + rows[:, None] + dh[None, :]
     m = nm[:, None] & (dh < D // 2)[None, :]
@@ -305,15 +389,77 @@ def _tiles(c: _Call, rows: list[int], bq: int, extra: list | None = None) -> tup
     return len(tiles), ids
 
 
+def _launch_projecting(c: _Call, n_tiles: int, tiles: list[torch.Tensor], out: torch.Tensor, bq: int, warps: int,
+                       partial: bool = False) -> None:
+    """``_probe_attention_kernel`` over n_tiles tiles of bq queries (tiles: their rows, first
+    queries, and with ``partial`` their key ranges' first and last keys), writing to out."""
+    st = c.stack
+    _probe_attention_kernel[(n_tiles, c.pairs)](
+        c.q, c.tokens, st.emb1, st.emb2, st.w_k, st.w_v, c.cc, c.ss, out, *tiles, *c.meta,
+        c.q.stride(0), c.q.stride(1), c.scale, c.kv_heads,
+        HID=st.emb1.shape[-1], T1=TABLE, T2=TABLE2, G=c.G, GP=c.GP, BQ=bq, BN=KEYS_PER_BLOCK,
+        K_SHIFT=2.0 ** -ROPE_SHIFT, V_SCALE=2.0 ** -V_SHIFT, PARTIAL=partial, num_warps=warps, num_stages=STAGES,
+        **c.sizes())
+
+
 def _attend_projecting(c: _Call, rows: list[int], bq: int, warps: int) -> None:
     """The rows in tiles of bq queries, each projecting its keys (one launch)."""
     n_tiles, ids = _tiles(c, rows, bq)
-    st = c.stack
-    _probe_attention_kernel[(n_tiles, c.pairs)](
-        c.q, c.tokens, st.emb1, st.emb2, st.w_k, st.w_v, c.cc, c.ss, c.o, ids[0], ids[1], *c.meta,
-        c.q.stride(0), c.q.stride(1), c.scale, c.kv_heads,
-        HID=st.emb1.shape[-1], T1=TABLE, T2=TABLE2, G=c.G, GP=c.GP, BQ=bq, BN=KEYS_PER_BLOCK,
-        K_SHIFT=2.0 ** -ROPE_SHIFT, V_SCALE=2.0 ** -V_SHIFT, num_warps=warps, num_stages=STAGES, **c.sizes())
+    _launch_projecting(c, n_tiles, ids + ids, c.o, bq, warps)  # (no key ranges: the first two stand in)
+
+
+def _split_plan(c: _Call, rows: list[int], bq: int, split: int,
+                bound: int) -> tuple[int, list[tuple[int, int, list[tuple[int, int]]]]] | None:
+    """The key ranges of the rows' tiles of bq queries: a tile whose first query sits at
+    position f (and whose keys end at hi, after its last query's) takes ranges from keys 0,
+    split, 2 split, ... up to f, the last one to hi: every query of the tile sees every key of
+    each range but the last, and its own key in the last (each range's maximum is finite; the
+    last range, 1 to split + bq - 1 keys, holds the tile's queries' causal mask). ``split``
+    doubled while the ranges' partial results (pairs x bq x GP x (D + 2) float64 each) would
+    exceed ``bound`` elements. Returns (the split, [(row, first query, [(first key, end)])]), or
+    None where every tile takes a single range (nothing to merge)."""
+    tiles = [(r, i0) for r in rows for i0 in range(0, c.q_len[r], bq)]
+    per_range = c.pairs * bq * c.GP * (c.q.shape[-1] + 2)
+    while True:
+        n = [(c.pos0[r] + i0) // split + 1 for r, i0 in tiles]
+        if max(n) == 1:
+            return None
+        if sum(n) * per_range <= bound:
+            break
+        split *= 2
+    plan = []
+    for (r, i0), n_r in zip(tiles, n):
+        starts = list(range(0, n_r * split, split))
+        plan.append((r, i0, list(zip(starts, starts[1:] + [c.pos0[r] + min(i0 + bq, c.q_len[r])]))))
+    return split, plan
+
+
+def _attend_split(c: _Call, rows: list[int], bq: int, warps: int) -> None:
+    """Decode rows in tiles of bq queries, each tile's keys in ranges (``_split_plan``): a
+    program per (range, (layer, KV head)) writing its partial results, the longest ranges first
+    (one launch), then one merging each tile's ranges into its output. Where every tile takes a
+    single range: ``_attend_projecting`` (where some tile takes several, a tile of one range goes
+    with them: its merge reads and writes its rows once, the cost of a second launch's start)."""
+    plan = _split_plan(c, rows, bq, DECODE_SPLIT_KEYS, PARTIAL_ELEMS)
+    if plan is None:
+        _attend_projecting(c, rows, bq, warps)
+        return
+    _, tiles = plan
+    ranges = sorted(((k1 - k0, u, r, i0, k0, k1) for u, (r, i0, rs) in enumerate(tiles) for k0, k1 in rs),
+                    reverse=True)
+    slots = sorted(range(len(ranges)), key=lambda i: ranges[i][1])  # the launch's ranges, tile by tile
+    first = [0] * len(tiles)
+    for u, (_, _, rs) in enumerate(tiles[:-1]):
+        first[u + 1] = first[u] + len(rs)
+    ids = upload_many([[x[i] for x in ranges] for i in (2, 3, 4, 5)]
+                      + [[r for r, _, _ in tiles], [i0 for _, i0, _ in tiles], first, [len(rs) for _, _, rs in tiles],
+                         slots], c.q.device)
+    D = c.q.shape[-1]
+    part = torch.empty((len(ranges), c.pairs, bq * c.GP, D + 2), dtype=torch.float64, device=c.q.device)
+    _launch_projecting(c, len(ranges), ids[:4], part, bq, warps, partial=True)
+    _merge_ranges_kernel[(len(tiles), c.pairs)](
+        part, c.o, *ids[4:], *c.meta, c.q.stride(0), c.q.stride(1), c.kv_heads,
+        G=c.G, GP=c.GP, BQ=bq, V_SCALE=2.0 ** -V_SHIFT, num_warps=MERGE_WARPS, **c.sizes())
 
 
 def _workspace_plan(n: list[int], rows: list[int], pairs: int, per_pair: int,
@@ -381,8 +527,9 @@ def probe_attention(stack32, q: torch.Tensor, tokens: torch.Tensor, q_start: lis
     queries, heads, D) float64; tokens (keys,) int64. Rows of few queries take the small tile and
     rows of one large tile the large one, each projecting its keys; rows of several large tiles
     attend over keys projected once into a workspace of at most ``workspace_elems`` float32
-    elements (default ``WORKSPACE_ELEMS``). The heaviest tiles (most keys) of a launch start
-    first. ``out``: where to write (every row's queries are written)."""
+    elements (default ``WORKSPACE_ELEMS``); the small tiles' keys are split into ranges of about
+    ``DECODE_SPLIT_KEYS``, merged after (``_attend_split``). The heaviest tiles (most keys) of a
+    launch start first. ``out``: where to write (every row's queries are written)."""
     assert q.dtype == torch.float64 and q.stride(-1) == 1 and q.stride(-2) == q.shape[-1]
     assert stack32.emb1.dtype == torch.float32
     _, _, H, D = q.shape
@@ -402,7 +549,7 @@ def probe_attention(stack32, q: torch.Tensor, tokens: torch.Tensor, q_start: lis
     bound = WORKSPACE_ELEMS if workspace_elems is None else workspace_elems
     chunks, too_long = _workspace_plan(n, several, c.pairs, 2 * D, bound)
     if short:
-        _attend_projecting(c, short, short_q, WARPS_SHORT)
+        _attend_split(c, short, short_q, WARPS_SHORT)
     if one_tile or too_long:
         _attend_projecting(c, one_tile + too_long, long_q, WARPS_LONG)
     for rows, step in chunks:
