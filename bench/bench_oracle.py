@@ -4,18 +4,18 @@ chunks (one over cached context) and 20 speculative decode rows of 3 committed t
 tokens of context.
 
 Two paths, the same values: the padded batches of dense float64 attention in torch (keys and
-scores in memory), and the fused path (queries projected in torch, then float64 kernels with no
-score in memory, ``kernels/dense_attention_f64.py``: a decode row projects each key block from
-its token ids inside its program, a prefill chunk's keys are projected once into a float32
-workspace that its query tiles read, loads pipelined), with the workspace tiles' schedule swept,
-once with no workspace (every tile projecting its keys: the path before it), and with the decode
-rows' key ranges (``DECODE_SPLIT_KEYS``) swept, once unsplit (one program walking all of a decode
-tile's keys: the path before them). Both are also compared with the CPU's float64 on a sample of
-rows. The floor is the step's float64 FLOPs (QK^T
+scores in memory), and the fused path (float64 kernels with no query or score in memory,
+``kernels/dense_attention_f64.py``: each query tile projects its queries from their token ids, a
+decode row projects each key block from its token ids inside its program, a prefill chunk's keys
+are projected once into a float32 workspace that its query tiles read, loads pipelined), with
+the workspace tiles' schedule swept, once with no workspace (every tile projecting its keys: the
+path before it), and with the decode rows' key ranges (``DECODE_SPLIT_KEYS``) swept, once
+unsplit (one program walking all of a decode tile's keys: the path before them). Both are also
+compared with the CPU's float64 on a sample of rows. The floor is the step's float64 FLOPs (QK^T
 and PV of every (query, key) pair a causal row computes) at the card's measured float64 matmul
 rate (an 8192-cube ``torch.mm``), or the traffic of q, k, v and o, whichever is larger: a lower
-bound (the keys' projection, exact integer products on TF32, and the workspace's float32 traffic
-are not in it). Last, the MLA oracle on a
+bound (the queries' and keys' projection, exact integer products on TF32, and the workspace's
+float32 traffic are not in it). Last, the MLA oracle on a
 DeepSeek-V3 step against its own float64 floor: the torch path and the fused one
 (``kernels/latent_attention_f64.py``) with its tile schedules swept.
 

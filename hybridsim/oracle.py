@@ -141,9 +141,10 @@ class DenseOracle:
     long for one piece (a long prefill chunk) has its keys projected once for all its pieces.
 
     ``fused`` (default: on a GPU): scores never in memory. GQA: no padded batches: rows are packed
-    up to ``budget_elems`` elements of queries and outputs (a longer row alone); their queries are
-    projected in torch, then float64 kernels (``kernels/dense_attention_f64.py``) attend. A row
-    of one query tile (a decode) projects each key block from its token ids inside the kernel;
+    up to ``budget_elems`` elements of outputs (a longer row alone) and float64 kernels
+    (``kernels/dense_attention_f64.py``) attend, each tile projecting its queries from their token
+    ids (queries never in memory). A row of one query tile (a decode) projects each key block from
+    its token ids inside the kernel;
     a long prefill chunk's keys are projected once into a bounded float32 workspace
     (``WORKSPACE_ELEMS``) that all its tiles read.
     MLA: a long prefill chunk's per-head keys are projected once (exactly, in float32) and one
@@ -236,28 +237,28 @@ class DenseOracle:
         return [torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])], dim=1) for parts in out]
 
     def _expected_fused(self, rows: list[tuple[np.ndarray, int, int]]) -> list[torch.Tensor]:
+        """Rows in groups whose float64 outputs fit the budget (the kernels keep no queries in memory)."""
         out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
-        per_query = self.stack.layers * self.stack.heads * self.stack.geo.head_dim  # elements of a query (and output)
+        per_query = self.stack.layers * self.stack.heads * self.stack.geo.head_dim  # elements of a query's output
         group: list[int] = []
         used = 0
         for i, (_, c, k) in enumerate(rows):
-            if group and used + 2 * k * per_query > self.budget:
+            if group and used + k * per_query > self.budget:
                 self._fused_group(rows, group, out)
                 group, used = [], 0
             group.append(i)
-            used += 2 * k * per_query
+            used += k * per_query
         if group:
             self._fused_group(rows, group, out)
         return out
 
     def _fused_group(self, rows, group: list[int], out: list) -> None:
-        """The group's queries projected (float64), then ``probe_attention``: keys from token ids,
-        projected inside the kernel or, for long rows, once into its workspace."""
+        """``probe_attention`` over the group's packed rows: queries and keys from token ids, the
+        queries projected in each tile, the keys inside the kernel or, for long rows, once into
+        its workspace; o (layers, queries, heads, D) float64."""
         from .kernels.dense_attention_f64 import probe_attention
         p = _Packed(rows, [(i, 0, rows[i][2]) for i in group])
-        tok_d, qtok_d, qpos_d = upload_many([p.tokens, p.qtok, p.qpos], self.device)
-        q = self.stack.queries(qtok_d, qpos_d, p.n_pos).contiguous()
-        o = probe_attention(self.stack32, q, tok_d, p.q_start, p.q_len, p.k_start, p.pos0)
+        o = probe_attention(self.stack32, upload(p.tokens, self.device), p.q_start, p.q_len, p.k_start, p.pos0)
         for i, qs, ql in zip(group, p.q_start, p.q_len):
             out[i] = o[:, qs:qs + ql]
 

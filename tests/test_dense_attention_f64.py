@@ -1,6 +1,7 @@
-"""The float64 attention kernels the GPU oracle runs (``kernels/dense_attention_f64.py``: keys
-projected from token ids inside the attention kernel, or for long rows once into a workspace)
-against their torch definition: packed rows in shuffled order, decode rows and long chunks over
+"""The float64 attention kernels the GPU oracle runs (``kernels/dense_attention_f64.py``: queries
+projected from token ids inside the attention kernels, keys there too or, for long rows, once into
+a workspace) against their torch definition: the queries bit for bit (``GQAStack.queries``), the
+outputs to float64 rounding, packed rows in shuffled order, decode rows and long chunks over
 context, GQA groups of 1, 3 and 4 heads, head sizes whose half is and is not a power of two,
 tokens between rows that no row owns (a read past a row's keys changes its output), a workspace
 bound that splits long rows into chunks and passes or leaves a row to the in-kernel projection,
@@ -19,8 +20,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from hybridsim.kernels import dense_attention_f64 as dense  # noqa: E402
-from hybridsim.kernels.dense_attention_f64 import probe_attention, probe_attention_reference  # noqa: E402
+from hybridsim.kernels.dense_attention_f64 import probe_attention, probe_attention_reference, tile_queries  # noqa: E402
 from hybridsim.layers.gqa import GQAProbe, GQAStack  # noqa: E402
+from hybridsim.layers.mla import TABLE, TABLE2  # noqa: E402
 from hybridsim.model import AttentionGeometry  # noqa: E402
 
 from .helpers import compile_for_hopper  # noqa: E402
@@ -42,16 +44,43 @@ def _check(heads: int, kv_heads: int, d: int, seed: int, device: str, rows=ROWS,
     tokens = torch.tensor([rng.randrange(0, 3_000_000) for _ in range(k_start[-1] + sum(rows[-1]) + gap)],
                           device=device)
     q_start = [sum(q_len[:i]) for i in range(len(rows))]
-    qtok = torch.cat([tokens[ks + p0: ks + p0 + ql] for ks, p0, ql in zip(k_start, pos0, q_len)])
-    qpos = torch.cat([torch.arange(p0, p0 + ql, device=device) for p0, ql in zip(pos0, q_len)])
-    q = stack.queries(qtok, qpos, max(qpos.tolist()) + 1).contiguous()
-    want = probe_attention_reference(stack, q, tokens, q_start, q_len, k_start, pos0)
-    assert torch.isfinite(want).all()
-    out = torch.full_like(q, float("nan"))
-    got = probe_attention(stack.cast(torch.float32), q, tokens, q_start, q_len, k_start, pos0, out=out,
+    want = probe_attention_reference(stack, tokens, q_start, q_len, k_start, pos0)
+    assert want.shape == (2, sum(q_len), heads, d) and torch.isfinite(want).all()
+    out = torch.full_like(want, float("nan"))
+    got = probe_attention(stack.cast(torch.float32), tokens, q_start, q_len, k_start, pos0, out=out,
                           workspace_elems=workspace_elems)
     assert got.data_ptr() == out.data_ptr() and torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
+
+
+def _check_queries(heads: int, kv_heads: int, d: int, seed: int, device: str, rows) -> None:
+    """The queries the attention kernels project in their tiles (small and large; the workspace
+    tiles' size too), written out: ``GQAStack.queries``' float64 values bit for bit, for fresh
+    token ids over the whole table range (both embedding tables' every row) at the rows'
+    positions; packed rows with gaps, outputs poisoned first."""
+    geo = AttentionGeometry(layers=2, heads=heads, kv_heads=kv_heads, head_dim=d, dtype="bfloat16")
+    stack = GQAStack([GQAProbe(geo, layer, seed) for layer in range(2)], device)
+    rng = random.Random(seed)
+    q_len, pos0 = [a for a, _ in rows], [b for _, b in rows]
+    k_start = [sum(a + b + 5 for a, b in rows[:i]) for i in range(len(rows))]
+    tokens = torch.tensor([rng.randrange(0, TABLE * TABLE2) for _ in range(k_start[-1] + sum(rows[-1]))],
+                          device=device)
+    q_start = [sum(q_len[:i]) + 2 * i for i in range(len(rows))]  # (two query slots no row owns between rows)
+    qtok = torch.cat([tokens[ks + p0: ks + p0 + ql] for ks, p0, ql in zip(k_start, pos0, q_len)])
+    qpos = torch.cat([torch.arange(p0, p0 + ql, device=device) for p0, ql in zip(pos0, q_len)])
+    want = stack.queries(qtok, qpos, max(qpos.tolist()) + 1)
+    slots = torch.cat([torch.arange(qs, qs + ql) for qs, ql in zip(q_start, q_len)]).to(device)
+    G = heads // kv_heads
+    GP = 1 << (G - 1).bit_length()
+    for bq in sorted({max(1, dense.M_SHORT // GP), max(1, dense.M_LONG // GP), max(1, dense.WORKSPACE[0] // GP)}):
+        out = torch.full((2, q_start[-1] + q_len[-1] + 2, heads, d), float("nan"), dtype=torch.float64, device=device)
+        got = tile_queries(stack.cast(torch.float32), tokens, q_start, q_len, k_start, pos0, bq, out=out)
+        assert got.data_ptr() == out.data_ptr()
+        # the bits (a -0.0 for a 0.0 would show)
+        assert torch.equal(got[:, slots].view(torch.int64), want.view(torch.int64)), bq
+        unowned = torch.ones(out.shape[1], dtype=torch.bool, device=device)
+        unowned[slots] = False
+        assert torch.isnan(got[:, unowned]).all()  # nothing written past a row's queries
 
 
 def _launches(monkeypatch) -> dict[str, list]:
@@ -87,6 +116,14 @@ def _launches(monkeypatch) -> dict[str, list]:
 @pytest.mark.parametrize("heads,kv_heads,d", [(8, 2, 32), (6, 2, 24), (4, 4, 16)], ids=["group4", "group3-d24", "mha"])
 def test_float64_attention_kernel_equals_the_definition(heads, kv_heads, d):
     _check(heads, kv_heads, d, 11, "cpu")
+
+
+@INTERPRETER
+@pytest.mark.parametrize("heads,kv_heads,d", [(8, 2, 32), (6, 2, 24), (4, 4, 16), (32, 8, 128)],
+                         ids=["group4", "group3-d24", "mha", "nemotron"])
+def test_queries_projected_in_the_kernels_are_exact(heads, kv_heads, d):
+    """Rows of 1 to 13 queries at positions up to about 4,000."""
+    _check_queries(heads, kv_heads, d, 17, "cpu", rows=[(3, 4000), (1, 0), (13, 2500), (6, 37), (2, 3990)])
 
 
 @INTERPRETER
@@ -162,6 +199,14 @@ def test_float64_attention_kernel_on_the_gpu(heads, kv_heads, d):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_queries_projected_in_the_kernels_are_exact_on_the_gpu():
+    """Compiled (TF32 on the tensor cores): still GQAStack.queries' bits, at Nemotron-H-8B's geometry."""
+    _check_queries(32, 8, 128, 15, "cuda", rows=[(1, 9000), (3, 12000), (600, 0), (40, 700)])
+    _check_queries(6, 2, 24, 16, "cuda", rows=[(1, 300), (17, 4000), (5, 0)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_long_rows_on_the_gpu_with_a_split_workspace():
     """Nemotron-H-8B's attention geometry, long chunks over context: one workspace, then a bound
     that takes the longest row a few pairs a pass and leaves a row too long for one pair."""
@@ -201,7 +246,8 @@ cases = (
     ("long", dense._probe_attention_kernel, dict(G=G, GP=G, BQ=dense.M_LONG // G, BN=dense.KEYS_PER_BLOCK, **tables,
                                                  **scaled, PARTIAL=False), dense.WARPS_LONG, dense.STAGES),
     ("project", dense._project_keys_kernel, dict(BN=dense.PROJECT_KEYS, **tables), dense.PROJECT_WARPS, 1),
-    ("workspace", dense._workspace_attention_kernel, dict(G=G, GP=G, BQ=rows // G, BN=keys, **scaled), warps, stages),
+    ("workspace", dense._workspace_attention_kernel, dict(G=G, GP=G, BQ=rows // G, BN=keys, **tables, **scaled), warps,
+     stages),
 )
 for name, kern, const, warps, stages in cases:
     const = dict(const, D=D, BH=D // 2)
@@ -210,19 +256,19 @@ for name, kern, const, warps, stages in cases:
     for arg in names:
         if arg in const:
             sig[arg] = "constexpr"
-        elif arg in ("q", "o", "scale_ptr", "part"):
+        elif arg in ("o", "scale_ptr", "part"):
             sig[arg] = "*fp64"
-        elif arg in ("emb1", "emb2", "wk", "wv", "cc", "ss", "k_ws", "v_ws"):
+        elif arg in ("emb1", "emb2", "wq", "wk", "wv", "cc", "ss", "k_ws", "v_ws"):
             sig[arg] = "*fp32"
         elif arg in ("KVH", "pair0"):
             sig[arg] = "i32"
-        elif arg in ("sq_l", "sq_t", "slab"):
+        elif arg in ("so_l", "so_t", "slab"):
             sig[arg] = "i64"
         else:
             sig[arg] = "*i64"
     # pointers and strides 16-aligned, as the launcher finds them at run time (the loads vectorise)
     aligned = {(names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items()
-               if t.startswith("*") or a in ("sq_l", "sq_t", "slab")}
+               if t.startswith("*") or a in ("so_l", "so_t", "slab")}
     src = ASTSource(fn=kern, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=aligned)
     out = build(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     ptx = out.asm["ptx"]
@@ -249,7 +295,8 @@ def test_dense_attention_kernels_compile_for_hopper_at_nemotron_shapes():
     key range each writing partial results, the ranges' merge, long tiles projecting their keys,
     the workspace's projection, long tiles over the workspace) for
     sm_90 at Nemotron-H-8B's attention shapes, within Hopper's shared memory (227 KB a block):
-    attention on the float64 tensor cores, projections on TF32 (exact: integers below 2**11), the
+    attention on the float64 tensor cores, projections on TF32 (exact: integers below 2**11; the
+    queries' in every attention kernel, the keys' too where they are not in the workspace), the
     workspace loads asynchronous (pipelined). A process of its own: this module runs Triton's
     interpreter."""
     lines = compile_for_hopper(_COMPILE_FOR_HOPPER).strip().splitlines()
@@ -258,6 +305,6 @@ def test_dense_attention_kernels_compile_for_hopper_at_nemotron_shapes():
            for name, shared, dmma, tf32, cp_async, _, _ in map(str.split, lines)}
     assert set(got) == {"short", "split", "merge", "long", "project", "workspace"}
     assert all(shared <= 227 * 1024 for shared, *_ in got.values()), got
-    assert got["workspace"][1:] == ("True", "False", "True")
+    assert got["workspace"][1:] == ("True", "True", "True")
     assert got["project"][1:3] == ("False", "True")
     assert got["short"][1:3] == got["split"][1:3] == got["long"][1:3] == ("True", "True")

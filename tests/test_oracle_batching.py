@@ -52,17 +52,16 @@ def test_oracle_batches_equal_the_definition(kind, budget, work_bound):
 
 @pytest.mark.parametrize("budget", [1 << 26, 500], ids=["one-launch", "a-row-a-launch"])
 def test_fused_oracle_equals_the_definition(monkeypatch, budget):
-    """The GPU's oracle path (``fused``: queries projected in torch, one float64 kernel that projects
-    the keys from token ids and attends; here under the Triton interpreter): the one-row
-    definition's values, with rows packed into one launch or, past the budget (queries and outputs),
-    a launch each."""
+    """The GPU's oracle path (``fused``: float64 kernels that project the queries and keys from
+    token ids and attend; here under the Triton interpreter): the one-row definition's values,
+    with rows packed into one call or, past the budget (outputs), a call each."""
     geo = GQA[0]()
     probes = [GQAProbe(geo, layer, seed=3) for layer in range(2)]
     oracle = GQAOracle(probes, torch.device("cpu"), budget, fused=True)
     launches = []
     from hybridsim.kernels import dense_attention_f64 as kernel
     real = kernel.probe_attention
-    monkeypatch.setattr(kernel, "probe_attention", lambda *a, **kw: launches.append(len(a[4])) or real(*a, **kw))
+    monkeypatch.setattr(kernel, "probe_attention", lambda *a, **kw: launches.append(len(a[3])) or real(*a, **kw))
     rows = _rows(2)
     got = oracle.expected(rows)
     assert launches == ([len(ROWS)] if budget > 1 << 20 else [1] * len(ROWS))

@@ -134,9 +134,9 @@ def plan_memory(s: Scenario, groups, device: torch.device, checked_kernels: bool
                 + 6 * 4 * min(PAGED_SCORES, seqs * 16 * a.heads * s.scheduler.max_model_len))  # reference scores
         if fused_by_default(device):  # float64 kernels: scores never in memory (oracle.DenseOracle)
             from ..kernels.dense_attention_f64 import DECODE_SPLIT_KEYS, M_SHORT, PARTIAL_ELEMS, WORKSPACE_ELEMS
-            oracle = 4 * 8 * a.layers * budget * hd  # the step's queries, outputs and rope's two temporaries
-            what = ("float64 queries and outputs (for rows of one query tile, keys and scores stay inside the kernel; "
-                    "longer rows' keys: the key workspace)")
+            oracle = 8 * a.layers * budget * hd  # the step's outputs (the kernels project the queries in each tile)
+            what = ("float64 outputs (queries, and for rows of one query tile keys and scores, stay inside the "
+                    "kernels; longer rows' keys: the key workspace)")
             # rows of several query tiles (at most min(seqs, budget / 2): two queries or more each) keep
             # every layer's float32 K and V, projected once, bounded by the kernel's WORKSPACE_ELEMS
             keys = s.scheduler.max_model_len * min(seqs, max(1, budget // 2))

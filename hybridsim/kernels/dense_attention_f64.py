@@ -13,6 +13,12 @@ query heads of one KV head of one layer) and walks the row's keys a block at a t
   tensor cores (TF32 holds integers below 2**11 exactly; every sum stays below 2**24) and rope's
   two products (below 2**23) and their sum (below 2**24) are exact in float32 too: the same
   values ``GQAStack.keys`` computes in float64;
+* so do the queries, once a program before its key loop (from the row's token ids, never from
+  memory): W_Q's entries are integers in [-4, 4] as W_K's (``GQAProbe``), so Q = rope(x W_Q) is
+  exact the same way in float32, then in float64 times 2**-ROPE_SHIFT: ``GQAStack.queries``'
+  values bit for bit (``tile_queries`` writes them out for the tests). A tile's (query, head)
+  rows take different query heads: for each head of the group, the rows of that head (the others
+  zero) times its W_Q, summed (``_queries``: one nonzero term a row, exact);
 * scores and the weighted sum of V run in float64 (``tl.dot`` on float64: the tensor cores'
   DMMA), with a running maximum and sum as in flash attention.
 
@@ -32,11 +38,13 @@ are split (flash-decoding): ranges of about ``DECODE_SPLIT_KEYS`` keys, one prog
 writing its running maximum, sum and unnormalised accumulator (float64, a bounded buffer:
 ``PARTIAL_ELEMS``), then one launch merges each tile's ranges into its output.
 
-Layout: row r owns queries ``q[:, q_start[r]:q_start[r] + q_len[r]]`` (layers, tokens, heads, D,
-float64, already projected) at positions ``pos0[r] + j`` and keys ``tokens[k_start[r]:...]`` at
-positions 0, 1, ... (its committed tokens from the first); query j sees keys 0..pos0[r] + j.
-Query head h reads KV head h // (heads / kv_heads). The reference below is the oracle's torch
-form, row by row: the results agree to float64 rounding (sums in another order), not bit for bit.
+Layout: row r owns keys ``tokens[k_start[r]:...]`` at positions 0, 1, ... (its committed tokens
+from the first) and queries j < q_len[r] at positions ``pos0[r] + j``: query j is the row's own
+token at that position (``tokens[k_start[r] + pos0[r] + j]``, causal self-attention) and sees keys
+0..pos0[r] + j; its outputs go to ``o[:, q_start[r] + j]`` (o: layers, queries, heads, D, float64,
+explicit strides). Query head h reads KV head h // (heads / kv_heads). The reference below is the
+oracle's torch form, row by row: the results agree to float64 rounding (sums in another order),
+not bit for bit.
 """
 
 from __future__ import annotations
@@ -75,7 +83,7 @@ WORKSPACE = (32, 32, 4, 3)
 PROJECT_KEYS = 64
 PROJECT_WARPS = 8
 # Float32 elements of K and V a call keeps at once (256 MiB): half the bytes of the float64
-# queries and outputs the executor's oracle packs into one call (ORACLE_SCORES, 2**26 elements,
+# outputs the executor's oracle packs into one call (ORACLE_SCORES, 2**26 elements,
 # engine/attn_exec.py), so the workspace adds at most half again to the oracle's memory. It holds
 # every (layer, KV head) of 8,192 keys at Nemotron-H-8B's geometry (4 layers x 8 KV heads x 128);
 # a longer row takes its pairs in passes, which costs launches, not work.
@@ -92,17 +100,24 @@ PARTIAL_ELEMS = 1 << 24
 MERGE_WARPS = 4
 
 
-def probe_attention_reference(stack, q: torch.Tensor, tokens: torch.Tensor, q_start: list[int], q_len: list[int],
-                              k_start: list[int], pos0: list[int]) -> torch.Tensor:
-    """``probe_attention`` in torch, row by row: each row's keys projected by ``stack.keys`` and its
-    queries attended by ``stack.attention`` (a float64 ``GQAStack``: the oracle's own torch form).
-    Returns o like q (NaN where no row writes)."""
-    o = torch.full_like(q, float("nan"))
+def _queries_out(stack, q_start: list[int], q_len: list[int], device) -> torch.Tensor:
+    """An output (layers, queries, heads, D) float64 for rows whose queries end at q_start + q_len."""
+    n = max((qs + ql for qs, ql in zip(q_start, q_len)), default=0)
+    return torch.empty((stack.layers, n, stack.heads, stack.geo.head_dim), dtype=torch.float64, device=device)
+
+
+def probe_attention_reference(stack, tokens: torch.Tensor, q_start: list[int], q_len: list[int], k_start: list[int],
+                              pos0: list[int]) -> torch.Tensor:
+    """``probe_attention`` in torch, row by row: each row's keys projected by ``stack.keys``, its
+    queries (its tokens at positions pos0..) by ``stack.attend_keys``, which attends (a float64
+    ``GQAStack``: the oracle's own torch form). Returns o (layers, queries, heads, D), NaN where no
+    row writes."""
+    o = _queries_out(stack, q_start, q_len, tokens.device).fill_(float("nan"))
     for qs, ql, ks, p0 in zip(q_start, q_len, k_start, pos0):
         n = p0 + ql
-        k, v = stack.keys(tokens[ks:ks + n], torch.arange(n, device=tokens.device), n)
-        qpos = torch.arange(p0, n, device=q.device)[None]
-        o[:, qs:qs + ql] = stack.attention(q[:, qs:qs + ql][:, None], k[:, None], v[:, None], qpos)[:, 0]
+        pos = torch.arange(n, device=tokens.device)
+        k, v = stack.keys(tokens[ks:ks + n], pos, n)
+        o[:, qs:qs + ql] = stack.attend_keys(k, v, tokens[ks + p0:ks + n], pos[p0:])[:, 0]
     return o
 
 
@@ -140,31 +155,56 @@ def _rope(k_lo, k_hi, n, nm, cc, ss, D: tl.constexpr, BH: tl.constexpr):
 
 
 @triton.jit
-def _tile_rows(t, layer, kh, tile_row, tile_q0, q_start, q_len, k_start, pos0, sq_l, sq_t,
+def _tile_rows(t, layer, kh, tile_row, tile_q0, q_start, q_len, k_start, pos0, so_l, so_t,
                G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr):
     """Tile t's (query, head) rows m = query * GP + head: (its row r, the row's first key slot,
-    each tile row's position, which are real, their offsets in q (and o), the keys the tile sees)."""
+    each tile row's position and head in the group, which are real, their offsets in o, the keys
+    the tile sees)."""
     r, i0, qs, ql, ks, p0 = row_of_tile(t, tile_row, tile_q0, q_start, q_len, k_start, pos0)
     m = tl.arange(0, BQ * GP)
     qi = i0 + m // GP
     g = m % GP
     valid = (qi < ql) & (g < G)
     qc = tl.minimum(qi, ql - 1)  # a padding row repeats the tile's last query (finite everywhere)
-    q_off = layer.to(tl.int64) * sq_l + (qs + qc).to(tl.int64) * sq_t + (kh * G + tl.minimum(g, G - 1)) * D
-    return r, ks, p0 + qc, valid, q_off, p0 + tl.minimum(i0 + BQ, ql)  # keys 0..: to its last query
+    gc = tl.minimum(g, G - 1)  # and a padding head the group's last head
+    o_off = layer.to(tl.int64) * so_l + (qs + qc).to(tl.int64) * so_t + (kh * G + gc) * D
+    return r, ks, p0 + qc, gc, valid, o_off, p0 + tl.minimum(i0 + BQ, ql)  # keys 0..: to its last query
 
 
 @triton.jit
-def _tile_queries(q, t, layer, kh, tile_row, tile_q0, q_start, q_len, k_start, pos0, sq_l, sq_t,
-                  G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BQ: tl.constexpr):
-    """``_tile_rows`` and the queries' two halves: (r, ks, qpos, valid, q_off, q_lo, q_hi, hi)."""
-    r, ks, qpos, valid, q_off, hi = _tile_rows(t, layer, kh, tile_row, tile_q0, q_start, q_len, k_start, pos0,
-                                               sq_l, sq_t, G, GP, D, BQ)
+def _queries(tokens, ks, qpos, gc, emb1, emb2, wq, cc, ss, layer, kh, KVH, HID: tl.constexpr, T1: tl.constexpr,
+             T2: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BH: tl.constexpr):
+    """Q's two halves (rows x BH, float32 exact integers, rope's factor 1024 not yet undone) of
+    rows whose token sits at row position qpos (key slot ks + qpos) and whose query head is
+    kh * G + gc: for each head b of the group, the rows of head b's x (the others zero) times
+    b's W_Q, summed (TF32 products of small integers, each row's sum one product and zeros:
+    exact), then rope. (One product of x in its head's block of G * HID columns by the group's
+    W_Q stacked spills: a (G * HID, D / 2) tile and its pointers at once.)"""
+    x = _hidden(tokens, ks, qpos, qpos >= 0, emb1, emb2, layer, HID, T1, T2)
+    hid = tl.arange(0, HID)
     dh = tl.arange(0, BH)
-    hm = dh < D // 2
-    q_lo = tl.load(q + q_off[:, None] + dh[None, :], mask=hm[None, :], other=0.0)
-    q_hi = tl.load(q + q_off[:, None] + D // 2 + dh[None, :], mask=hm[None, :], other=0.0)
-    return r, ks, qpos, valid, q_off, q_lo, q_hi, hi
+    wm = (dh < D // 2)[None, :]
+    w_row = ((layer.to(tl.int64) * HID + hid) * KVH * G + kh * G) * D  # W_Q (layers, HID, heads, D)
+    lo = tl.zeros([x.shape[0], BH], tl.float32)
+    hi = tl.zeros([x.shape[0], BH], tl.float32)
+    for b in range(G):
+        xb = tl.where((gc == b)[:, None], x, 0.0)
+        at = wq + (w_row + b * D)[:, None] + dh[None, :]
+        lo = tl.dot(xb, tl.load(at, mask=wm, other=0.0), lo)
+        hi = tl.dot(xb, tl.load(at + D // 2, mask=wm, other=0.0), hi)
+    return _rope(lo, hi, qpos, qpos >= 0, cc, ss, D, BH)
+
+
+@triton.jit
+def _tile_queries(tokens, emb1, emb2, wq, cc, ss, t, layer, kh, KVH, tile_row, tile_q0, q_start, q_len, k_start,
+                  pos0, so_l, so_t, HID: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, G: tl.constexpr,
+                  GP: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BQ: tl.constexpr, K_SHIFT: tl.constexpr):
+    """``_tile_rows`` and the tile's queries' two halves, float64 (``GQAStack.queries``' values,
+    times rope's 2**-ROPE_SHIFT, K_SHIFT): (r, ks, qpos, valid, o_off, q_lo, q_hi, hi)."""
+    r, ks, qpos, gc, valid, o_off, hi = _tile_rows(t, layer, kh, tile_row, tile_q0, q_start, q_len, k_start, pos0,
+                                                   so_l, so_t, G, GP, D, BQ)
+    q_lo, q_hi = _queries(tokens, ks, qpos, gc, emb1, emb2, wq, cc, ss, layer, kh, KVH, HID, T1, T2, G, D, BH)
+    return r, ks, qpos, valid, o_off, q_lo.to(tl.float64) * K_SHIFT, q_hi.to(tl.float64) * K_SHIFT, hi
 
 
 @triton.jit
@@ -187,8 +227,8 @@ def _store_halves(out, rows, keep_rows, lo, hi, D: tl.constexpr, BH: tl.constexp
 
 
 @triton.jit
-def _store_tile(o, q_off, valid, acc_lo, acc_hi, l_i, D: tl.constexpr, BH: tl.constexpr, V_SCALE: tl.constexpr):
-    _store_halves(o, q_off, valid, acc_lo / l_i[:, None] * V_SCALE, acc_hi / l_i[:, None] * V_SCALE, D, BH)
+def _store_tile(o, o_off, valid, acc_lo, acc_hi, l_i, D: tl.constexpr, BH: tl.constexpr, V_SCALE: tl.constexpr):
+    _store_halves(o, o_off, valid, acc_lo / l_i[:, None] * V_SCALE, acc_hi / l_i[:, None] * V_SCALE, D, BH)
 
 
 @triton.jit
@@ -199,23 +239,24 @@ def _partial_rows(slot, j, pairs, M: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _probe_attention_kernel(q, tokens, emb1, emb2, wk, wv, cc, ss, o, tile_row, tile_q0, tile_k0, tile_k1, q_start,
-                            q_len, k_start, pos0, sq_l, sq_t, scale_ptr, KVH,
+def _probe_attention_kernel(tokens, emb1, emb2, wq, wk, wv, cc, ss, o, tile_row, tile_q0, tile_k0, tile_k1, q_start,
+                            q_len, k_start, pos0, so_l, so_t, scale_ptr, KVH,
                             HID: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, G: tl.constexpr,
                             GP: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BQ: tl.constexpr,
                             BN: tl.constexpr, K_SHIFT: tl.constexpr, V_SCALE: tl.constexpr,
                             PARTIAL: tl.constexpr):
     """One program: BQ queries of one row times the G query heads of one KV head of one layer,
-    over all the keys those queries see, each key block projected here. PARTIAL: over keys
-    tile_k0[t] to tile_k1[t] (exclusive) only, a range of the tile's keys whose first every query
+    over all the keys those queries see, the queries projected first, then each key block here.
+    PARTIAL: over keys tile_k0[t] to tile_k1[t] (exclusive) only, a range of the tile's keys whose first every query
     of the tile sees (``_split_plan``), its running maximum, sum and accumulator (unnormalised)
     written to slot t of the partial buffer o (``_partial_rows``) for ``_merge_ranges_kernel``."""
     t = tl.program_id(0)
     layer = tl.program_id(1) // KVH
     kh = tl.program_id(1) % KVH
     scale = tl.load(scale_ptr)  # float64 (a float argument would arrive as float32: scores of 1e4 would move by 1e-4)
-    _, ks, qpos, valid, q_off, q_lo, q_hi, hi = _tile_queries(q, t, layer, kh, tile_row, tile_q0, q_start, q_len,
-                                                              k_start, pos0, sq_l, sq_t, G, GP, D, BH, BQ)
+    _, ks, qpos, valid, o_off, q_lo, q_hi, hi = _tile_queries(tokens, emb1, emb2, wq, cc, ss, t, layer, kh, KVH,
+                                                              tile_row, tile_q0, q_start, q_len, k_start, pos0,
+                                                              so_l, so_t, HID, T1, T2, G, GP, D, BH, BQ, K_SHIFT)
     lo = 0
     if PARTIAL:
         lo = tl.load(tile_k0 + t)
@@ -236,18 +277,35 @@ def _probe_attention_kernel(q, tokens, emb1, emb2, wk, wv, cc, ss, o, tile_row, 
         acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo.to(tl.float64))
         acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi.to(tl.float64))
         m_i = m_new
+    _, _, _, _, valid, o_off, _ = _tile_rows(t, layer, kh, tile_row, tile_q0, q_start, q_len, k_start, pos0, so_l,
+                                             so_t, G, GP, D, BQ)  # (again: not kept over the loop)
     if PARTIAL:
         at = _partial_rows(t, tl.program_id(1), tl.num_programs(1), BQ * GP, D)
         _store_halves(o, at, valid, acc_lo, acc_hi, D, BH)  # (padding rows neither written nor merged)
         tl.store(o + at + D, m_i, mask=valid)
         tl.store(o + at + D + 1, l_i, mask=valid)
     else:
-        _store_tile(o, q_off, valid, acc_lo, acc_hi, l_i, D, BH, V_SCALE)
+        _store_tile(o, o_off, valid, acc_lo, acc_hi, l_i, D, BH, V_SCALE)
+
+
+@triton.jit
+def _queries_kernel(tokens, emb1, emb2, wq, cc, ss, o, tile_row, tile_q0, q_start, q_len, k_start, pos0, so_l, so_t,
+                    KVH, HID: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                    D: tl.constexpr, BH: tl.constexpr, BQ: tl.constexpr, K_SHIFT: tl.constexpr):
+    """One program: the queries ``_probe_attention_kernel``'s program for the same tile would
+    project, written to o where its outputs would go (``tile_queries``: the tests' check)."""
+    t = tl.program_id(0)
+    layer = tl.program_id(1) // KVH
+    kh = tl.program_id(1) % KVH
+    _, _, _, valid, o_off, q_lo, q_hi, _ = _tile_queries(tokens, emb1, emb2, wq, cc, ss, t, layer, kh, KVH, tile_row,
+                                                         tile_q0, q_start, q_len, k_start, pos0, so_l, so_t, HID, T1,
+                                                         T2, G, GP, D, BH, BQ, K_SHIFT)
+    _store_halves(o, o_off, valid, q_lo, q_hi, D, BH)
 
 
 @triton.jit
 def _merge_ranges_kernel(part, o, tile_row, tile_q0, tile_first, tile_ranges, slots, q_start, q_len, k_start, pos0,
-                         sq_l, sq_t, KVH, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BH: tl.constexpr,
+                         so_l, so_t, KVH, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BH: tl.constexpr,
                          BQ: tl.constexpr, V_SCALE: tl.constexpr):
     """One program: a split tile's (query, head) rows for one (layer, KV head): the partial
     results of its key ranges (tile_ranges[t] of them, in the partial buffer's slots
@@ -256,8 +314,8 @@ def _merge_ranges_kernel(part, o, tile_row, tile_q0, tile_first, tile_ranges, sl
     ``_store_tile`` does."""
     t = tl.program_id(0)
     j = tl.program_id(1)
-    _, _, _, valid, q_off, _ = _tile_rows(t, j // KVH, j % KVH, tile_row, tile_q0, q_start, q_len, k_start, pos0,
-                                          sq_l, sq_t, G, GP, D, BQ)
+    _, _, _, _, valid, o_off, _ = _tile_rows(t, j // KVH, j % KVH, tile_row, tile_q0, q_start, q_len, k_start, pos0,
+                                             so_l, so_t, G, GP, D, BQ)
     first = tl.load(tile_first + t)
     m_i = tl.full([BQ * GP], float("-inf"), tl.float64)
     l_i = tl.zeros([BQ * GP], tl.float64)
@@ -274,7 +332,7 @@ def _merge_ranges_kernel(part, o, tile_row, tile_q0, tile_first, tile_ranges, sl
         acc_lo = acc_lo * alpha[:, None] + a_lo * w[:, None]
         acc_hi = acc_hi * alpha[:, None] + a_hi * w[:, None]
         m_i = m_new
-    _store_tile(o, q_off, valid, acc_lo, acc_hi, l_i, D, BH, V_SCALE)
+    _store_tile(o, o_off, valid, acc_lo, acc_hi, l_i, D, BH, V_SCALE)
 
 
 @triton.jit
@@ -316,19 +374,22 @@ def _load_halves(ws, rows, nm, D: tl.constexpr, BH: tl.constexpr):
 
 
 @triton.jit
-def _workspace_attention_kernel(q, k_ws, v_ws, o, tile_row, tile_q0, q_start, q_len, k_start, pos0, w_start,
-                                sq_l, sq_t, slab, pair0, scale_ptr, KVH,
+def _workspace_attention_kernel(tokens, emb1, emb2, wq, cc, ss, k_ws, v_ws, o, tile_row, tile_q0, q_start, q_len,
+                                k_start, pos0, w_start, so_l, so_t, slab, pair0, scale_ptr, KVH,
+                                HID: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
                                 G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BH: tl.constexpr,
                                 BQ: tl.constexpr, BN: tl.constexpr, K_SHIFT: tl.constexpr, V_SCALE: tl.constexpr):
     """``_probe_attention_kernel`` over keys ``_project_keys_kernel`` wrote: (layer, KV head)
-    pair pair0 + program_id(1), its keys in slab program_id(1) of the workspace."""
+    pair pair0 + program_id(1), its keys in slab program_id(1) of the workspace (the queries
+    projected here, as there)."""
     t = tl.program_id(0)
     j = tl.program_id(1)
     layer = (pair0 + j) // KVH
     kh = (pair0 + j) % KVH
     scale = tl.load(scale_ptr)  # float64 (a float argument would arrive as float32)
-    r, _, qpos, valid, q_off, q_lo, q_hi, hi = _tile_queries(q, t, layer, kh, tile_row, tile_q0, q_start, q_len,
-                                                             k_start, pos0, sq_l, sq_t, G, GP, D, BH, BQ)
+    r, _, qpos, valid, o_off, q_lo, q_hi, hi = _tile_queries(tokens, emb1, emb2, wq, cc, ss, t, layer, kh, KVH,
+                                                             tile_row, tile_q0, q_start, q_len, k_start, pos0,
+                                                             so_l, so_t, HID, T1, T2, G, GP, D, BH, BQ, K_SHIFT)
     base = j.to(tl.int64) * slab + tl.load(w_start + r) * D
     m_i = tl.full([BQ * GP], float("-inf"), tl.float64)
     l_i = tl.zeros([BQ * GP], tl.float64)
@@ -345,7 +406,9 @@ def _workspace_attention_kernel(q, k_ws, v_ws, o, tile_row, tile_q0, q_start, q_
         acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo)
         acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi)
         m_i = m_new
-    _store_tile(o, q_off, valid, acc_lo, acc_hi, l_i, D, BH, V_SCALE)
+    _, _, _, _, valid, o_off, _ = _tile_rows(t, layer, kh, tile_row, tile_q0, q_start, q_len, k_start, pos0, so_l,
+                                             so_t, G, GP, D, BQ)  # (again: not kept over the loop)
+    _store_tile(o, o_off, valid, acc_lo, acc_hi, l_i, D, BH, V_SCALE)
 
 
 @dataclass
@@ -353,9 +416,8 @@ class _Call:
     """What every launch of one ``probe_attention`` call shares."""
 
     stack: GQAStack  # float32 tables
-    q: torch.Tensor
     tokens: torch.Tensor
-    o: torch.Tensor
+    o: torch.Tensor  # (layers, queries, heads, D) float64
     cc: torch.Tensor  # rope's tables, float32
     ss: torch.Tensor
     meta: list[torch.Tensor]  # q_start, q_len, k_start, pos0 on the device
@@ -372,12 +434,29 @@ class _Call:
     @property
     def pairs(self) -> int:
         """(layer, KV head) pairs: the launches' second axis."""
-        return self.q.shape[0] * self.kv_heads
+        return self.stack.layers * self.kv_heads
+
+    @property
+    def D(self) -> int:
+        return self.stack.geo.head_dim
+
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
 
     def sizes(self) -> dict:
         """The constexpr sizes every kernel takes."""
-        D = self.q.shape[-1]
-        return dict(D=D, BH=max(16, triton.next_power_of_2(D // 2)))
+        return dict(D=self.D, BH=max(16, triton.next_power_of_2(self.D // 2)))
+
+    def queries(self) -> tuple[list, dict]:
+        """What a kernel projecting queries takes: its first arguments (the token ids, the tables
+        and rope's) and the tables' constexpr sizes."""
+        st = self.stack
+        return ([self.tokens, st.emb1, st.emb2, st.w_q, self.cc, self.ss],
+                dict(HID=st.emb1.shape[-1], T1=TABLE, T2=TABLE2, K_SHIFT=2.0 ** -ROPE_SHIFT))
+
+    def o_strides(self) -> tuple[int, int]:
+        return self.o.stride(0), self.o.stride(1)
 
 
 def _tiles(c: _Call, rows: list[int], bq: int, extra: list | None = None) -> tuple[int, list[torch.Tensor]]:
@@ -385,7 +464,7 @@ def _tiles(c: _Call, rows: list[int], bq: int, extra: list | None = None) -> tup
     device their rows and first queries (and ``extra``'s lists, in the same upload)."""
     tiles = sorted(((c.pos0[r] + min(i0 + bq, c.q_len[r]), r, i0) for r in rows for i0 in range(0, c.q_len[r], bq)),
                    reverse=True)
-    ids = upload_many([[r for _, r, _ in tiles], [i0 for _, _, i0 in tiles]] + (extra or []), c.q.device)
+    ids = upload_many([[r for _, r, _ in tiles], [i0 for _, _, i0 in tiles]] + (extra or []), c.device)
     return len(tiles), ids
 
 
@@ -394,12 +473,11 @@ def _launch_projecting(c: _Call, n_tiles: int, tiles: list[torch.Tensor], out: t
     """``_probe_attention_kernel`` over n_tiles tiles of bq queries (tiles: their rows, first
     queries, and with ``partial`` their key ranges' first and last keys), writing to out."""
     st = c.stack
+    tokens, emb1, emb2, wq, cc, ss = c.queries()[0]
     _probe_attention_kernel[(n_tiles, c.pairs)](
-        c.q, c.tokens, st.emb1, st.emb2, st.w_k, st.w_v, c.cc, c.ss, out, *tiles, *c.meta,
-        c.q.stride(0), c.q.stride(1), c.scale, c.kv_heads,
-        HID=st.emb1.shape[-1], T1=TABLE, T2=TABLE2, G=c.G, GP=c.GP, BQ=bq, BN=KEYS_PER_BLOCK,
-        K_SHIFT=2.0 ** -ROPE_SHIFT, V_SCALE=2.0 ** -V_SHIFT, PARTIAL=partial, num_warps=warps, num_stages=STAGES,
-        **c.sizes())
+        tokens, emb1, emb2, wq, st.w_k, st.w_v, cc, ss, out, *tiles, *c.meta, *c.o_strides(), c.scale, c.kv_heads,
+        G=c.G, GP=c.GP, BQ=bq, BN=KEYS_PER_BLOCK, V_SCALE=2.0 ** -V_SHIFT, PARTIAL=partial, num_warps=warps,
+        num_stages=STAGES, **c.queries()[1], **c.sizes())
 
 
 def _attend_projecting(c: _Call, rows: list[int], bq: int, warps: int) -> None:
@@ -419,7 +497,7 @@ def _split_plan(c: _Call, rows: list[int], bq: int, split: int,
     exceed ``bound`` elements. Returns (the split, [(row, first query, [(first key, end)])]), or
     None where every tile takes a single range (nothing to merge)."""
     tiles = [(r, i0) for r in rows for i0 in range(0, c.q_len[r], bq)]
-    per_range = c.pairs * bq * c.GP * (c.q.shape[-1] + 2)
+    per_range = c.pairs * bq * c.GP * (c.D + 2)
     while True:
         n = [(c.pos0[r] + i0) // split + 1 for r, i0 in tiles]
         if max(n) == 1:
@@ -453,12 +531,11 @@ def _attend_split(c: _Call, rows: list[int], bq: int, warps: int) -> None:
         first[u + 1] = first[u] + len(rs)
     ids = upload_many([[x[i] for x in ranges] for i in (2, 3, 4, 5)]
                       + [[r for r, _, _ in tiles], [i0 for _, i0, _ in tiles], first, [len(rs) for _, _, rs in tiles],
-                         slots], c.q.device)
-    D = c.q.shape[-1]
-    part = torch.empty((len(ranges), c.pairs, bq * c.GP, D + 2), dtype=torch.float64, device=c.q.device)
+                         slots], c.device)
+    part = torch.empty((len(ranges), c.pairs, bq * c.GP, c.D + 2), dtype=torch.float64, device=c.device)
     _launch_projecting(c, len(ranges), ids[:4], part, bq, warps, partial=True)
     _merge_ranges_kernel[(len(tiles), c.pairs)](
-        part, c.o, *ids[4:], *c.meta, c.q.stride(0), c.q.stride(1), c.kv_heads,
+        part, c.o, *ids[4:], *c.meta, *c.o_strides(), c.kv_heads,
         G=c.G, GP=c.GP, BQ=bq, V_SCALE=2.0 ** -V_SHIFT, num_warps=MERGE_WARPS, **c.sizes())
 
 
@@ -494,7 +571,7 @@ def _attend_workspace(c: _Call, rows: list[int], step: int) -> None:
     attended over in tiles, ``step`` (layer, KV head) pairs a pass."""
     rows_per_tile, bn, warps, stages = WORKSPACE
     st = c.stack
-    D = c.q.shape[-1]
+    D = c.D
     n = {r: c.pos0[r] + c.q_len[r] for r in rows}
     w_start = [0] * len(c.q_len)  # each row's first key slot in the workspace
     at = 0
@@ -503,7 +580,7 @@ def _attend_workspace(c: _Call, rows: list[int], step: int) -> None:
     blocks = [(r, n0) for r in rows for n0 in range(0, n[r], PROJECT_KEYS)]
     n_tiles, ids = _tiles(c, rows, max(1, rows_per_tile // c.GP),
                           [w_start, [r for r, _ in blocks], [n0 for _, n0 in blocks]])
-    ws = torch.empty((2, step, at, D), dtype=torch.float32, device=c.q.device)
+    ws = torch.empty((2, step, at, D), dtype=torch.float32, device=c.device)
     # tiles are the launches' first axis (the fastest), so the programs running at once read few
     # pairs' keys, which stay in L2 (bench_oracle's step on an H100: 253 tiles a pair, about 264
     # programs resident, one pair's 5 MiB at a time)
@@ -514,44 +591,67 @@ def _attend_workspace(c: _Call, rows: list[int], step: int) -> None:
             c.meta[2], c.meta[3], ids[2], at * D, pair0, c.kv_heads,
             HID=st.emb1.shape[-1], T1=TABLE, T2=TABLE2, BN=PROJECT_KEYS, num_warps=PROJECT_WARPS, **c.sizes())
         _workspace_attention_kernel[(n_tiles, pairs)](
-            c.q, ws[0], ws[1], c.o, ids[0], ids[1], *c.meta, ids[2], c.q.stride(0), c.q.stride(1), at * D, pair0,
+            *c.queries()[0], ws[0], ws[1], c.o, ids[0], ids[1], *c.meta, ids[2], *c.o_strides(), at * D, pair0,
             c.scale, c.kv_heads, G=c.G, GP=c.GP, BQ=max(1, rows_per_tile // c.GP), BN=bn,
-            K_SHIFT=2.0 ** -ROPE_SHIFT, V_SCALE=2.0 ** -V_SHIFT, num_warps=warps, num_stages=stages, **c.sizes())
+            V_SCALE=2.0 ** -V_SHIFT, num_warps=warps, num_stages=stages, **c.queries()[1], **c.sizes())
 
 
-def probe_attention(stack32, q: torch.Tensor, tokens: torch.Tensor, q_start: list[int], q_len: list[int],
-                    k_start: list[int], pos0: list[int], out: torch.Tensor | None = None, *,
+def _call(stack32, tokens: torch.Tensor, q_start: list[int], q_len: list[int], k_start: list[int],
+          pos0: list[int], out: torch.Tensor | None) -> _Call:
+    """What every launch of a call shares, its output allocated where ``out`` is None."""
+    assert stack32.emb1.dtype == torch.float32 and tokens.dtype == torch.int64
+    G = stack32.heads // stack32.geo.kv_heads
+    D, HID = stack32.geo.head_dim, stack32.emb1.shape[-1]
+    assert D % 2 == 0 and HID == triton.next_power_of_2(HID) and HID >= 16
+    assert all(w.is_contiguous() for w in (stack32.emb1, stack32.emb2, stack32.w_q, stack32.w_k, stack32.w_v))
+    o = _queries_out(stack32, q_start, q_len, tokens.device) if out is None else out
+    assert o.dtype == torch.float64 and o.shape[0] == stack32.layers and o.shape[2:] == (stack32.heads, D)
+    assert o.stride(-1) == 1 and o.stride(-2) == D and o.shape[1] >= max(qs + ql for qs, ql in zip(q_start, q_len))
+    dev = tokens.device
+    cc, ss = rotation_tables(D, max(p0 + ql for p0, ql in zip(pos0, q_len)), dev, torch.float32)
+    return _Call(stack32, tokens, o, cc, ss, upload_many([q_start, q_len, k_start, pos0], dev),
+                 upload([float(stack32.scale)], dev, torch.float64), q_len, pos0, G, triton.next_power_of_2(G))
+
+
+def probe_attention(stack32, tokens: torch.Tensor, q_start: list[int], q_len: list[int], k_start: list[int],
+                    pos0: list[int], out: torch.Tensor | None = None, *,
                     workspace_elems: int | None = None) -> torch.Tensor:
     """``probe_attention_reference`` in a few launches (Triton: a GPU, or the interpreter).
-    ``stack32``: the layers' tables in float32 (``GQAStack(..., torch.float32)``); q (layers,
-    queries, heads, D) float64; tokens (keys,) int64. Rows of few queries take the small tile and
-    rows of one large tile the large one, each projecting its keys; rows of several large tiles
-    attend over keys projected once into a workspace of at most ``workspace_elems`` float32
-    elements (default ``WORKSPACE_ELEMS``); the small tiles' keys are split into ranges of about
-    ``DECODE_SPLIT_KEYS``, merged after (``_attend_split``). The heaviest tiles (most keys) of a
-    launch start first. ``out``: where to write (every row's queries are written)."""
-    assert q.dtype == torch.float64 and q.stride(-1) == 1 and q.stride(-2) == q.shape[-1]
-    assert stack32.emb1.dtype == torch.float32
-    _, _, H, D = q.shape
-    G = H // stack32.geo.kv_heads
-    HID = stack32.emb1.shape[-1]
-    assert D % 2 == 0 and HID == triton.next_power_of_2(HID) and HID >= 16
-    o = torch.empty_like(q) if out is None else out
-    dev = q.device
-    cc, ss = rotation_tables(D, max(p0 + ql for p0, ql in zip(pos0, q_len)), dev, torch.float32)
-    c = _Call(stack32, q, tokens, o, cc, ss, upload_many([q_start, q_len, k_start, pos0], dev),
-              upload([float(stack32.scale)], dev, torch.float64), q_len, pos0, G, triton.next_power_of_2(G))
+    ``stack32``: the layers' tables in float32 (``GQAStack(..., torch.float32)``); tokens (keys,)
+    int64: row r's keys from k_start[r], its q_len[r] queries its own tokens at positions pos0[r]..,
+    projected inside the kernels as its keys are. Returns o (layers, queries, heads, D) float64
+    (``out`` if given, any strides with heads and D contiguous), row r's queries at
+    o[:, q_start[r]:q_start[r] + q_len[r]] (every row's queries are written). Rows of few queries
+    take the small tile and rows of one large tile the large one, each projecting its keys; rows
+    of several large tiles attend over keys projected once into a workspace of at most
+    ``workspace_elems`` float32 elements (default ``WORKSPACE_ELEMS``); the small tiles' keys are
+    split into ranges of about ``DECODE_SPLIT_KEYS``, merged after (``_attend_split``). The
+    heaviest tiles (most keys) of a launch start first."""
+    c = _call(stack32, tokens, q_start, q_len, k_start, pos0, out)
     short_q, long_q = max(1, M_SHORT // c.GP), max(1, M_LONG // c.GP)
     short = [r for r, ql in enumerate(q_len) if 0 < ql <= short_q]
     one_tile = [r for r, ql in enumerate(q_len) if short_q < ql <= long_q]
     several = [r for r, ql in enumerate(q_len) if ql > max(short_q, long_q)]
     n = [p0 + ql for p0, ql in zip(pos0, q_len)]
     bound = WORKSPACE_ELEMS if workspace_elems is None else workspace_elems
-    chunks, too_long = _workspace_plan(n, several, c.pairs, 2 * D, bound)
+    chunks, too_long = _workspace_plan(n, several, c.pairs, 2 * c.D, bound)
     if short:
         _attend_split(c, short, short_q, WARPS_SHORT)
     if one_tile or too_long:
         _attend_projecting(c, one_tile + too_long, long_q, WARPS_LONG)
     for rows, step in chunks:
         _attend_workspace(c, rows, step)
-    return o
+    return c.o
+
+
+def tile_queries(stack32, tokens: torch.Tensor, q_start: list[int], q_len: list[int], k_start: list[int],
+                 pos0: list[int], bq: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The queries the attention kernels project in their tiles of bq queries (``_tile_queries``,
+    the same code), written out as ``probe_attention`` writes its outputs (padding rows not
+    written): ``GQAStack.queries``' float64 values of the same tokens and positions, bit for bit
+    (the tests' check; the oracle never keeps queries in memory)."""
+    c = _call(stack32, tokens, q_start, q_len, k_start, pos0, out)
+    n_tiles, ids = _tiles(c, [r for r, ql in enumerate(q_len) if ql > 0], bq)
+    _queries_kernel[(n_tiles, c.pairs)](*c.queries()[0], c.o, *ids, *c.meta, *c.o_strides(), c.kv_heads,
+                                        G=c.G, GP=c.GP, BQ=bq, num_warps=WARPS_LONG, **c.queries()[1], **c.sizes())
+    return c.o
