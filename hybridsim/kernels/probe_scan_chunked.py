@@ -11,8 +11,9 @@ so a chunk is four matrix products of residues (C h_0^T, C B^T, (C B^T) W, W^T B
 element-wise work on (BT x P), (BT x N) and (P x N) tiles. The products are exact on int8
 tensor cores: a residue r < Q = 2039 is 64 r_hi + r_lo with both digits below 64, so a product
 of residue matrices is 4096 hh + 64 (hl + lh) + ll over four int8 products with int32 sums;
-for an inner size up to 128 every sum stays below 2**30 (``_mdot``), and one reduction mod Q
-follows. The result equals the token-by-token definition bit for bit.
+for an inner size up to 128 every sum stays below 2**30 (``_mdot_sum``), and one reduction mod Q
+follows (one for two such sums where they are added). B and C come from a pre-pass as their
+digits already (``_bc_conv_kernel``). The result equals the token-by-token definition bit for bit.
 
 A chunk ends early where the row has an event or a comparison, so every state that is written
 or compared is a chunk's end state. Rows with a draft's conv history, and rows too short to
@@ -26,12 +27,6 @@ import triton
 import triton.language as tl
 
 from .probe_scan_triton import SCAN_INTS, _cmp_state, _fold, _cmp_window, _hash, _head_keys, _keys, _residue, _row_cursors, _store_window, _weights
-
-
-@triton.jit
-def _mdot(a, b, QQ: tl.constexpr):
-    """(a @ b) mod Q for residue matrices (int32 in [0, Q)), exact: four int8 products."""
-    return _mdot_sum(a, b) % QQ
 
 
 @triton.jit
