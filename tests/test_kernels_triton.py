@@ -298,6 +298,8 @@ STEP_INTS = {
     ("attention_triton", "combine_splits_kernel"): {"n_rows", "num_splits"},
     ("attention_triton", "_reshape_and_cache_kernel"): {"n"},
     ("mla_gluon", "_mla_gluon_split_kernel"): {"n_qrows", "max_blocks", "keys_per_split", "num_splits"},
+    ("dense_attention_f64", "_project_keys_kernel"): {"pair0"},
+    ("dense_attention_f64", "_workspace_attention_kernel"): {"pair0"},
 }
 
 

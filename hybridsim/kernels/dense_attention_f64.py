@@ -335,7 +335,7 @@ def _merge_ranges_kernel(part, o, tile_row, tile_q0, tile_first, tile_ranges, sl
     _store_tile(o, o_off, valid, acc_lo, acc_hi, l_i, D, BH, V_SCALE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pair0"])  # (0 or a multiple of a pass's pairs: one variant)
 def _project_keys_kernel(tokens, emb1, emb2, wk, wv, cc, ss, k_ws, v_ws, blk_row, blk_n0, q_len, k_start, pos0,
                          w_start, slab, pair0, KVH,
                          HID: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, D: tl.constexpr,
@@ -373,7 +373,7 @@ def _load_halves(ws, rows, nm, D: tl.constexpr, BH: tl.constexpr):
     return tl.load(at, mask=m, other=0.0).to(tl.float64), tl.load(at + D // 2, mask=m, other=0.0).to(tl.float64)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pair0"])  # (0 or a multiple of a pass's pairs: one variant)
 def _workspace_attention_kernel(tokens, emb1, emb2, wq, cc, ss, k_ws, v_ws, o, tile_row, tile_q0, q_start, q_len,
                                 k_start, pos0, w_start, so_l, so_t, slab, pair0, scale_ptr, KVH,
                                 HID: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
