@@ -22,6 +22,7 @@ where in the cache to *look* when it compares.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable
 
 import numpy as np
@@ -143,10 +144,9 @@ class DenseOracle:
     ``fused`` (default: on a GPU): scores never in memory. GQA: no padded batches: rows are packed
     up to ``budget_elems`` elements of outputs (a longer row alone) and float64 kernels
     (``kernels/dense_attention_f64.py``) attend, each tile projecting its queries from their token
-    ids (queries never in memory). A row of one query tile (a decode) projects each key block from
-    its token ids inside the kernel;
-    a long prefill chunk's keys are projected once into a bounded float32 workspace
-    (``WORKSPACE_ELEMS``) that all its tiles read.
+    ids (queries never in memory). A decode row's tile projects each key block from its token ids
+    inside the kernel, its keys in ranges merged after; a long prefill chunk's keys are projected
+    once into a bounded float32 workspace (``WORKSPACE_ELEMS``) that all its tiles read.
     MLA: a long prefill chunk's per-head keys are projected once (exactly, in float32) and one
     float64 kernel attends over them (``_expected_latent``)."""
 
@@ -361,9 +361,17 @@ class _Packed:
         self.k_start = np.concatenate([[0], np.cumsum(self.n)[:-1]]).tolist()
         self.q_start = np.concatenate([[0], np.cumsum(self.q_len)[:-1]]).tolist()
         self.tokens = np.concatenate([rows[i][0][:m] for (i, _, _), m in zip(pieces, self.n)])
-        self.qtok = np.concatenate([rows[i][0][p:m] for (i, _, _), p, m in zip(pieces, self.pos0, self.n)])
-        self.qpos = np.concatenate([np.arange(p, m) for p, m in zip(self.pos0, self.n)])
         self.n_pos = max(self.n)
+
+    @cached_property
+    def qtok(self) -> np.ndarray:
+        """The pieces' query tokens: each piece's own tokens from position pos0 (the MLA kernel
+        takes them; the GQA kernels read them from ``tokens`` in place)."""
+        return np.concatenate([self.tokens[k + p:k + m] for k, p, m in zip(self.k_start, self.pos0, self.n)])
+
+    @cached_property
+    def qpos(self) -> np.ndarray:
+        return np.concatenate([np.arange(p, m) for p, m in zip(self.pos0, self.n)])
 
 
 @dataclass

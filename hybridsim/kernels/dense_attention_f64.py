@@ -74,9 +74,10 @@ STAGES = 1
 # Rows of several tiles, over the workspace: (query, head) rows a program takes, keys a block,
 # warps, pipeline stages. As latent_attention_f64's per-head schedule (keys in memory, loads three
 # deep), with 32 rows: a KV head's query heads share each key load, and twice the rows read the
-# workspace half as often. Built for sm_90 at D = 128 (ptxas, no device): 168 registers, no
-# spills, 32 KiB of shared memory a stage (a 32-key block of float32 K and V), 104.5 KiB in all;
-# not yet timed: bench_oracle sweeps it.
+# workspace half as often. Built for sm_90 at D = 128: 168 registers, no spills, 32 KiB of
+# shared memory a stage (a 32-key block of float32 K and V), 104.5 KiB in all. bench_oracle's step
+# (H200): 14.64 ms against 21.65 with every tile projecting its keys; 8 warps, 2 stages or 64 rows
+# no faster (bench/history/2026-11-27_session30.md).
 WORKSPACE = (32, 32, 4, 3)
 # keys a projection program writes for one (layer, KV head): 64 over 8 warps (150 registers;
 # over 4 warps the four TF32 products spill, 32 keys or 64)
@@ -91,7 +92,8 @@ WORKSPACE_ELEMS = 1 << 26
 # Decode tiles' keys in ranges of this many (a multiple of KEYS_PER_BLOCK), one program each, the
 # ranges merged after (``_split_plan``): bench_oracle's 20 decode rows over 1k-12k keys were 640
 # programs the longest of which walked 12k keys (4.7 of the step's 14.68 ms, H200); in ranges of
-# 1,024 they are 137 x 32 programs of at most 32 key blocks (not yet timed: bench_oracle sweeps it)
+# 1,024 they are 137 x 32 programs of at most 32 key blocks, and the step took 13.32 ms (ranges of
+# 256, 512, 2,048: 13.45, 13.32, 13.54)
 DECODE_SPLIT_KEYS = 1024
 # float64 elements the ranges' partial results of one call may take (128 MiB): (ranges, (layer,
 # KV head) pairs, a tile's (query, head) rows, D + 2); a call that would need more takes longer
@@ -247,9 +249,10 @@ def _probe_attention_kernel(tokens, emb1, emb2, wq, wk, wv, cc, ss, o, tile_row,
                             PARTIAL: tl.constexpr):
     """One program: BQ queries of one row times the G query heads of one KV head of one layer,
     over all the keys those queries see, the queries projected first, then each key block here.
-    PARTIAL: over keys tile_k0[t] to tile_k1[t] (exclusive) only, a range of the tile's keys whose first every query
-    of the tile sees (``_split_plan``), its running maximum, sum and accumulator (unnormalised)
-    written to slot t of the partial buffer o (``_partial_rows``) for ``_merge_ranges_kernel``."""
+    PARTIAL: over keys tile_k0[t] to tile_k1[t] (exclusive) only, a range of the tile's keys whose
+    first every query of the tile sees (``_split_plan``), its running maximum, sum and accumulator
+    (unnormalised) written to slot t of the partial buffer o (``_partial_rows``) for
+    ``_merge_ranges_kernel``."""
     t = tl.program_id(0)
     layer = tl.program_id(1) // KVH
     kh = tl.program_id(1) % KVH

@@ -238,7 +238,8 @@ def _chunked_scan_kernel(
             yo_ref = ((ys + j - yf).to(tl.int64)[:, None] * L64 + lay) * HP + xc[None, :]
             yr = tl.load(y_ref + yo_ref, mask=inr[:, None], other=0)
             bad = (yr != y) & inr[:, None]
-            ybad = (tl.maximum(ybad >> 20, tl.where(bad, tl.abs(yr - y), 0)) << 20) | ((ybad & 0xFFFFF) + bad.to(tl.int32))
+            worst = tl.maximum(ybad >> 20, tl.where(bad, tl.abs(yr - y), 0))
+            ybad = (worst << 20) | ((ybad & 0xFFFFF) + bad.to(tl.int32))
             yfirst = tl.minimum(yfirst, tl.where(bad, (j - yf).to(tl.int32)[:, None], 2147483647))
         h = (A_end * h + _digit_dot(*_digits(tl.trans(W_end)), Bh, Bl)) % QQ
         last = t1 - 1
@@ -276,8 +277,9 @@ def _chunked_scan_kernel(
         t0 = t1
     if COMPARE:
         cnt = tl.sum(tl.sum(ybad & 0xFFFFF, axis=1), axis=0)
-        _fold(stats + ((n_cmp + b) * L64 + lay) * 3, cnt > 0, cnt.to(tl.int64),
-              tl.max(tl.max(ybad >> 20, axis=1), axis=0).to(tl.int64), tl.min(tl.min(yfirst, axis=1), axis=0).to(tl.int64))
+        worst = tl.max(tl.max(ybad >> 20, axis=1), axis=0)
+        first = tl.min(tl.min(yfirst, axis=1), axis=0)
+        _fold(stats + ((n_cmp + b) * L64 + lay) * 3, cnt > 0, cnt.to(tl.int64), worst.to(tl.int64), first.to(tl.int64))
 
 
 def token_parts(tokens: torch.Tensor, q: int) -> torch.Tensor:
