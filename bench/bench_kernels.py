@@ -305,6 +305,52 @@ def compare_rows(ceil):
     return rows
 
 
+def partial_rows(ceil, configs):
+    """The MLA prefill path's attention (``partial_attention.py``) at DeepSeek-V3's up-projected
+    shapes: 128 heads, queries and keys 128 + 64, values 128, float32 inputs, TF32 products (as the
+    executor runs it with a 16-bit cache). Cases: a 1,024-token chunk over itself (causal), over
+    3,000 and over 8,192 tokens of context (no mask). Each (BLOCK_M, BLOCK_N, warps, stages) config
+    is timed; the best is reported with each config's time. Floor: FLOPs of the visible pairs at
+    the card's bf16 matmul rate (TF32 products run at half that rate on Hopper: 50% is their
+    roof). The reference (materialised scores, TF32 einsums) beside it."""
+    from hybridsim.device.matmul import matmul_tf32
+    from hybridsim.kernels.partial_attention import partial_attention
+    from hybridsim.kernels.reference import ReferenceKernels
+    ref = ReferenceKernels()
+    rows = []
+    H, dq, dv = 128, 192, 128
+    for n, m, causal in ((1024, 1024, 0), (1024, 3000, None), (1024, 8192, None)):
+        q = torch.randn(n, H, dq, device="cuda")
+        k = torch.randn(m, H, dq, device="cuda")
+        v = torch.randn(m, H, dv, device="cuda")
+        mask = (torch.arange(m, device="cuda")[None, :] <= torch.arange(n, device="cuda")[:, None] + causal
+                if causal is not None else None)
+        traffic = resolve(TRAFFIC["attention_partial"](q, k, v, 0.07, mask, causal=causal))
+        times = {}
+        with matmul_tf32(True):
+            want = ref.attention_partial(q, k, v, 0.07, mask)
+            for cfg in configs:
+                try:
+                    got = partial_attention(q, k, v, 0.07, mask, config=cfg, causal=causal)
+                    err = float((got[0] - want[0]).abs().max() / want[0].abs().max())
+                    times[cfg] = (graph_bench(lambda c=cfg: partial_attention(q, k, v, 0.07, mask, config=c,
+                                                                              causal=causal)), err)
+                except Exception as e:  # a config that does not fit (shared memory, registers)
+                    print(f"  partial config {cfg} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            t_ref = bench(lambda: ref.attention_partial(q, k, v, 0.07, mask), rep=20)
+        best = min(times, key=lambda c: times[c][0])
+        t = times[best][0]
+        rows.append({"kernel": "attention_partial (MLA prefill)",
+                     "case": f"{n} x {m}" + (", causal" if causal is not None else ""), "time_us": t * 1e6,
+                     "config": best, "tflops": traffic.flops / t / 1e12, "rel_error_vs_tf32_reference": times[best][1],
+                     "per_config_us": {str(c): round(v[0] * 1e6, 1) for c, v in times.items()},
+                     "torch_time_us": t_ref * 1e6, **floor_fields(ceil, traffic, t)})
+        print(rows[-1], flush=True)
+        del q, k, v, mask
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -319,7 +365,9 @@ def main():
                     help="block_n,num_warps,num_stages;...")
     ap.add_argument("--gqa-splits", default="1,4,8,16")
     ap.add_argument("--gqa-eager", action="store_true", help="time eagerly instead of replaying a CUDA graph")
-    ap.add_argument("--only", default="state_copy,memory,mla,gqa,compare")
+    ap.add_argument("--partial-configs", default="64,64,4,2;64,32,4,3;128,32,8,3;64,64,8,2",
+                    help="attention_partial: block_m,block_n,num_warps,num_stages;...")
+    ap.add_argument("--only", default="state_copy,memory,mla,gqa,compare,partial")
     args = ap.parse_args()
     configs = [tuple(int(x) for x in c.split(",")) for c in args.mla_configs.split(";")]
     splits = [int(x) for x in args.mla_splits.split(",") if x]
@@ -337,6 +385,8 @@ def main():
                          [int(x) for x in args.gqa_splits.split(",") if x], graph=not args.gqa_eager)
     if "compare" in only:
         rows += compare_rows(ceil)
+    if "partial" in only:
+        rows += partial_rows(ceil, [tuple(int(x) for x in c.split(",")) for c in args.partial_configs.split(";")])
     if "mla" in only:
         rows += mla_rows(ceil, configs, splits, tuple(args.mla_impls.split(",")))
     args.out.write_text(json.dumps({"device": props.name, "sms": props.multi_processor_count,

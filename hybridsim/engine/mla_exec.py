@@ -33,7 +33,7 @@ from ..device.verdicts import Verdicts
 from ..device.matmul import matmul_tf32
 from ..device.transfer import to_device, upload
 
-SCORE_ELEMS = 1 << 26  # the largest attention score matrix the prefill path materialises
+from ..kernels.reference import PARTIAL_SCORE_ELEMS as SCORE_ELEMS  # the largest score matrix a call materialises
 
 
 @dataclass
@@ -88,6 +88,7 @@ class MLAExecution:
                   for n, idx in by_n.items()}
         tables: dict[int, torch.Tensor] = {}
         outs, paths = [], []
+        tf32 = self.low_precision and dev.type == "cuda"  # the engine runs these products in 16 bits
         for layer, probe in enumerate(self.probes):
             g = self.layer_group[layer]
             table = tables.get(g)
@@ -100,14 +101,16 @@ class MLAExecution:
             decoded: list[Optional[torch.Tensor]] = [None] * len(ns)
             for n, idx in by_n.items():  # the absorbed decode path, one call per query count
                 sel = gather[n]
-                q_lat = probe.absorb(q_nope[sel]).to(torch.float32).view(len(idx), n, probe.geo.heads, -1)
+                with matmul_tf32(tf32):  # (the kernel reads the absorbed queries in the cache's 16 bits)
+                    q_lat = probe.absorb(q_nope[sel]).to(torch.float32).view(len(idx), n, probe.geo.heads, -1)
                 qp = q_pe[sel].view(len(idx), n, probe.geo.heads, -1)
                 lens = [cs[i] + n for i in idx]
                 rows_d = to_device(torch.tensor(idx, dtype=torch.int64), dev)
                 o_lat, _ = self.k.mla_decode(q_lat, qp, cache, table.index_select(0, rows_d),
                                              to_device(torch.tensor(lens, dtype=torch.int64), dev),
                                              probe.geo.kv_lora_rank, probe.scale, num_splits=0, max_seq_len=max(lens))
-                o = probe.unabsorb(o_lat)
+                with matmul_tf32(tf32):  # (float32 sums of TF32 products: well inside the 16-bit tolerance)
+                    o = probe.unabsorb(o_lat)
                 for j, i in enumerate(idx):
                     decoded[i] = o[j]
             layer_out = []
@@ -166,10 +169,11 @@ class MLAExecution:
 
     def _prefill_path_fp32(self, probe: MLAProbe, q_nope, q_pe, cache, block_row, c, n):
         """The new tokens attend to themselves (causal), then to the cached context chunk by chunk
-        (each chunk up-projected once), merged by lse. Queries go in blocks sized so that no score
-        matrix passes ``SCORE_ELEMS`` elements (a 4k-token chunk over 12k of context is 25 GB whole)."""
+        (each chunk up-projected once), merged by lse. Queries go in blocks as the provider asks:
+        the reference materialises scores, within ``SCORE_ELEMS`` elements (a 4k-token chunk
+        over 12k of context is 25 GB whole); a streaming kernel takes them all at once."""
         q = torch.cat([q_nope, q_pe], dim=-1).float()
-        qb = max(1, SCORE_ELEMS // (q.shape[1] * max(n, min(c, self.workspace), 1)))
+        qb = self.k.partial_query_rows(max(n, min(c, self.workspace), 1), q.shape[1])
         blocks = [(q0, min(n, q0 + qb)) for q0 in range(0, n, qb)]
         new_lat = self._gather(cache, block_row, c, n)
         k_new, v_new = probe.up_project(new_lat)
@@ -179,7 +183,7 @@ class MLAExecution:
         parts = []
         for q0, q1 in blocks:
             mask = ar[None, :q1] <= ar[q0:q1, None]
-            out, lse = self.k.attention_partial(q[q0:q1], k_new[:q1], v_new[:q1], probe.scale, mask)
+            out, lse = self.k.attention_partial(q[q0:q1], k_new[:q1], v_new[:q1], probe.scale, mask, causal=q0)
             if c == 0 and unguarded:
                 # the buggy variant merges an empty context partial without sanitising it
                 empty_o = torch.full_like(out, float("nan"))

@@ -222,6 +222,9 @@ class CheckedKernels:
     def attention_partial(self, *a, **k):
         return self.inner.attention_partial(*a, **k)
 
+    def partial_query_rows(self, keys: int, heads: int) -> int:
+        return self.inner.partial_query_rows(keys, heads)
+
     def reshape_and_cache(self, key, value, slots, k_cache, v_cache):
         """Compared on the slots written: each holds its token's K and V in the cache's dtype."""
         self._run_paged_references()  # (the references read the caches as the kernels saw them)

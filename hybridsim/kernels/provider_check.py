@@ -283,12 +283,23 @@ class Checker:
             v = _rand((m, s.heads, s.head_dim), torch.float32, self.dev, self.gen)
             mask = torch.rand((n, m), generator=self.gen).to(self.dev) < 0.8
             mask[0] = False  # a row that sees nothing
-            want = self.ref.attention_partial(q, k, v, s.head_dim ** -0.5, mask)
-            got, secs = self._timed(lambda: self.k.attention_partial(q, k, v, s.head_dim ** -0.5, mask))
-            ok_o, e_o = _close(got[0], want[0], 1e-5)
-            ok_l, e_l = _close(got[1], want[1], 1e-5)
-            self._record("attention_partial", ok_o and ok_l, max(e_o, e_l), f"{n} x {m}: rel error {max(e_o, e_l):.2e}",
-                         secs)
+            self._partial_case(q, k, v, mask, None, f"{n} x {m}")
+        # the prefill path's new tokens over themselves: the causal mask, promised (``causal``)
+        n, m = 37, 45
+        q = _rand((n, s.heads, s.head_dim), torch.float32, self.dev, self.gen)
+        k = _rand((m, s.heads, s.head_dim), torch.float32, self.dev, self.gen)
+        v = _rand((m, s.heads, s.head_dim), torch.float32, self.dev, self.gen)
+        mask = torch.arange(m, device=self.dev)[None, :] <= torch.arange(n, device=self.dev)[:, None] + (m - n)
+        self._partial_case(q, k, v, mask, m - n, f"{n} x {m}, causal")
+
+    def _partial_case(self, q, k, v, mask, causal, what: str) -> None:
+        s = self.s
+        want = self.ref.attention_partial(q, k, v, s.head_dim ** -0.5, mask)
+        got, secs = self._timed(lambda: self.k.attention_partial(q, k, v, s.head_dim ** -0.5, mask, causal=causal))
+        ok_o, e_o = _close(got[0], want[0], 1e-5)
+        ok_l, e_l = _close(got[1], want[1], 1e-5)
+        self._record("attention_partial", ok_o and ok_l, max(e_o, e_l), f"{what}: rel error {max(e_o, e_l):.2e}",
+                     secs)
 
     ORDER = ("state_copy", "reshape_and_cache", "paged_attention", "concat_and_cache", "gather_cache",
              "merge_states", "mla_decode", "attention_partial")

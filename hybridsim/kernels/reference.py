@@ -14,6 +14,7 @@ from .probe_scan import scan_reference
 
 NEG_INF = float("-inf")
 SCORE_ELEMS = 1 << 27  # mla_decode materialises scores of at most this many elements at once
+PARTIAL_SCORE_ELEMS = 1 << 26  # attention_partial's callers keep its score matrix within this many elements
 
 
 def _softmax_lse(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,9 +163,16 @@ class ReferenceKernels:
             out = torch.where(empty[..., None], torch.zeros_like(out), out)
         return out, lse
 
+    def partial_query_rows(self, keys: int, heads: int) -> int:
+        """Queries per ``attention_partial`` call over ``keys`` keys: this one materialises their
+        (queries, heads, keys) float32 scores, kept within ``PARTIAL_SCORE_ELEMS``."""
+        return max(1, PARTIAL_SCORE_ELEMS // (heads * max(keys, 1)))
+
     def attention_partial(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                          mask: torch.Tensor | None):
-        """q (n, H, dq), k (m, H, dq) or (m, dq), v (m, H, dv) or (m, dv) -> (out (n, H, dv), lse (n, H))."""
+                          mask: torch.Tensor | None, causal: int | None = None):
+        """q (n, H, dq), k (m, H, dq) or (m, dq), v (m, H, dv) or (m, dv) -> (out (n, H, dv), lse (n, H)).
+        ``causal``: a promise that ``mask`` is the causal one (key j visible to query i where
+        j <= i + causal), which a kernel may compute instead of reading; here the mask is read."""
         if k.dim() == 2:
             s = torch.einsum("nhd,md->nhm", q, k) * scale
         else:

@@ -74,6 +74,25 @@ def _merge_traffic(o_a, lse_a, o_b, lse_b, *_, **__) -> Traffic:
                    o_a.numel() * 4 + lse_a.numel() * 4)
 
 
+def _partial_traffic(q, k, v, scale, mask, causal=None) -> "Traffic | Callable[[], Traffic]":
+    """Queries, keys and values read once (a mask read where one is given and not promised
+    causal), float32 outputs and lse written; FLOPs 2 * heads * (dq + dv) per visible (query, key)
+    pair: every pair without a mask, the causal triangle (counted here), or the mask's True
+    elements (deferred: the mask lives on the device)."""
+    n, H, dq = q.shape
+    m, dv = k.shape[0], v.shape[-1]
+    read = sum(x.numel() * 4 for x in (q, k, v))  # (the kernel reads float32)
+    written = n * H * (dv + 1) * 4
+    per_pair = 2 * H * (dq + dv)
+    if causal is not None:  # row i sees keys 0 .. min(m - 1, i + causal)
+        full = max(0, min(n, m - causal))  # rows that see i + causal + 1 keys
+        pairs = full * (causal + 1) + full * (full - 1) // 2 + (n - full) * m
+        return Traffic(read, written, per_pair * pairs)
+    if mask is None:
+        return Traffic(read, written, per_pair * n * m)
+    return lambda: Traffic(read + mask.numel(), written, per_pair * int(mask.sum()))
+
+
 def _concat_traffic(entries, slots, cache) -> Traffic:
     n, dim = entries.shape[0], cache.shape[-1]
     return Traffic(n * dim * entries.element_size(), n * dim * cache.element_size())
@@ -132,6 +151,7 @@ TRAFFIC: dict[str, Callable[..., "Traffic | Callable[[], Traffic]"]] = {
     "concat_and_cache": _concat_traffic,
     "gather_cache": _gather_traffic,
     "merge_states": _merge_traffic,
+    "attention_partial": _partial_traffic,
     "mla_decode": _mla_traffic,
     "reshape_and_cache": _reshape_traffic,
     "paged_attention": _paged_traffic,

@@ -16,6 +16,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .attention_triton import (_pow2, _sm_count, combine_splits_kernel, launch_reshape_and_cache,
                                plan_paged_attention, run_paged_attention)
 from .mla_gluon import gluon_applies, launch_gluon_split
+from .partial_attention import partial_attention
 from .probe_scan_triton import scan_triton
 from .reference import ReferenceKernels
 
@@ -396,6 +397,16 @@ class TritonKernels(ReferenceKernels):
                                                      rows, D, BLOCK_D=_pow2(D), ROWS=per, BASE2_BUG=base2_bug,
                                                      UNGUARDED=unguarded, num_warps=8)
         return out, lse
+
+    def partial_query_rows(self, keys: int, heads: int) -> int:
+        """No score matrix leaves the chip: every query in one call."""
+        return 1 << 62
+
+    def attention_partial(self, q, k, v, scale, mask, causal=None):
+        n, H = q.shape[0], q.shape[1]
+        out = self._out((n, H, v.shape[-1]), torch.float32, q.device)
+        lse = self._out((n, H), torch.float32, q.device)
+        return partial_attention(q, k, v, scale, mask, out, lse, causal=causal)
 
     def reshape_and_cache(self, key, value, slots, k_cache, v_cache):
         launch_reshape_and_cache(key, value, slots, k_cache, v_cache)
