@@ -335,8 +335,9 @@ class DenseOracle:
         per_head = n * (g.qk_nope_head_dim + g.qk_rope_head_dim + g.v_head_dim)  # float32 key and value elements
         group = max(1, min(st.heads, self.budget // per_head))
         for layer in range(st.layers):  # (a long chunk's queries and latents of every layer at once: gigabytes)
-            q = torch.cat(st.queries(tok_d[c:], pos_d[c:], n, layer), dim=-1)  # (1, k, H, N + R)
-            lat = st.latents_at(tok_d, pos_d, n, layer)[0]  # (n, Lr + R)
+            # (exact in float32: half the bytes of float64, the products on the tensor cores)
+            q = torch.cat(st.queries(tok_d[c:], pos_d[c:], n, layer, torch.float32), dim=-1)  # (1, k, H, N + R)
+            lat = st.latents_at(tok_d, pos_d, n, layer, torch.float32)[0]  # (n, Lr + R)
             for h0 in range(0, st.heads, group):
                 heads = slice(h0, min(st.heads, h0 + group))
                 with matmul_tf32():  # exact: ``MLAStack.expanded_keys``

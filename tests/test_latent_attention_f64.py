@@ -24,8 +24,9 @@ INTERPRETER = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter 
 
 
 def _check(heads: int, kv_heads: int, dk: int, dv: int, shared: bool, kdtype, seed: int, device: str,
-           rows=((1, 0), (1, 37), (3, 70), (2, 5), (17, 0), (40, 23), (9, 100))) -> None:
-    """(queries, keys before them) per row; ``shared``: values are the first dv columns of the keys."""
+           rows=((1, 0), (1, 37), (3, 70), (2, 5), (17, 0), (40, 23), (9, 100)), qdtype=torch.float64) -> None:
+    """(queries, keys before them) per row; ``shared``: values are the first dv columns of the keys;
+    ``qdtype`` float32: queries held in float32 (the oracle's expanded rows: exact values)."""
     g = torch.Generator().manual_seed(seed)
     rows = list(rows)
     random.Random(seed).shuffle(rows)
@@ -34,7 +35,7 @@ def _check(heads: int, kv_heads: int, dk: int, dv: int, shared: bool, kdtype, se
     k_start = [sum(a + b + gap for a, b in rows[:i]) for i in range(len(rows))]
     q_start = [sum(q_len[:i]) + i for i in range(len(rows))]  # and a query slot no row owns
     layers, nq, nk = 2, q_start[-1] + q_len[-1] + 1, k_start[-1] + sum(rows[-1]) + gap
-    q = (torch.randn(layers, nq, heads, dk, generator=g, dtype=torch.float64) * 2).to(device)
+    q = (torch.randn(layers, nq, heads, dk, generator=g, dtype=torch.float64) * 2).to(device, qdtype)
     k = torch.randn(layers, nk, kv_heads, dk, generator=g).to(device, kdtype)
     v = k[..., :dv] if shared else torch.randn(layers, nk, kv_heads, dv, generator=g).to(device, kdtype)
     want = latent_attention_reference(q, k, v, q_start, q_len, k_start, pos0, 0.31)
@@ -47,11 +48,13 @@ def _check(heads: int, kv_heads: int, dk: int, dv: int, shared: bool, kdtype, se
 
 
 @INTERPRETER
-@pytest.mark.parametrize("heads,kv_heads,dk,dv,shared,kdtype", [
-    (8, 1, 80, 64, True, torch.float32), (6, 1, 40, 24, True, torch.float64), (4, 4, 24, 16, False, torch.float32),
-    (6, 2, 36, 20, False, torch.float64)], ids=["absorbed", "absorbed-f64-odd", "expanded", "grouped-odd"])
-def test_latent_attention_kernel_equals_the_definition(heads, kv_heads, dk, dv, shared, kdtype):
-    _check(heads, kv_heads, dk, dv, shared, kdtype, 11, "cpu")
+@pytest.mark.parametrize("heads,kv_heads,dk,dv,shared,kdtype,qdtype", [
+    (8, 1, 80, 64, True, torch.float32, torch.float64), (6, 1, 40, 24, True, torch.float64, torch.float64),
+    (4, 4, 24, 16, False, torch.float32, torch.float64), (6, 2, 36, 20, False, torch.float64, torch.float64),
+    (4, 4, 24, 16, False, torch.float32, torch.float32)],
+    ids=["absorbed", "absorbed-f64-odd", "expanded", "grouped-odd", "expanded-queries-f32"])
+def test_latent_attention_kernel_equals_the_definition(heads, kv_heads, dk, dv, shared, kdtype, qdtype):
+    _check(heads, kv_heads, dk, dv, shared, kdtype, 11, "cpu", qdtype=qdtype)
 
 
 @pytest.mark.gpu
@@ -94,8 +97,40 @@ def _expanded_keys_exact(device: str) -> None:
         assert torch.equal(v.double(), want_v)
 
 
+def _exact32_projections(device: str) -> None:
+    """``MLAStack.queries`` and ``latents_at`` in float32 (the oracle's expanded rows; TF32 products
+    on a GPU) give the float64 values bit for bit, at DeepSeek-V3's geometry, the largest token ids
+    and positions included."""
+    from hybridsim.layers.mla import MLAProbe, MLAStack
+    from hybridsim.presets import build_preset
+
+    geo = build_preset("deepseek-v3").mla.model_copy(update={"layers": 2})
+    stack = MLAStack([MLAProbe(geo, layer, seed=7) for layer in range(2)], device)
+    g = torch.Generator().manual_seed(4)
+    tok = torch.cat([torch.randint(0, 3_000_000, (500,), generator=g), torch.tensor([0, 4092, 4093 * 509 - 1])])
+    tok = tok.to(device)
+    pos = torch.arange(tok.numel(), device=device) * 31  # positions up to ~15.6k
+    n_pos = int(pos[-1]) + 1
+    for layer in (None, 1):
+        for a, b in zip(stack.queries(tok, pos, n_pos, layer), stack.queries(tok, pos, n_pos, layer, torch.float32)):
+            assert b.dtype == torch.float32 and torch.equal(b.double(), a)
+        lat64 = stack.latents_at(tok, pos, n_pos, layer)
+        lat32 = stack.latents_at(tok, pos, n_pos, layer, torch.float32)
+        assert lat32.dtype == torch.float32 and torch.equal(lat32.double(), lat64)
+
+
 def test_expanded_keys_are_exact_in_float32():
     _expanded_keys_exact("cpu")
+
+
+def test_float32_queries_and_latents_are_exact():
+    _exact32_projections("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_float32_queries_and_latents_are_exact_on_the_tensor_cores():
+    _exact32_projections("cuda")
 
 
 @pytest.mark.gpu

@@ -58,7 +58,7 @@ def latent_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         n = p0 + ql
         kk = k[:, ks:ks + n].double().repeat_interleave(H // HK, dim=2)  # (L, n, H, DK)
         vv = v[:, ks:ks + n].double().repeat_interleave(H // HK, dim=2)
-        s = torch.einsum("lqhd,lnhd->lhqn", q[:, qs:qs + ql], kk) * scale
+        s = torch.einsum("lqhd,lnhd->lhqn", q[:, qs:qs + ql].double(), kk) * scale
         qpos = torch.arange(p0, n, device=q.device)
         s = s.masked_fill(torch.arange(n, device=q.device)[None, :] > qpos[:, None], float("-inf"))
         o[:, qs:qs + ql] = torch.einsum("lhqn,lnhd->lqhd", torch.softmax(s, dim=-1), vv)
@@ -68,7 +68,7 @@ def latent_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 @triton.jit
 def _query_chunk(q, q_rows, c, DK: tl.constexpr, DC: tl.constexpr):
     d = c * DC + tl.arange(0, DC)
-    return tl.load(q + q_rows[:, None] + d[None, :], mask=(d < DK)[None, :], other=0.0)
+    return tl.load(q + q_rows[:, None] + d[None, :], mask=(d < DK)[None, :], other=0.0).to(tl.float64)
 
 
 @triton.jit
@@ -176,10 +176,12 @@ def latent_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
                      k_start: list[int], pos0: list[int], scale: float,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """``latent_attention_reference`` in one launch (Triton: a GPU, or the interpreter).
-    q (layers, tokens, heads, DK) float64; k (layers, keys, kv heads, DK) and v (layers, keys, kv
-    heads, DV) float32 or float64 (v may be a view of k: the latent's kv_c part), last axis
-    contiguous. The heaviest tiles (most keys) start first. ``out``: where to write."""
-    assert q.dtype == torch.float64 and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+    q (layers, tokens, heads, DK), k (layers, keys, kv heads, DK) and v (layers, keys, kv heads,
+    DV) float32 or float64 (v may be a view of k: the latent's kv_c part), last axis contiguous;
+    float32 ones must hold their values exactly. The heaviest tiles (most keys) start first.
+    ``out``: where to write."""
+    assert q.dtype in (torch.float32, torch.float64) and q.stride(-1) == 1 and k.stride(-1) == 1 \
+        and v.stride(-1) == 1
     L, nq, H, DK = q.shape
     HK, DV = k.shape[2], v.shape[-1]
     assert H % HK == 0 and k.shape[-1] == DK and v.shape[:3] == k.shape[:3]

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..model import DTYPE_BYTES, MLAGeometry
+from ..device.matmul import matmul_tf32
 from .exact import rng, rope_exact
 
 TABLE = 4093
@@ -192,6 +193,7 @@ class MLAStack:
         self.heads = self.geo.heads
         self.key_elems = 2 * self.geo.entry_dim()  # a key's two table rows and its entry
         self._w32: tuple[torch.Tensor, torch.Tensor] | None = None  # W_UK, W_UV in float32 (expanded_keys)
+        self._t32: dict[str, torch.Tensor] | None = None  # tables and query weights in float32 (``exact32``)
 
     def hidden(self, tok: torch.Tensor) -> torch.Tensor:
         """(layers, *tok.shape, hidden)."""
@@ -202,23 +204,42 @@ class MLAStack:
         the values ``latent_of`` gives."""
         return self.latents_at(tok, torch.arange(tok.shape[1], device=tok.device), n_pos)
 
-    def latents_at(self, tok: torch.Tensor, pos: torch.Tensor, n_pos: int, layer: int | None = None) -> torch.Tensor:
+    def _exact32(self) -> dict[str, torch.Tensor]:
+        """The key tables, embeddings and query weights in float32: small integers (module
+        docstring), so the same values."""
+        if self._t32 is None:
+            self._t32 = {k: getattr(self, k).to(torch.float32) for k in ("key1", "key2", "emb1", "emb2", "w_qn", "w_qr")}
+        return self._t32
+
+    def latents_at(self, tok: torch.Tensor, pos: torch.Tensor, n_pos: int, layer: int | None = None,
+                   dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """``latents`` of tokens tok (...) at positions pos (broadcastable to tok's last axes), each
-        below n_pos: (layers, ..., kv_lora + rope); of one layer only (a leading axis of 1) if ``layer`` is given."""
+        below n_pos: (layers, ..., kv_lora + rope); of one layer only (a leading axis of 1) if ``layer`` is given.
+        ``dtype`` float32: the same values (table entries are integers below 2**13, their rotation
+        below 2**24: exact in float32), half the bytes."""
         ly = slice(None) if layer is None else slice(layer, layer + 1)
-        lat = token_rows(self.key1[ly], self.key2[ly], tok)  # (a fresh tensor: scaled and rotated in place)
+        t1, t2 = (self.key1, self.key2) if dtype == torch.float64 else (self._exact32()["key1"], self._exact32()["key2"])
+        lat = token_rows(t1[ly], t2[ly], tok)  # (a fresh tensor: scaled and rotated in place)
         Lr = self.geo.kv_lora_rank
         lat[..., Lr:] = rope_exact(lat[..., Lr:], pos, n_pos) * 2.0 ** -ROPE_SHIFT
         lat[..., :Lr] *= 2.0 ** -LATENT_SHIFT
         return lat
 
     def queries(self, tok: torch.Tensor, pos: torch.Tensor, n_pos: int,
-                layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                layer: int | None = None, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
         """q_nope (layers, n, H, nope) and q_pe (layers, n, H, rope), float64 and unscaled, of tokens tok (n,)
-        at positions pos (n,) below n_pos; of one layer only (a leading axis of 1) if ``layer`` is given."""
+        at positions pos (n,) below n_pos; of one layer only (a leading axis of 1) if ``layer`` is given.
+        ``dtype`` float32: the same values, the products on TF32 tensor cores where they run (the
+        hidden state's integers below 2**5 and the weights' below 2**3 are exact in TF32's 11
+        bits, every partial sum an integer below 2**12, the rotation below 2**24)."""
         ly = slice(None) if layer is None else slice(layer, layer + 1)
-        x = token_rows(self.emb1[ly], self.emb2[ly], tok)
-        return queries_of(x, self.w_qn[ly], self.w_qr[ly], pos[:, None], n_pos)
+        if dtype == torch.float64:
+            x = token_rows(self.emb1[ly], self.emb2[ly], tok)
+            return queries_of(x, self.w_qn[ly], self.w_qr[ly], pos[:, None], n_pos)
+        t = self._exact32()
+        x = token_rows(t["emb1"][ly], t["emb2"][ly], tok)
+        with matmul_tf32():
+            return queries_of(x, t["w_qn"][ly], t["w_qr"][ly], pos[:, None], n_pos)
 
     def absorbed_queries(self, tok: torch.Tensor, pos: torch.Tensor, n_pos: int) -> torch.Tensor:
         """[q_nope W_UK | q_pe] (layers, n, H, kv_lora + rope), unscaled: a query in the latent space,
