@@ -52,6 +52,20 @@ def graph_bench(fn, rep=100):
     return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median") * 1e-3
 
 
+@triton.jit
+def _empty_kernel(x):
+    """Does nothing: its time is a launch's."""
+    pass
+
+
+def launch_floor() -> float:
+    """The least time any kernel call takes, in seconds, timed as the decode rows are (an empty
+    one-program kernel replayed as a CUDA graph): the floor under a call too small for its bytes
+    or FLOPs to set one (MLA decode at B = 1). 0.50 us on an H200 (2026-11-27)."""
+    x = torch.zeros(16, device="cuda")
+    return graph_bench(lambda: _empty_kernel[(1,)](x))
+
+
 def ceilings() -> Ceilings:
     """Read, copy and bf16 matmul rates of device 0: 4 GiB streams, best of 5 runs each."""
     return measure(torch.device("cuda"), nbytes=2 ** 32)
@@ -115,7 +129,7 @@ def state_copy_rows(ceil):
     return rows
 
 
-def mla_rows(ceil, configs, splits_options, impls=("auto",)):
+def mla_rows(ceil, configs, splits_options, impls=("auto",), launch_s=None):
     """DeepSeek-V3 absorbed decode: 128 heads, 512 + 64 latent, bf16, page 64. FlashMLA's
     accounting (timed.py): FLOPs = 2 * B * ctx * H * (576 + 512); bytes read = latent cache +
     q, written = out + lse.
@@ -172,7 +186,8 @@ def mla_rows(ceil, configs, splits_options, impls=("auto",)):
                          "config": best[1], "splits": best[2], "auto_time_us": auto[0] * 1e6, "auto_config": auto[1],
                          "best_us_per_impl": per_impl, **fields,
                          "auto_pct_floor": fields["floor_us"] * 1e-6 / auto[0] * 100, "eager_time_us": eager * 1e6,
-                         "torch_time_us": tt * 1e6 if tt else None})
+                         "torch_time_us": tt * 1e6 if tt else None,
+                         "x_launch_floor": best[0] / launch_s if launch_s else None})
             print(rows[-1], flush=True)
             del cache, kv
             torch.cuda.empty_cache()
@@ -373,7 +388,8 @@ def main():
     splits = [int(x) for x in args.mla_splits.split(",") if x]
     props = torch.cuda.get_device_properties(0)
     ceil = ceilings()
-    print(f"{props.name}: {ceil.line()}", flush=True)
+    launch = launch_floor()
+    print(f"{props.name}: {ceil.line()}; launch floor {launch * 1e6:.2f} us", flush=True)
     only = args.only.split(",")
     rows = state_copy_rows(ceil) if "state_copy" in only else []
     for r in rows:
@@ -388,10 +404,10 @@ def main():
     if "partial" in only:
         rows += partial_rows(ceil, [tuple(int(x) for x in c.split(",")) for c in args.partial_configs.split(";")])
     if "mla" in only:
-        rows += mla_rows(ceil, configs, splits, tuple(args.mla_impls.split(",")))
+        rows += mla_rows(ceil, configs, splits, tuple(args.mla_impls.split(",")), launch)
     args.out.write_text(json.dumps({"device": props.name, "sms": props.multi_processor_count,
                                     "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-                                    "triton": triton.__version__, **ceil.as_dict(),
+                                    "triton": triton.__version__, **ceil.as_dict(), "launch_floor_us": launch * 1e6,
                                     "floor": "max(read / read_TBps + written / write_TBps, flops / matmul_TFLOPs); "
                                              "write_TBps derived: 1 / (2 / copy - 1 / read)",
                                     "rows": rows}, indent=2))
@@ -399,8 +415,9 @@ def main():
     print(f"{'kernel':28s} {'case':34s} {'time':>10s} {'floor':>10s} {'bound':>9s} {'% of floor':>10s}")
     for r in rows:
         torch_time = f"  torch {r['torch_time_us']:9.1f}us" if r.get("torch_time_us") else ""
+        launches = f"  {r['x_launch_floor']:.0f}x the launch floor" if r.get("x_launch_floor") else ""
         print(f"{r['kernel']:28s} {r['case']:34s} {r['time_us']:9.1f}us {r['floor_us']:8.1f}us {r['bound']:>9s} "
-              f"{pct_text(r['pct_floor'])}{torch_time}")
+              f"{pct_text(r['pct_floor'])}{torch_time}{launches}")
     above = [r for r in rows if r["above_floor"]]
     if above:
         print(f"{len(above)} row(s) above their floor: a floor is wrong (the ceilings or the byte/FLOP accounting)")
