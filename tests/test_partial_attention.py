@@ -159,3 +159,20 @@ def test_gpu_descriptor_and_gather_paths_agree():
     a = pa.partial_attention(q, k, v, 0.1, None, precision="ieee")
     b = pa.partial_attention(q, k, v, 0.1, None, precision="ieee", descriptors=False)
     assert float((a[0] - b[0]).abs().max()) <= 1e-5 and float((a[1] - b[1]).abs().max()) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("descriptors", [True, False])
+def test_gpu_random_mask(descriptors):
+    """A mask read from memory (tiles no row sees skipped), compiled: rows that see nothing, a key
+    tile nobody sees, the rest random."""
+    gen = torch.Generator().manual_seed(21)
+    q, k, v = _case(200, 700, 8, 192, 128, False, gen)
+    mask = (torch.rand(200, 700, generator=gen) < 0.5).to(DEV)
+    mask[:, 256:384] = False
+    mask[7] = False
+    want = REF.attention_partial(q.double(), k.double(), v.double(), 0.1, mask)
+    got = pa.partial_attention(q, k, v, 0.1, mask, torch.full((200, 8, 128), float("nan"), device=DEV),
+                               torch.full((200, 8), float("nan"), device=DEV), precision="ieee",
+                               descriptors=descriptors)
+    _agree((got[0].double(), got[1].double()), want, 1e-5)
