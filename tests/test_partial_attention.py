@@ -122,6 +122,23 @@ def test_provider_takes_every_query_in_one_call():
     assert REF.partial_query_rows(8192, 128) == (1 << 26) // (8192 * 128)
 
 
+def test_causal_promise_only_to_providers_that_take_it():
+    """A plugin's ``attention_partial`` written before the ``causal`` parameter gets the mask alone
+    (through the timing and checking wrappers too); the built-in providers take the promise."""
+    from hybridsim.kernels.reference import takes_causal
+
+    class OldPlugin(ReferenceKernels):
+        def attention_partial(self, q, k, v, scale, mask):
+            return super().attention_partial(q, k, v, scale, mask)
+
+    class Wrapper:
+        def __init__(self, inner):
+            self.inner = inner
+
+    assert takes_causal(REF) and takes_causal(TRI) and takes_causal(Wrapper(Wrapper(TRI)))
+    assert not takes_causal(OldPlugin()) and not takes_causal(Wrapper(OldPlugin()))
+
+
 def test_traffic_counts_visible_pairs():
     q, k, v = torch.zeros(6, 2, 24), torch.zeros(10, 2, 24), torch.zeros(10, 2, 8)
     per_pair = 2 * 2 * (24 + 8)

@@ -34,6 +34,7 @@ from ..device.matmul import matmul_tf32
 from ..device.transfer import to_device, upload
 
 from ..kernels.reference import PARTIAL_SCORE_ELEMS as SCORE_ELEMS  # the largest score matrix a call materialises
+from ..kernels.reference import takes_causal
 
 
 @dataclass
@@ -47,6 +48,7 @@ class MLAExecution:
                  blocks: BlockMap, workspace_tokens: int = 256):
         lg = scenario.geometry().mla
         self.k = kernels
+        self.partial_causal = takes_causal(kernels)  # (the new tokens' mask promised causal where understood)
         self.checks = checks
         self.bugs = bugs
         self.device = device
@@ -183,7 +185,8 @@ class MLAExecution:
         parts = []
         for q0, q1 in blocks:
             mask = ar[None, :q1] <= ar[q0:q1, None]
-            out, lse = self.k.attention_partial(q[q0:q1], k_new[:q1], v_new[:q1], probe.scale, mask, causal=q0)
+            promise = {"causal": q0} if self.partial_causal else {}
+            out, lse = self.k.attention_partial(q[q0:q1], k_new[:q1], v_new[:q1], probe.scale, mask, **promise)
             if c == 0 and unguarded:
                 # the buggy variant merges an empty context partial without sanitising it
                 empty_o = torch.full_like(out, float("nan"))

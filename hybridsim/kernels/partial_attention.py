@@ -31,7 +31,6 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 
 @triton.jit(do_not_specialize=["n", "m"])
@@ -39,7 +38,8 @@ def _partial_attention_kernel(q, q_r, k, k_r, v, mask, out, lse, n, m, H, dq, dv
                               sq_n, sq_h, sk_m, sk_h, sv_m, sv_h, sm_n, sm_m, so_n, so_h,
                               scale_log2, causal_off,
                               D1: tl.constexpr, D2: tl.constexpr, BLOCK_DV: tl.constexpr,
-                              HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr,
                               PRECISION: tl.constexpr, DESC: tl.constexpr, K_HEADS: tl.constexpr,
                               V_HEADS: tl.constexpr):
     """One program: BLOCK_M query rows of one head over all m keys. The query dimension is taken
@@ -131,7 +131,8 @@ def _partial_attention_kernel(q, q_r, k, k_r, v, mask, out, lse, n, m, H, dq, dv
     empty = (l_i == 0.0) | bad
     inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
     res = tl.where(bad[:, None], 0.0, acc * inv[:, None])
-    row_lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i))) * 0.6931471805599453)
+    ln2 = 0.6931471805599453
+    row_lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i))) * ln2)
     row_lse = tl.where(inf_row > 0, float("inf"), row_lse)
     row_lse = tl.where(nan_row > 0, float("nan"), row_lse)
     tl.store(out + rows64[:, None] * so_n + h64 * so_h + dvs[None, :], res, mask=rmask[:, None] & dvm[None, :])
@@ -174,9 +175,10 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
                       descriptors: bool = True, causal: int | None = None):
     """The reference's ``attention_partial`` (module docstring), one launch. ``out`` / ``lse``:
     buffers to write (poisoned by a caller that checks every element is written). ``precision``:
-    "tf32" or "ieee" (None: TF32 where torch allows it for float32 products, else full float32). ``descriptors``: False forces the gathering loads (tests cover both). ``causal``:
-    the mask is the causal one with this offset (key j visible to query i where j <= i + causal;
-    the mask tensor is then not read, only its shape checked)."""
+    "tf32" or "ieee" (None: TF32 where torch allows it for float32 products, else full float32).
+    ``descriptors``: False forces the gathering loads (tests cover both). ``causal``: the mask is
+    the causal one with this offset (key j visible to query i where j <= i + causal; the mask
+    tensor is then not read, only its shape checked)."""
     n, H, dq = q.shape
     m = k.shape[0]
     dv = v.shape[-1]
@@ -228,6 +230,7 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         q.stride(0), q.stride(1), k.stride(0), sk_h, v.stride(0), sv_h,
         mk.stride(0) if has_mask else 0, mk.stride(1) if has_mask else 0, out.stride(0), out.stride(1),
         scale * LOG2E, causal or 0,
-        D1=d1, D2=d2, BLOCK_DV=block_dv, HAS_MASK=has_mask, CAUSAL=causal is not None, BLOCK_M=bm, BLOCK_N=bn, PRECISION=precision,
-        DESC=use_desc, K_HEADS=k.dim() == 3, V_HEADS=v.dim() == 3, num_warps=warps, num_stages=stages)
+        D1=d1, D2=d2, BLOCK_DV=block_dv, HAS_MASK=has_mask, CAUSAL=causal is not None, BLOCK_M=bm, BLOCK_N=bn,
+        PRECISION=precision, DESC=use_desc, K_HEADS=k.dim() == 3, V_HEADS=v.dim() == 3, num_warps=warps,
+        num_stages=stages)
     return out, lse

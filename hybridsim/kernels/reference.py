@@ -29,6 +29,20 @@ def _softmax_lse(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return s.div_(torch.where(finite, total, 1.0)).masked_fill_(~finite, 0.0), lse
 
 
+def takes_causal(provider) -> bool:
+    """Whether a provider's ``attention_partial`` takes the ``causal`` promise: a plugin's override
+    written before the parameter existed does not (it gets the mask alone). Wrappers (timing,
+    checking) are looked through to the provider they hold (``inner``)."""
+    import inspect
+
+    while hasattr(provider, "inner"):
+        provider = provider.inner
+    try:
+        return "causal" in inspect.signature(provider.attention_partial).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 class ReferenceKernels:
     name = "reference"
 

@@ -208,7 +208,8 @@ class MLAStack:
         """The key tables, embeddings and query weights in float32: small integers (module
         docstring), so the same values."""
         if self._t32 is None:
-            self._t32 = {k: getattr(self, k).to(torch.float32) for k in ("key1", "key2", "emb1", "emb2", "w_qn", "w_qr")}
+            names = ("key1", "key2", "emb1", "emb2", "w_qn", "w_qr")
+            self._t32 = {k: getattr(self, k).to(torch.float32) for k in names}
         return self._t32
 
     def latents_at(self, tok: torch.Tensor, pos: torch.Tensor, n_pos: int, layer: int | None = None,
@@ -218,7 +219,8 @@ class MLAStack:
         ``dtype`` float32: the same values (table entries are integers below 2**13, their rotation
         below 2**24: exact in float32), half the bytes."""
         ly = slice(None) if layer is None else slice(layer, layer + 1)
-        t1, t2 = (self.key1, self.key2) if dtype == torch.float64 else (self._exact32()["key1"], self._exact32()["key2"])
+        t = {"key1": self.key1, "key2": self.key2} if dtype == torch.float64 else self._exact32()
+        t1, t2 = t["key1"], t["key2"]
         lat = token_rows(t1[ly], t2[ly], tok)  # (a fresh tensor: scaled and rotated in place)
         Lr = self.geo.kv_lora_rank
         lat[..., Lr:] = rope_exact(lat[..., Lr:], pos, n_pos) * 2.0 ** -ROPE_SHIFT
