@@ -78,8 +78,7 @@ def _partial_attention_kernel(q, q_r, k, k_r, v, mask, out, lse, n, m, H, dq, dv
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    nan_row = tl.zeros([BLOCK_M], tl.int32)
-    inf_row = tl.zeros([BLOCK_M], tl.int32)
+    special = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)  # per element: 1 a visible NaN score met, 2 a +inf one
     hi = m
     if CAUSAL:  # key j visible to query row i where j <= i + causal_off: no tile past the last row's
         hi = tl.minimum(m, pid * BLOCK_M + BLOCK_M + causal_off)
@@ -111,8 +110,8 @@ def _partial_attention_kernel(q, q_r, k, k_r, v, mask, out, lse, n, m, H, dq, dv
                                  mask=cmask[:, None] & (d2[None, :] < dq), other=0.0)
                 s += tl.dot(q2, tl.trans(k2), input_precision=PRECISION)
             s = s * scale_log2
-            nan_row |= tl.max(tl.where(vis & (s != s), 1, 0), 1)
-            inf_row |= tl.max(tl.where(vis & (s == float("inf")), 1, 0), 1)
+            # (tallied element by element and folded once after the loop: no row reductions a tile)
+            special |= tl.where(vis & (s != s), 1, 0) | tl.where(vis & (s == float("inf")), 2, 0)
             s = tl.where(vis & (s == s), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where((m_new == float("-inf")) | (m_new == float("inf")), 0.0, m_new)
@@ -127,6 +126,8 @@ def _partial_attention_kernel(q, q_r, k, k_r, v, mask, out, lse, n, m, H, dq, dv
                              mask=cmask[:, None] & dvm[None, :], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision=PRECISION)
             m_i = m_new
+    nan_row = tl.max(special & 1, 1)
+    inf_row = tl.max(special & 2, 1)
     bad = (nan_row > 0) | (inf_row > 0)
     empty = (l_i == 0.0) | bad
     inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
