@@ -290,7 +290,8 @@ def test_gpu_state_copy_past_2gib():
 # Integer arguments that change from step to step, per kernel. Triton specialises an integer by class
 # (1, a multiple of 16, other) and compiles a variant for each class it meets: a specialised count
 # compiled the kernel again in the middle of a real-scale run (the oracle's comparison count: 3.7 s of
-# nemotron_h_8b_mooncake's 18.5 s loop on an H200; paged attention's and MLA decode's split counts too).
+# nemotron_h_8b_mooncake's 18.5 s loop on an H200; paged attention's and MLA decode's split counts too;
+# deepseek_v3_mooncake's first run built the latent gather in 4 variants and the write in 2).
 STEP_INTS = {
     ("probe_scan_triton", "_probe_scan_kernel"): {"L", "n_cmp"},
     ("probe_scan_chunked", "_chunked_scan_kernel"): {"L", "n_cmp"},
@@ -300,6 +301,10 @@ STEP_INTS = {
     ("mla_gluon", "_mla_gluon_split_kernel"): {"n_qrows", "max_blocks", "keys_per_split", "num_splits"},
     ("dense_attention_f64", "_project_keys_kernel"): {"pair0"},
     ("dense_attention_f64", "_workspace_attention_kernel"): {"pair0"},
+    ("triton_kernels", "_scatter_rows_kernel"): {"n"},
+    ("triton_kernels", "_gather_rows_kernel"): {"start", "length"},
+    ("triton_kernels", "_merge_kernel"): {"n_rows"},
+    ("partial_attention", "_partial_attention_kernel"): {"n", "m", "causal_off"},
 }
 
 

@@ -33,7 +33,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 LOG2E = 1.4426950408889634
 
 
-@triton.jit(do_not_specialize=["n", "m"])
+@triton.jit(do_not_specialize=["n", "m", "causal_off"])
 def _partial_attention_kernel(q, q_r, k, k_r, v, mask, out, lse, n, m, H, dq, dv,
                               sq_n, sq_h, sk_m, sk_h, sv_m, sv_h, sm_n, sm_m, so_n, so_h,
                               scale_log2, causal_off,

@@ -135,7 +135,7 @@ def block_copy(pages: torch.Tensor, pairs: torch.Tensor, block: int = 4096) -> N
 # ----------------------------------------------------------------------------- cache ops
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # (counts change every step: tests/test_kernels_triton.py, STEP_INTS)
 def _scatter_rows_kernel(entries, slots, cache, n, dim, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     """ROWS entries per program, each written to its slot (row index into the flat cache)."""
     i = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
@@ -148,7 +148,7 @@ def _scatter_rows_kernel(entries, slots, cache, n, dim, BLOCK: tl.constexpr, ROW
         tl.store(cache + slot[:, None] * dim + c[None, :], v.to(cache.dtype.element_ty), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["start", "length"])
 def _gather_rows_kernel(cache, block_row, out, start, length, page, dim, BLOCK: tl.constexpr,
                         ROWS: tl.constexpr):
     """ROWS positions per program, each row read through the block table."""
@@ -167,7 +167,7 @@ def _gather_rows_kernel(cache, block_row, out, start, length, page, dim, BLOCK: 
 # ----------------------------------------------------------------------------- merge
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _merge_kernel(oa, la, ob, lb, out, lse_out, n_rows, D, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
                   BASE2_BUG: tl.constexpr, UNGUARDED: tl.constexpr):
     """ROWS (token, head) rows per program: weights from the two natural-log lse values."""
