@@ -7,21 +7,12 @@ them at real sizes on the device, plus a cache larger than 2^31 bytes.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from .kernel_env import DEV, REF, TRI  # (first: the interpreter where there is no GPU)
 
-from hybridsim.kernels.reference import ReferenceKernels  # noqa: E402
-from hybridsim.kernels.triton_kernels import TritonKernels, fused_state_copy  # noqa: E402
-
-REF = ReferenceKernels()
-TRI = TritonKernels(poison=True)
-GPU = torch.cuda.is_available()
-DEV = "cuda" if GPU else "cpu"
+from hybridsim.kernels.triton_kernels import fused_state_copy  # noqa: E402
 
 
 def cos_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -9,24 +9,14 @@ small sizes; ``-m gpu`` at Nemotron-H-8B shapes in bf16.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from .kernel_env import DEV, REF, TRI  # (first: the interpreter where there is no GPU)
 
 from hybridsim.engine.cache import NAN_BITS, PageArena  # noqa: E402
-from hybridsim.kernels.reference import ReferenceKernels  # noqa: E402
-from hybridsim.kernels.triton_kernels import TritonKernels  # noqa: E402
 from hybridsim.layers.gqa import GQAProbe, GQAStack, dense_reference  # noqa: E402
 from hybridsim.model import AttentionGeometry  # noqa: E402
-
-REF = ReferenceKernels()
-TRI = TritonKernels(poison=True)
-GPU = torch.cuda.is_available()
-DEV = "cuda" if GPU else "cpu"
 
 
 def _case(qlens, seqs, H, KVH, D, page, dtype, gen, shared_page=False):

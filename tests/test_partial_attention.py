@@ -10,23 +10,14 @@ end through the provider.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from .kernel_env import DEV, REF, TRI  # (first: the interpreter where there is no GPU)
 
 from hybridsim.kernels import partial_attention as pa  # noqa: E402
 from hybridsim.kernels.reference import ReferenceKernels  # noqa: E402
 from hybridsim.kernels.timed import _partial_traffic  # noqa: E402
-from hybridsim.kernels.triton_kernels import TritonKernels  # noqa: E402
-
-REF = ReferenceKernels()
-TRI = TritonKernels(poison=True)
-GPU = torch.cuda.is_available()
-DEV = "cuda" if GPU else "cpu"
 SMALL = (16, 16, 4, 1)  # tiles small enough that the interpreter walks several of them
 
 
