@@ -66,6 +66,32 @@ def pytest_runtest_setup(item):
     if opts is not None and getattr(opts, "sanitize_overflow", False) and not getattr(opts, "debug", True):
         builder.options = dataclasses.replace(opts, sanitize_overflow=False)
     _patch_lang_once_a_launch(interpreter)
+    _np_dtypes_once(interpreter)
+
+
+def _np_dtypes_once(interpreter) -> None:
+    """The interpreter finds a Triton type's numpy dtype through a table it builds again at every
+    call (about three calls an operation: 5% of an interpreted Mamba scan): kept, one lookup a
+    type (a block's is its elements'). Types that cannot be keys go to Triton's function."""
+    find = getattr(interpreter, "_get_np_dtype", None)
+    if find is None or getattr(find, "kept", False):
+        return
+    import triton.language as tl
+
+    kept: dict = {}
+
+    def np_dtype(tt_dtype):
+        key = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        try:
+            return kept[key]
+        except KeyError:
+            kept[key] = found = find(key)
+            return found
+        except TypeError:
+            return find(tt_dtype)
+
+    np_dtype.kept = True
+    interpreter._get_np_dtype = np_dtype
 
 
 def _patch_lang_once_a_launch(interpreter) -> None:
