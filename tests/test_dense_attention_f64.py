@@ -151,40 +151,43 @@ def test_a_small_workspace_splits_long_rows(monkeypatch):
     assert sorted(seen["workspace"]) == [([12], 3), ([17], pairs), ([20], pairs)]
 
 
-# decode rows (groups of 4: up to 4 queries a tile) over 40-300 keys in ranges of 64: one range
-# (40 and 63 keys before), a last range of one key (64), of the tile's queries alone (3 at 128, a
-# boundary), across a boundary (2 at 191, 4 at 254), and beside them a one-tile row and a workspace row
-SPLIT_ROWS = [(1, 40), (1, 63), (1, 64), (3, 128), (2, 191), (4, 254), (1, 299), (7, 30), (17, 20)]
+# decode rows (groups of 4: up to 4 queries a tile) over 20-150 keys in ranges of 32 (one key
+# block: the interpreter's time goes with the keys; test_a_small_partial_bound_takes_longer_ranges
+# has ranges of two blocks): one range (20 and 31 keys before), a last range of one key (32), of
+# the tile's queries alone (3 at 64, a boundary), across a boundary (2 at 95, 4 at 126), and beside
+# them a one-tile row and a workspace row
+SPLIT_ROWS = [(1, 20), (1, 31), (1, 32), (3, 64), (2, 95), (4, 126), (1, 149), (7, 30), (17, 20)]
 
 
 @INTERPRETER
 @pytest.mark.parametrize("heads,kv_heads,d", [(8, 2, 32), (6, 2, 24)], ids=["group4", "group3-d24"])
 def test_decode_rows_split_their_keys_into_ranges(monkeypatch, heads, kv_heads, d):
-    """Ranges of 64 keys: a program per range writes partial results, one launch merges them;
+    """Ranges of 32 keys: a program per range writes partial results, one launch merges them;
     rows of one range and rows of five agree with the definition alike."""
-    monkeypatch.setattr(dense, "DECODE_SPLIT_KEYS", 64)
+    monkeypatch.setattr(dense, "DECODE_SPLIT_KEYS", 32)
     seen = _launches(monkeypatch)
     _check(heads, kv_heads, d, 41, "cpu", rows=SPLIT_ROWS)
     assert seen["projecting"] == [[7]] and seen["workspace"] == [([17], 2 * 2)]
-    assert seen["split"] == [([1, 1, 1, 1, 2, 3, 4], 64, [
-        (1, 40, [(0, 41)]), (1, 63, [(0, 64)]), (1, 64, [(0, 64), (64, 65)]),
-        (1, 299, [(0, 64), (64, 128), (128, 192), (192, 256), (256, 300)]),
-        (2, 191, [(0, 64), (64, 128), (128, 193)]), (3, 128, [(0, 64), (64, 128), (128, 131)]),
-        (4, 254, [(0, 64), (64, 128), (128, 192), (192, 258)])])]
+    assert seen["split"] == [([1, 1, 1, 1, 2, 3, 4], 32, [
+        (1, 20, [(0, 21)]), (1, 31, [(0, 32)]), (1, 32, [(0, 32), (32, 33)]),
+        (1, 149, [(0, 32), (32, 64), (64, 96), (96, 128), (128, 150)]),
+        (2, 95, [(0, 32), (32, 64), (64, 97)]), (3, 64, [(0, 32), (32, 64), (64, 67)]),
+        (4, 126, [(0, 32), (32, 64), (64, 96), (96, 130)])])]
 
 
 @INTERPRETER
 def test_a_small_partial_bound_takes_longer_ranges(monkeypatch):
-    """Partial results bounded: ranges of 64 keys would take 17 slots, of 128 keys 10 (each 2
+    """Partial results bounded: ranges of 32 keys would take 17 slots, of 64 keys 10 (each 2
     layers x 2 KV heads x 16 (query, head) rows x 34 float64); a bound of 10 slots doubles the
-    range, a bound of 4 (ranges of 256 keys would take 6) leaves every tile one range (no merge)."""
-    monkeypatch.setattr(dense, "DECODE_SPLIT_KEYS", 64)
+    range (to two key blocks), a bound of 4 (ranges of 128 keys would take 6) leaves every tile one
+    range (no merge)."""
+    monkeypatch.setattr(dense, "DECODE_SPLIT_KEYS", 32)
     slot = 2 * 2 * 16 * (32 + 2)
-    rows = [(1, 64), (3, 128), (2, 191), (4, 254), (1, 299)]
+    rows = [(1, 32), (3, 64), (2, 95), (4, 126), (1, 149)]
     seen = _launches(monkeypatch)
     monkeypatch.setattr(dense, "PARTIAL_ELEMS", 10 * slot)
     _check(8, 2, 32, 43, "cpu", rows=rows)
-    assert [split for _, split, _ in seen["split"]] == [128] and seen["projecting"] == []
+    assert [split for _, split, _ in seen["split"]] == [64] and seen["projecting"] == []
     monkeypatch.setattr(dense, "PARTIAL_ELEMS", 4 * slot)
     _check(8, 2, 32, 44, "cpu", rows=rows)
     assert len(seen["split"]) == 1 and seen["projecting"] == [[1, 1, 2, 3, 4]]
