@@ -192,8 +192,7 @@ class MLAStack:
         self.layers = len(probes)
         self.heads = self.geo.heads
         self.key_elems = 2 * self.geo.entry_dim()  # a key's two table rows and its entry
-        self._w32: tuple[torch.Tensor, torch.Tensor] | None = None  # W_UK, W_UV in float32 (expanded_keys)
-        self._t32: dict[str, torch.Tensor] | None = None  # tables and query weights in float32 (``exact32``)
+        self._t32: dict[str, torch.Tensor] | None = None  # ``_tables(float32)``, made on first use
 
     def hidden(self, tok: torch.Tensor) -> torch.Tensor:
         """(layers, *tok.shape, hidden)."""
@@ -204,11 +203,13 @@ class MLAStack:
         the values ``latent_of`` gives."""
         return self.latents_at(tok, torch.arange(tok.shape[1], device=tok.device), n_pos)
 
-    def _exact32(self) -> dict[str, torch.Tensor]:
-        """The key tables, embeddings and query weights in float32: small integers (module
-        docstring), so the same values."""
+    def _tables(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The key tables, embeddings and weights the projections read, in ``dtype``: float64 as
+        held, or float32 copies made once (small integers times powers of two: the same values)."""
+        names = ("key1", "key2", "emb1", "emb2", "w_qn", "w_qr", "w_uk", "w_uv")
+        if dtype == torch.float64:
+            return {k: getattr(self, k) for k in names}
         if self._t32 is None:
-            names = ("key1", "key2", "emb1", "emb2", "w_qn", "w_qr")
             self._t32 = {k: getattr(self, k).to(torch.float32) for k in names}
         return self._t32
 
@@ -219,9 +220,8 @@ class MLAStack:
         ``dtype`` float32: the same values (table entries are integers below 2**13, their rotation
         below 2**24: exact in float32), half the bytes."""
         ly = slice(None) if layer is None else slice(layer, layer + 1)
-        t = {"key1": self.key1, "key2": self.key2} if dtype == torch.float64 else self._exact32()
-        t1, t2 = t["key1"], t["key2"]
-        lat = token_rows(t1[ly], t2[ly], tok)  # (a fresh tensor: scaled and rotated in place)
+        t = self._tables(dtype)
+        lat = token_rows(t["key1"][ly], t["key2"][ly], tok)  # (a fresh tensor: scaled and rotated in place)
         Lr = self.geo.kv_lora_rank
         lat[..., Lr:] = rope_exact(lat[..., Lr:], pos, n_pos) * 2.0 ** -ROPE_SHIFT
         lat[..., :Lr] *= 2.0 ** -LATENT_SHIFT
@@ -235,12 +235,9 @@ class MLAStack:
         hidden state's integers below 2**5 and the weights' below 2**3 are exact in TF32's 11
         bits, every partial sum an integer below 2**12, the rotation below 2**24)."""
         ly = slice(None) if layer is None else slice(layer, layer + 1)
-        if dtype == torch.float64:
-            x = token_rows(self.emb1[ly], self.emb2[ly], tok)
-            return queries_of(x, self.w_qn[ly], self.w_qr[ly], pos[:, None], n_pos)
-        t = self._exact32()
+        t = self._tables(dtype)
         x = token_rows(t["emb1"][ly], t["emb2"][ly], tok)
-        with matmul_tf32():
+        with matmul_tf32(dtype == torch.float32):
             return queries_of(x, t["w_qn"][ly], t["w_qr"][ly], pos[:, None], n_pos)
 
     def absorbed_queries(self, tok: torch.Tensor, pos: torch.Tensor, n_pos: int) -> torch.Tensor:
@@ -263,9 +260,8 @@ class MLAStack:
         Lr = self.geo.kv_lora_rank
         if Lr > 1 << 10:
             raise ValueError(f"kv_lora_rank {Lr}: per-head keys are exact in float32 up to 1024")
-        if self._w32 is None:
-            self._w32 = (self.w_uk.to(torch.float32), self.w_uv.to(torch.float32))
-        w_uk, w_uv = self._w32[0][layer, heads], self._w32[1][layer, heads]
+        t = self._tables(torch.float32)
+        w_uk, w_uv = t["w_uk"][layer, heads], t["w_uv"][layer, heads]
         H = w_uk.shape[0]
         kv = lat[:, :Lr].to(torch.float32)
         low = torch.remainder(kv * 2.0 ** LATENT_SHIFT, 64.0) * 2.0 ** -LATENT_SHIFT
