@@ -98,11 +98,10 @@ def plan_memory(s: Scenario, groups, device: torch.device, checked_kernels: bool
     (these scale with ``max_num_batched_tokens``); ``checked_kernels`` adds the reference's staging."""
     from ..kernels.checked import STAGED_PAGES
     from ..kernels.paged_attention import SCORE_ELEMS as PAGED_SCORES
-    from ..kernels.reference import SCORE_ELEMS as DECODE_SCORES
+    from ..kernels.reference import PARTIAL_SCORE_ELEMS, SCORE_ELEMS as DECODE_SCORES
     from ..layers.mla import TABLE as MLA_TABLE, TABLE2 as MLA_TABLE2
     from ..oracle import MLA_ORACLE_ELEMS, fused_by_default
     from .attn_exec import ORACLE_SCORES, oracle_memo_bytes
-    from .mla_exec import SCORE_ELEMS
 
     geo = s.geometry()
     plan = MemoryPlan(str(device) if device.type != "cuda" else f"{device} ({torch.cuda.get_device_name(device)})")
@@ -206,7 +205,7 @@ def plan_memory(s: Scenario, groups, device: torch.device, checked_kernels: bool
                 + 3 * out * 8  # the check's float64 copies of its largest comparison
                 + budget * H * (N + R) * 20 + 3 * budget * H * L * 4  # one layer: queries, absorbed, decoded
                 + work * H * (N + R + V) * 8 + budget * H * (N + R + V) * 8  # up-projected context and tokens
-                + 3 * 4 * min(SCORE_ELEMS, budget * H * max(budget, work)))  # the prefill path's scores
+                + 3 * 4 * min(PARTIAL_SCORE_ELEMS, budget * H * max(budget, work)))  # the prefill path's scores
         if checked_kernels:  # the reference decode's scores and partials
             step += 6 * 4 * min(DECODE_SCORES, seqs * (1 + S) * H * s.scheduler.max_model_len)
         # outputs; scores, probabilities and (batches that up-project keys) k_nope and v with their

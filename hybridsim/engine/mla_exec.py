@@ -33,7 +33,6 @@ from ..device.verdicts import Verdicts
 from ..device.matmul import matmul_tf32
 from ..device.transfer import to_device, upload
 
-from ..kernels.reference import PARTIAL_SCORE_ELEMS as SCORE_ELEMS  # the largest score matrix a call materialises
 from ..kernels.reference import takes_causal
 
 
@@ -172,7 +171,7 @@ class MLAExecution:
     def _prefill_path_fp32(self, probe: MLAProbe, q_nope, q_pe, cache, block_row, c, n):
         """The new tokens attend to themselves (causal), then to the cached context chunk by chunk
         (each chunk up-projected once), merged by lse. Queries go in blocks as the provider asks:
-        the reference materialises scores, within ``SCORE_ELEMS`` elements (a 4k-token chunk
+        the reference materialises scores, within ``PARTIAL_SCORE_ELEMS`` elements (a 4k-token chunk
         over 12k of context is 25 GB whole); a streaming kernel takes them all at once."""
         q = torch.cat([q_nope, q_pe], dim=-1).float()
         qb = self.k.partial_query_rows(max(n, min(c, self.workspace), 1), q.shape[1])
