@@ -476,11 +476,11 @@ def _launch_projecting(c: _Call, n_tiles: int, tiles: list[torch.Tensor], out: t
     """``_probe_attention_kernel`` over n_tiles tiles of bq queries (tiles: their rows, first
     queries, and with ``partial`` their key ranges' first and last keys), writing to out."""
     st = c.stack
-    tokens, emb1, emb2, wq, cc, ss = c.queries()[0]
+    (tokens, emb1, emb2, wq, cc, ss), q_sizes = c.queries()
     _probe_attention_kernel[(n_tiles, c.pairs)](
         tokens, emb1, emb2, wq, st.w_k, st.w_v, cc, ss, out, *tiles, *c.meta, *c.o_strides(), c.scale, c.kv_heads,
         G=c.G, GP=c.GP, BQ=bq, BN=KEYS_PER_BLOCK, V_SCALE=2.0 ** -V_SHIFT, PARTIAL=partial, num_warps=warps,
-        num_stages=STAGES, **c.queries()[1], **c.sizes())
+        num_stages=STAGES, **q_sizes, **c.sizes())
 
 
 def _attend_projecting(c: _Call, rows: list[int], bq: int, warps: int) -> None:
@@ -587,6 +587,7 @@ def _attend_workspace(c: _Call, rows: list[int], step: int) -> None:
     # tiles are the launches' first axis (the fastest), so the programs running at once read few
     # pairs' keys, which stay in L2 (bench_oracle's step on an H100: 253 tiles a pair, about 264
     # programs resident, one pair's 5 MiB at a time)
+    q_args, q_sizes = c.queries()
     for pair0 in range(0, c.pairs, step):
         pairs = min(step, c.pairs - pair0)
         _project_keys_kernel[(len(blocks), pairs)](
@@ -594,9 +595,9 @@ def _attend_workspace(c: _Call, rows: list[int], step: int) -> None:
             c.meta[2], c.meta[3], ids[2], at * D, pair0, c.kv_heads,
             HID=st.emb1.shape[-1], T1=TABLE, T2=TABLE2, BN=PROJECT_KEYS, num_warps=PROJECT_WARPS, **c.sizes())
         _workspace_attention_kernel[(n_tiles, pairs)](
-            *c.queries()[0], ws[0], ws[1], c.o, ids[0], ids[1], *c.meta, ids[2], *c.o_strides(), at * D, pair0,
+            *q_args, ws[0], ws[1], c.o, ids[0], ids[1], *c.meta, ids[2], *c.o_strides(), at * D, pair0,
             c.scale, c.kv_heads, G=c.G, GP=c.GP, BQ=max(1, rows_per_tile // c.GP), BN=bn,
-            V_SCALE=2.0 ** -V_SHIFT, num_warps=warps, num_stages=stages, **c.queries()[1], **c.sizes())
+            V_SCALE=2.0 ** -V_SHIFT, num_warps=warps, num_stages=stages, **q_sizes, **c.sizes())
 
 
 def _call(stack32, tokens: torch.Tensor, q_start: list[int], q_len: list[int], k_start: list[int],
@@ -655,6 +656,7 @@ def tile_queries(stack32, tokens: torch.Tensor, q_start: list[int], q_len: list[
     (the tests' check; the oracle never keeps queries in memory)."""
     c = _call(stack32, tokens, q_start, q_len, k_start, pos0, out)
     n_tiles, ids = _tiles(c, [r for r, ql in enumerate(q_len) if ql > 0], bq)
-    _queries_kernel[(n_tiles, c.pairs)](*c.queries()[0], c.o, *ids, *c.meta, *c.o_strides(), c.kv_heads,
-                                        G=c.G, GP=c.GP, BQ=bq, num_warps=WARPS_LONG, **c.queries()[1], **c.sizes())
+    q_args, q_sizes = c.queries()
+    _queries_kernel[(n_tiles, c.pairs)](*q_args, c.o, *ids, *c.meta, *c.o_strides(), c.kv_heads,
+                                        G=c.G, GP=c.GP, BQ=bq, num_warps=WARPS_LONG, **q_sizes, **c.sizes())
     return c.o
