@@ -16,8 +16,9 @@ and PV of every (query, key) pair a causal row computes) at the card's measured 
 rate (an 8192-cube ``torch.mm``), or the traffic of q, k, v and o, whichever is larger: a lower
 bound (the queries' and keys' projection, exact integer products on TF32, and the workspace's
 float32 traffic are not in it). Last, the MLA oracle on a
-DeepSeek-V3 step against its own float64 floor: the torch path and the fused one
-(``kernels/latent_attention_f64.py``) with its tile schedules swept.
+DeepSeek-V3 step against its floors: the torch path and the fused one with float64 scores
+(``kernels/latent_attention_f64.py``) or exact scores from int8 digits
+(``kernels/digit_attention_f64.py``, its tiles swept).
 
     python3 bench/bench_oracle.py [--out results.json] [--gqa-only | --mla-only]
 """
@@ -36,6 +37,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from hybridsim.kernels import dense_attention_f64 as fused  # noqa: E402
+from hybridsim.kernels import digit_attention_f64 as digits  # noqa: E402
 from hybridsim.kernels import latent_attention_f64 as lat  # noqa: E402
 from hybridsim.kernels.ceilings import best_seconds, measure  # noqa: E402
 from hybridsim.layers.exact import prepare_rope  # noqa: E402
@@ -54,43 +56,58 @@ def step_rows(seed: int = 0) -> list[tuple[np.ndarray, int, int]]:
 
 
 def mla_step(f64: float) -> list[dict]:
-    """The MLA oracle (torch, and the fused float64 kernel with its schedules) at DeepSeek-V3's
-    geometry with the scenario's 8 layers, on a step shaped like ``deepseek_v3_mooncake``'s: two
-    prefill chunks and 26 rows of 2 committed tokens (one draft) over 1k-12k. Its floor: each
-    row's float64 FLOPs in its cheaper association (``MLAStack.expands``' count) at the measured
-    float64 rate. Returns one result per path and schedule."""
+    """The MLA oracle (torch, and the fused kernels) at DeepSeek-V3's geometry with the scenario's 8
+    layers, on a step shaped like ``deepseek_v3_mooncake``'s: two prefill chunks and 26 rows of 2
+    committed tokens (one draft) over 1k-12k. The fused path's expanded rows (the prefill chunks)
+    with float64 scores (``latent_attention_f64``, the path before session 32) and with exact scores
+    from int8 digits (``digit_attention_f64``, its tiles swept). Floors: float64's, each row's FLOPs
+    in its cheaper association (``MLAStack.expands``' count) at the measured float64 matmul rate;
+    the digits', the same with the expanded rows' scores as int8 products (15 digit pairs: 2 x 3 of
+    the nope part, 3 x 3 of the rope part) and their key expansion (two int8 products,
+    ``MLAStack.expanded_nope_ints``) at the measured int8 rate (``torch._int_mm``), their values'
+    products in float64. Returns one result per path and schedule."""
     geo = build_preset("deepseek-v3").mla.model_copy(update={"layers": 8})
     probes = [MLAProbe(geo, layer, seed=22) for layer in range(geo.layers)]
     g = np.random.default_rng(1)
     shape = [(3000, 1024), (0, 1000)] + [(int(c), 2) for c in np.linspace(1000, 12000, 26)]
     rows = [(g.integers(0, 10 ** 6, size=c + k).astype(np.int64), c, k) for c, k in shape]
     H, Lr, R, N, V = geo.heads, geo.kv_lora_rank, geo.qk_rope_head_dim, geo.qk_nope_head_dim, geo.v_head_dim
-    flops = 0
+    i8 = int8_rate()
+    flops, digit_floor = 0, 0.0
     for _, c, k in rows:
         n, p = c + k, k * c + k * (k + 1) // 2
         absorbed = k * H * (N * Lr + Lr * V) + p * H * (2 * Lr + R)
         expanded = n * H * Lr * (N + V) + p * H * (N + R + V)
         flops += 2 * geo.layers * min(absorbed, expanded)
+        if expanded < absorbed:
+            digit_floor += 2 * geo.layers * (p * H * V / f64 + (2 * n * H * Lr * (N + V) + p * H * (6 * N + 9 * R)) / i8)
+        else:
+            digit_floor += 2 * geo.layers * absorbed / f64
     floor = flops / f64
     print(f"MLA oracle, DeepSeek-V3 x 8 layers, {len(rows)} rows: {flops / 1e12:.2f} TFLOP in the cheaper "
-          f"associations, floor {floor * 1e3:.2f} ms")
+          f"associations, floor {floor * 1e3:.2f} ms (float64 scores), {digit_floor * 1e3:.2f} ms (int8 digit "
+          f"scores; int8 {i8 / 1e12:.0f} T op/s)")
     want = None
     results = []
-    # (the absorbed rows' schedule, the expanded rows'): (query, head) rows x keys, score chunk, warps, stages
-    # and whether absorbed rows take the kernel too (else: torch's padded batches)
-    default = (lat.SHARED, lat.PER_HEAD)
-    schedules = [None, default + (False,), default + (True,)] + [
-        (lat.SHARED, p, False) for p in ((16, 32, 64, 4, 1), (16, 32, 64, 4, 2), (32, 32, 64, 4, 3))] + [
-        ((16, 32, 64, 4, 2), lat.PER_HEAD, True)]
-    for sched in schedules:
-        name = "torch: padded batches, scores in memory" if sched is None else \
-            "fused: expanded {}x{}/{}/{}w/{}s; absorbed ".format(*sched[1]) + \
-            ("by the kernel {}x{}/{}/{}w/{}s".format(*sched[0]) if sched[2] else "by torch")
+    # (scores, the expanded rows' tile): float64 ones (queries x keys, score chunk, warps, stages), or
+    # exact ones from int8 digits (queries x keys, warps, stages); absorbed rows by torch's padded batches
+    cases = [None, ("float64", lat.PER_HEAD)] + [("digits", t) for t in (
+        digits.TILE, (16, 32, 4, 2), (16, 128, 4, 1), (16, 128, 4, 2), (16, 64, 8, 2))]
+    default = (lat.PER_HEAD, digits.TILE)
+    for case in cases:
+        if case is None:
+            name = "torch: padded batches, scores in memory"
+        elif case[0] == "float64":
+            name = "fused: float64 scores, expanded {}x{}/{}/{}w/{}s".format(*case[1])
+        else:
+            name = "fused: int8 digit scores, expanded {}x{}/{}w/{}s".format(*case[1])
+        ref = floor if case is None or case[0] == "float64" else digit_floor
         try:
-            if sched is not None:
-                lat.SHARED, lat.PER_HEAD = sched[:2]
-            oracle = MLAOracle(probes, torch.device("cuda"), fused=sched is not None,
-                               absorbed_kernel=sched is not None and sched[2])
+            if case is not None and case[0] == "digits":
+                digits.TILE = case[1]
+            oracle = MLAOracle(probes, torch.device("cuda"), fused=case is not None,
+                               digit_scores=case is not None and case[0] == "digits")
+            assert case is None or oracle.digit_scores == (case[0] == "digits")
             got = oracle.expected(rows)
             if want is None:
                 want = got
@@ -103,13 +120,20 @@ def mla_step(f64: float) -> list[dict]:
             print(f"  {name}: failed: {type(e).__name__}: {str(e)[:200]}")
             continue
         finally:
-            lat.SHARED, lat.PER_HEAD = default
+            lat.PER_HEAD, digits.TILE = default
         print(f"  {name:64s} {t * 1e3:8.2f} ms (prefill chunks alone {t_prefill * 1e3:.2f}, decode rows alone "
-              f"{t_decode * 1e3:.2f})  {100 * floor / t:5.1f}% of floor  max rel diff vs torch {err:.1e}", flush=True)
+              f"{t_decode * 1e3:.2f})  {100 * ref / t:5.1f}% of its floor  max rel diff vs torch {err:.1e}", flush=True)
         results.append({"case": "MLA oracle, " + name, "ms": t * 1e3, "prefill_ms": t_prefill * 1e3,
-                        "decode_ms": t_decode * 1e3, "flops": flops, "floor_ms": floor * 1e3,
-                        "pct_floor": 100 * floor / t, "max_rel_diff_vs_torch": err})
+                        "decode_ms": t_decode * 1e3, "flops": flops, "floor_ms": ref * 1e3,
+                        "pct_floor": 100 * ref / t, "max_rel_diff_vs_torch": err})
     return results
+
+
+def int8_rate(n: int = 8192) -> float:
+    """int8 products with int32 sums (``torch._int_mm``), operations (2 per product) a second."""
+    a = torch.randint(-128, 128, (n, n), dtype=torch.int8, device="cuda")
+    b = torch.randint(-128, 128, (n, n), dtype=torch.int8, device="cuda")
+    return 2 * n ** 3 / best_seconds(lambda: torch._int_mm(a, b.t()), runs=3, reps=3)  # (column-major: cuBLASLt's int8 layout)
 
 
 def fp64_rate(n: int = 8192) -> float:

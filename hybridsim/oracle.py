@@ -16,7 +16,8 @@ where in the cache to *look* when it compares.
   recomputed each step from the token ids (K, V and latent entries are exact,
   ``layers/mla.py``, ``layers/gqa.py``); for MLA, queries absorbed or keys up-projected,
   whichever costs less for a batch (``MLAStack.attend``), equal up to float64 rounding. On a
-  GPU float64 kernels do most of it, with no score in memory (``DenseOracle``'s ``fused``).
+  GPU float64 kernels do most of it, with no score in memory (``DenseOracle``'s ``fused``); the
+  MLA prefill chunks' scores are exact integers there, from int8 digits.
 """
 
 from __future__ import annotations
@@ -147,11 +148,14 @@ class DenseOracle:
     ids (queries never in memory). A decode row's tile projects each key block from its token ids
     inside the kernel, its keys in ranges merged after; a long prefill chunk's keys are projected
     once into a bounded float32 workspace (``WORKSPACE_ELEMS``) that all its tiles read.
-    MLA: a long prefill chunk's per-head keys are projected once (exactly, in float32) and one
-    float64 kernel attends over them (``_expected_latent``)."""
+    MLA: a long prefill chunk's per-head keys are projected once (exactly: int32 from int8 products,
+    or float32) and one kernel attends over them (``_expected_latent``): its scores exact from int8
+    digits and its softmax and values in float64 where the tables' bounds allow
+    (``kernels/digit_attention_f64.py``, ``MLAStack.digits_fit``), else all in float64."""
 
     def __init__(self, stack, device: torch.device, budget_elems: int = 1 << 27, work_bound: bool | None = None,
-                 memo_bytes: int = 0, fused: bool | None = None, absorbed_kernel: bool = False):
+                 memo_bytes: int = 0, fused: bool | None = None, absorbed_kernel: bool = False,
+                 digit_scores: bool | None = None):
         self.stack = stack
         self.device = device
         # batching for a machine where the work, not the calls, is the cost (default: a CPU)
@@ -163,6 +167,8 @@ class DenseOracle:
         self.fused = fused
         self.mla = isinstance(stack, MLAStack)
         self.absorbed_kernel = absorbed_kernel  # (MLA, fused: see _expected_latent)
+        # (MLA, fused: expanded rows' scores exact from int8 digits where the tables' bounds allow; False: float64)
+        self.digit_scores = self.mla and fused and digit_scores is not False and stack.digits_fit
         self.stack32 = stack.cast(torch.float32) if fused and not self.mla else None  # the GQA kernel's tables
 
     def forget(self, key) -> None:
@@ -264,9 +270,11 @@ class DenseOracle:
 
     def _expected_latent(self, rows: list[tuple[np.ndarray, int, int]]) -> list[torch.Tensor]:
         """MLA, fused: each row in its cheaper association (``MLAStack.expands``). An expanded row
-        (a long prefill chunk) goes alone to one float64 kernel over keys in memory
-        (``kernels/latent_attention_f64.py``), a layer at a time (its per-head keys are the large
-        part). Absorbed rows (decodes) take the torch path's padded batches: on an H200 the same
+        (a long prefill chunk) goes alone to one kernel over keys in memory, a layer at a time (its
+        per-head keys are the large part): scores exact from int8 digits
+        (``kernels/digit_attention_f64.py``; on an H200 the step's prefill chunks of ``bench_oracle``
+        took 86.3 ms against 107.4 with float64 scores) where ``digit_scores``, else float64 ones
+        (``kernels/latent_attention_f64.py``). Absorbed rows (decodes) take the torch path's padded batches: on an H200 the same
         kernel over the latent (``absorbed_kernel``) took 48.9 ms where torch took 40.9 for
         ``bench_oracle``'s DeepSeek-V3 step (its 576-wide queries do not fit in registers). With
         ``absorbed_kernel`` they go in groups whose queries, latent outputs and outputs fit the
@@ -332,6 +340,10 @@ class DenseOracle:
         n = c + k
         tok_d, pos_d = upload_many([toks[:n], np.arange(n)], self.device)
         o = torch.empty((st.layers, k, st.heads, g.v_head_dim), dtype=torch.float64, device=self.device)
+        if self.digit_scores:
+            self._expanded_row_digits(tok_d, pos_d, c, k, o)
+            out_row.append((0, o))
+            return
         per_head = n * (g.qk_nope_head_dim + g.qk_rope_head_dim + g.v_head_dim)  # float32 key and value elements
         group = max(1, min(st.heads, self.budget // per_head))
         for layer in range(st.layers):  # (a long chunk's queries and latents of every layer at once: gigabytes)
@@ -347,6 +359,34 @@ class DenseOracle:
                 del kk, vv
             del q, lat
         out_row.append((0, o))
+
+    def _expanded_row_digits(self, tok_d: torch.Tensor, pos_d: torch.Tensor, c: int, k: int, o: torch.Tensor) -> None:
+        """``_expanded_row`` with exact scores from int8 digits (``kernels/digit_attention_f64.py``): per layer
+        the queries' digits (from their token ids, in one kernel) and the keys' rope digits once, then per
+        group of heads k_nope and the values as int32 integers (int8 products, exact), k_nope's digits, and
+        one kernel."""
+        from .kernels.digit_attention_f64 import K_DIGITS, digit_attention, split_digits
+        st = self.stack
+        g = st.geo
+        n = c + k
+        H, Lr, N, R = st.heads, g.kv_lora_rank, g.qk_nope_head_dim, g.qk_rope_head_dim
+        per_head = 3 * n * (N + g.v_head_dim)  # int32 elements: k_nope and values, twice while they are summed
+        group = max(1, min(H, self.budget // per_head))
+        for layer in range(st.layers):
+            qd = st.query_digits(tok_d[c:], pos_d[c:], n, layer)  # (k, H, 2 N + 3 R)
+            lat = st.latents_at(tok_d, pos_d, n, layer, torch.float32)[0]  # (n, Lr + R)
+            kr = split_digits(lat[:, Lr:], st.rope_unit, K_DIGITS)
+            for h0 in range(0, H, group):
+                heads = slice(h0, min(H, h0 + group))
+                k_nope, vv = st.expanded_nope_ints(lat, layer, heads)  # int32, exact
+                hg = k_nope.shape[1]
+                kd = split_digits(k_nope.as_strided((n * hg, N), (k_nope.stride(1), 1)), 1.0, K_DIGITS)
+                del k_nope
+                digit_attention(qd[:, heads], kd.view(n, hg, K_DIGITS * N), kr, vv, [0], [k], [0], [c], st.scale,
+                                st.query_unit * st.nope_key_unit, st.rope_unit * st.rope_unit, out=o[layer, :, heads],
+                                unit_value=st.value_unit)
+                del kd, vv
+            del qd, lat
 
 
 class _Packed:
@@ -448,10 +488,12 @@ MLA_ORACLE_ELEMS = 1 << 28  # float64 elements of one MLA oracle batch: scores a
 
 
 def MLAOracle(probes: list[MLAProbe], device: torch.device, budget_elems: int = MLA_ORACLE_ELEMS,
-              work_bound: bool | None = None, fused: bool | None = None, absorbed_kernel: bool = False) -> DenseOracle:
-    """Dense float64 attention over the committed tokens of every MLA layer."""
+              work_bound: bool | None = None, fused: bool | None = None, absorbed_kernel: bool = False,
+              digit_scores: bool | None = None) -> DenseOracle:
+    """Dense float64 attention over the committed tokens of every MLA layer (``digit_scores`` False: the
+    fused path's expanded rows take float64 scores even where exact int8 digits would do)."""
     return DenseOracle(MLAStack(probes, device), device, budget_elems, work_bound, fused=fused,
-                       absorbed_kernel=absorbed_kernel)
+                       absorbed_kernel=absorbed_kernel, digit_scores=digit_scores)
 
 
 def GQAOracle(probes: list[GQAProbe], device: torch.device, budget_elems: int = 1 << 26,

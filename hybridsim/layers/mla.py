@@ -20,6 +20,7 @@ attention directly over the latent cache, then W_UV. Both must agree.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from dataclasses import dataclass
 
@@ -28,7 +29,7 @@ import torch
 
 from ..model import DTYPE_BYTES, MLAGeometry
 from ..device.matmul import matmul_tf32
-from .exact import rng, rope_exact
+from .exact import rng, rope_exact, trig_table
 
 TABLE = 4093
 TABLE2 = 509
@@ -258,17 +259,92 @@ class MLAStack:
         below 2**24 of its unit whatever the order, and the parts' sum too (kv_lora_rank <= 1024):
         exact float32 products on the tensor cores (``device.matmul.matmul_tf32``), or on any CPU."""
         Lr = self.geo.kv_lora_rank
+        k_nope, v = self.expanded_nope(lat, layer, heads)
+        return torch.cat([k_nope, lat[:, None, Lr:].to(torch.float32).expand(-1, k_nope.shape[1], -1)], dim=-1), v
+
+    def expanded_nope(self, lat: torch.Tensor, layer: int, heads: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """``expanded_keys`` without the rope part: k_nope = kv_c W_UK (n, H, nope) and v (n, H, v), float32, exact."""
+        Lr = self.geo.kv_lora_rank
         if Lr > 1 << 10:
             raise ValueError(f"kv_lora_rank {Lr}: per-head keys are exact in float32 up to 1024")
         t = self._tables(torch.float32)
         w_uk, w_uv = t["w_uk"][layer, heads], t["w_uv"][layer, heads]
-        H = w_uk.shape[0]
         kv = lat[:, :Lr].to(torch.float32)
         low = torch.remainder(kv * 2.0 ** LATENT_SHIFT, 64.0) * 2.0 ** -LATENT_SHIFT
         high = kv - low
         k_nope = torch.einsum("nr,kdr->nkd", low, w_uk) + torch.einsum("nr,kdr->nkd", high, w_uk)
         v = torch.einsum("nr,krv->nkv", low, w_uv) + torch.einsum("nr,krv->nkv", high, w_uv)
-        return torch.cat([k_nope, lat[:, None, Lr:].to(torch.float32).expand(-1, H, -1)], dim=-1), v
+        return k_nope, v
+
+    def query_digits(self, tok: torch.Tensor, pos: torch.Tensor, n_pos: int, layer: int) -> torch.Tensor:
+        """One layer's queries as the int8 digits of their integers (tokens, H, 2 nope + 3 rope), from
+        their token ids in one kernel (``kernels/digit_attention_f64.query_digits``): what splitting
+        ``queries`` gives, where ``digits_fit``."""
+        from ..kernels.digit_attention_f64 import query_digits
+        t = self._tables(torch.float32)
+        return query_digits(t["emb1"], t["emb2"], t["w_qn"], t["w_qr"], tok, pos, n_pos, layer)
+
+    def expanded_nope_ints(self, lat: torch.Tensor, layer: int,
+                           heads: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """``expanded_nope``'s k_nope and v as int32 integers (of ``nope_key_unit`` and ``value_unit``):
+        views (n, H, nope) and (n, H, v) of one (n, H, nope + v) tensor, from int8 products. kv_c's
+        integer (|.| <= 2**12) is 64 J + low with low in [0, 64) and J in [-64, 64], both int8 as the
+        weights' integers are (in [-4, 4]), and every product sum of kv_c_rank terms is an exact int32
+        (below 2**21); on a GPU the int8 tensor cores take them (``torch._int_mm``)."""
+        Lr, N, V = self.geo.kv_lora_rank, self.geo.qk_nope_head_dim, self.geo.v_head_dim
+        unit = _pow2_scale(Lr)
+        kv = torch.round(lat[:, :Lr].double() * 2.0 ** LATENT_SHIFT).to(torch.int32)
+        parts = ((kv & 63).to(torch.int8), (kv >> 6).to(torch.int8))
+        # the weights' integers, (H, nope + v, kv_lora): column-major for the int8 products
+        t = self._tables(torch.float32)
+        w = torch.cat([t["w_uk"][layer, heads], t["w_uv"][layer, heads].transpose(1, 2)], dim=1) / unit
+        H = w.shape[0]
+        w = w.round().to(torch.int8).reshape(H * (N + V), Lr)
+        n = kv.shape[0]
+        if kv.is_cuda and n > 16:
+            out = torch._int_mm(parts[0], w.t())
+            out.add_(torch._int_mm(parts[1], w.t()), alpha=64)
+        else:  # (a CPU, or too few rows for the int8 kernel: the same integers in float64, exactly)
+            wd = w.t().double()
+            out = (parts[0].double() @ wd + 64 * (parts[1].double() @ wd)).to(torch.int32)
+        out = out.view(n, H, N + V)
+        return out[..., :N], out[..., N:]
+
+    @property
+    def value_unit(self) -> float:
+        return 2.0 ** -LATENT_SHIFT * _pow2_scale(self.geo.kv_lora_rank)
+
+    # units of the integers the oracle's exact scores take (``kernels/digit_attention_f64.py``): q_nope, q_pe
+    # and k_pe are integers times these powers of two, k_nope one times ``nope_key_unit``
+    query_unit = 2.0 ** -LATENT_SHIFT
+    rope_unit = 2.0 ** -ROPE_SHIFT
+
+    @property
+    def nope_key_unit(self) -> float:
+        return 2.0 ** -LATENT_SHIFT * _pow2_scale(self.geo.kv_lora_rank)
+
+    @functools.cached_property
+    def digits_fit(self) -> bool:
+        """Whether every layer's scores can be taken exactly from int8 digits, at widths the kernel
+        takes: |q_nope| below 2**15 of its unit (2 digits), |k_nope|, |q_pe| and |k_pe| within three
+        digits (``DIGIT_MAX``), and each part's score an integer below 2**53 of its unit (float64 adds
+        the digits' powers exactly). Bounds from the tables: a hidden state's entries are at most
+        max|emb1| + max|emb2|, a rotated value at most max(|x1|, |x2|) (|cos| + |sin|) over the cos/sin
+        table, k_nope's integer at most kv_c's bound times a column's sum of |W_UK| (over its unit)."""
+        from ..kernels.digit_attention_f64 import DIGIT_MAX, digit_widths_fit
+        Lr, N, R = self.geo.kv_lora_rank, self.geo.qk_nope_head_dim, self.geo.qk_rope_head_dim
+        if not digit_widths_fit(N, R) or Lr > 1 << 10:
+            return False
+        cos_t, sin_t = trig_table()
+        trig = float((cos_t.abs() + sin_t.abs()).max())
+        x = self.emb1.abs().amax((1, 2)) + self.emb2.abs().amax((1, 2))  # (layers,)
+        q_nope = x * self.w_qn.abs().sum(1).amax((1, 2))
+        q_pe = x * self.w_qr.abs().sum(1).amax((1, 2)) * trig
+        key = lambda cols: self.key1[..., cols].abs().amax((1, 2)) + self.key2[..., cols].abs().amax((1, 2))  # noqa: E731
+        k_pe = key(slice(Lr, None)) * trig
+        k_nope = key(slice(None, Lr)) * (self.w_uk.abs().sum(-1) / _pow2_scale(Lr)).amax((1, 2))
+        return bool((q_nope <= 127 * 257).all() and (torch.stack([k_nope, q_pe, k_pe]) <= DIGIT_MAX).all()
+                    and (q_nope * k_nope * N < 2.0 ** 53).all() and (q_pe * k_pe * R < 2.0 ** 53).all())
 
     def expands(self, b: int, q: int, n: int, bounded: bool = True) -> bool:
         """Whether attending q queries over n keys costs fewer operations with every key up-projected

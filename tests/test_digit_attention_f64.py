@@ -1,0 +1,264 @@
+"""The MLA oracle's expanded rows with exact scores from int8 digits (``kernels/digit_attention_f64.py``):
+the digit split and its inverse at the edges of their range, the kernel against its torch definition
+(packed rows in shuffled order, keys between rows that no row owns, outputs poisoned first) and against
+the float64 kernel on the same values, the oracle taking the digits where the tables' bounds allow and
+the float64 scores where they do not, both giving the one-row definition's values."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from . import kernel_env  # noqa: F401  (the interpreter where there is no GPU: first)
+from hybridsim.kernels import digit_attention_f64 as da  # noqa: E402
+from hybridsim.kernels.latent_attention_f64 import latent_attention  # noqa: E402
+from hybridsim.layers.mla import MLAProbe, dense_reference  # noqa: E402
+from hybridsim.model import MLAGeometry  # noqa: E402
+from hybridsim.oracle import MLAOracle  # noqa: E402
+
+from .helpers import compile_for_hopper  # noqa: E402
+
+INTERPRETER = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test (CPU); -m gpu runs it compiled")
+# a test on both: the interpreter on a CPU, compiled under ``-m gpu``
+DEVICES = [pytest.param("cpu", marks=INTERPRETER),
+           pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                           reason="needs a GPU")])]
+LOW3 = -128 * (1 + 256 + 65536)  # the most negative value three digits hold
+
+
+def test_digits_split_and_join_exactly_at_the_edges():
+    vals = torch.tensor([[0, 1, -1, 127, -128, 128, -129, 255, 32639, -32896, da.DIGIT_MAX, LOW3, 4096, -4096,
+                          65535, -65536]], dtype=torch.float64) * 2.0 ** -7
+    d = da.split_digits_reference(vals, 2.0 ** -7, 3)
+    assert d.dtype == torch.int8 and d.shape == (1, 48)
+    assert torch.equal(da.join_digits(d, 2.0 ** -7, 3), vals)
+    two = vals[:, :10]  # within two digits: [-32896, 32639]
+    assert torch.equal(da.join_digits(da.split_digits_reference(two, 2.0 ** -7, 2), 2.0 ** -7, 2), two)
+    with pytest.raises(ValueError, match="more than 2 digits"):
+        da.split_digits_reference(torch.tensor([[32640.0]]), 1.0, 2)
+    with pytest.raises(ValueError, match="more than 3 digits"):
+        da.split_digits_reference(torch.tensor([[da.DIGIT_MAX + 1.0]]), 1.0, 3)
+    with pytest.raises(ValueError, match="not integers"):
+        da.split_digits_reference(torch.tensor([[0.5]]), 1.0, 3)
+
+
+def _split_on(device: str) -> None:
+    """The split kernel (a GPU, or the interpreter: ``split_digits`` on a CPU takes the reference)
+    writes what the reference gives, into a strided view, rows in both directions of every digit."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(LOW3, da.DIGIT_MAX + 1, (70, 3, 96), generator=g).double() * 2.0 ** -17
+    x[0, 0, :4] = torch.tensor([da.DIGIT_MAX, LOW3, 0, -1]) * 2.0 ** -17
+    src = x.to(device, torch.float32)[:, :, :64].reshape(-1, 64) if device == "cuda" else None
+    want = da.split_digits_reference(x[:, :, :64].reshape(-1, 64), 2.0 ** -17, 3)
+    if device == "cuda":
+        out = torch.full((210, 200), 99, dtype=torch.int8, device=device)
+        got = da.split_digits(src, 2.0 ** -17, 3, out=out[:, 8:200])
+        assert got.data_ptr() == out[:, 8:].data_ptr() and bool((out[:, :8] == 99).all())
+    else:
+        got = _interpreted_split(x[:, :, :64].reshape(-1, 64).float(), 2.0 ** -17, 3)
+    assert torch.equal(got.cpu(), want)
+
+
+def _interpreted_split(x: torch.Tensor, unit: float, count: int) -> torch.Tensor:
+    rows, D = x.shape
+    out = torch.full((rows, count * D), 99, dtype=torch.int8)
+    da._split_digits_kernel[(rows // 16 + 1,)](x, out, rows, x.stride(0), out.stride(0), 1.0 / unit, D=D, COUNT=count,
+                                              BR=16)
+    return out
+
+
+@INTERPRETER
+def test_digit_split_kernel_equals_the_reference():
+    _split_on("cpu")
+
+
+def _packed(seed: int, H: int, DN: int, DR: int, DV: int, rows, device: str):
+    """Random exact queries and keys at their full digit range, as digits; rows packed in shuffled order
+    with a key slot no row owns between rows and a query slot no row owns after each."""
+    g = torch.Generator().manual_seed(seed)
+    rows = list(rows)
+    random.Random(seed).shuffle(rows)
+    q_len, pos0 = [a for a, _ in rows], [b for _, b in rows]
+    k_start = [sum(a + b + 3 for a, b in rows[:i]) for i in range(len(rows))]
+    q_start = [sum(q_len[:i]) + i for i in range(len(rows))]
+    nq, nk = q_start[-1] + q_len[-1] + 1, k_start[-1] + sum(rows[-1]) + 3
+
+    def ints(lo: int, hi: int, *shape: int) -> torch.Tensor:
+        return torch.randint(lo, hi + 1, shape, generator=g).double()
+    # units chosen so the scores spread over a few units: q_nope up to 2**12, the others at full range
+    u_n, u_r = 2.0 ** -38, 2.0 ** -47
+    qn, qr = ints(-4096, 4096, nq, H, DN), ints(LOW3, da.DIGIT_MAX, nq, H, DR)
+    kn, kr = ints(LOW3, da.DIGIT_MAX, nk, H, DN) * u_n, ints(LOW3, da.DIGIT_MAX, nk, DR) * u_r
+    v = torch.randn(nk, H, DV, generator=g)
+    qd = torch.cat([da.split_digits_reference(qn.reshape(-1, DN), 1.0, 2).view(nq, H, -1),
+                    da.split_digits_reference(qr.reshape(-1, DR), 1.0, 3).view(nq, H, -1)], dim=-1)
+    kd = da.split_digits_reference(kn.reshape(-1, DN), u_n, 3).view(nk, H, -1)
+    krd = da.split_digits_reference(kr, u_r, 3)
+    dense = (torch.cat([qn, qr], -1), torch.cat([kn, kr[:, None].expand(-1, H, -1)], -1))
+    on = lambda *t: [x.to(device) for x in t]  # noqa: E731
+    return on(qd, kd, krd, v.float()), (q_start, q_len, k_start, pos0), (u_n, u_r), on(*dense)
+
+
+def _check_kernel(device: str, H: int, DN: int, DR: int, DV: int, rows, int_values: bool = False) -> None:
+    """``int_values``: values as int32 integers of a unit (the oracle's), a view into a wider tensor."""
+    (qd, kd, kr, v), meta, units, (q, k) = _packed(7, H, DN, DR, DV, rows, device)
+    unit_v = 1.0
+    if int_values:
+        unit_v = 2.0 ** -20
+        wide = torch.randint(-(1 << 23), 1 << 23, (v.shape[0], H, DV + 8), dtype=torch.int32,
+                             generator=torch.Generator().manual_seed(3)).to(device)
+        v = wide[..., 8:]
+    want = da.digit_attention_reference(qd, kd, kr, v, *meta, 0.31, *units, unit_value=unit_v)
+    out = torch.full(want.shape, float("nan"), dtype=torch.float64, device=device)
+    got = da.digit_attention(qd, kd, kr, v, *meta, 0.31, *units, out=out, unit_value=unit_v)
+    assert got.data_ptr() == out.data_ptr()
+    written = torch.isfinite(want)
+    assert written.any() and torch.equal(torch.isfinite(got), written)  # every row's queries, nothing else
+    torch.testing.assert_close(got[written], want[written], rtol=1e-12, atol=1e-13)
+    # the float64 kernel on the same values (its scores summed in float64): the same outputs
+    f64 = latent_attention(q[None], k[None], (v.double() * unit_v)[None], *meta, 0.31)[0]
+    torch.testing.assert_close(got[written], f64[written], rtol=1e-12, atol=1e-13)
+
+
+@INTERPRETER
+@pytest.mark.parametrize("int_values", [False, True], ids=["float32-values", "int32-values"])
+def test_digit_attention_kernel_equals_the_definition(int_values):
+    _check_kernel("cpu", 3, 64, 32, 24, ((1, 0), (17, 5), (3, 40), (20, 0), (2, 33)), int_values)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_digit_attention_kernel_on_the_gpu():
+    _split_on("cuda")
+    rows = ((1, 0), (2, 1000), (2, 37), (3, 700), (64, 0), (200, 300), (9, 2000))
+    _check_kernel("cuda", 5, 128, 64, 128, rows)
+    _check_kernel("cuda", 5, 128, 64, 128, rows, int_values=True)
+
+
+GEO = MLAGeometry(layers=2, heads=2, kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=24)
+
+
+def _oracle_rows(monkeypatch, digit_scores, budget: int = 1 << 28, probes=None, device: str = "cpu"):
+    probes = probes or [MLAProbe(GEO, layer, seed=3) for layer in range(2)]
+    device = torch.device(device)
+    oracle = MLAOracle(probes, device, budget, fused=True, digit_scores=digit_scores)
+    monkeypatch.setattr(oracle.stack, "expands", lambda b, q, n, bounded=True: q > 8)
+    launches = []
+    real = da.digit_attention
+    monkeypatch.setattr(da, "digit_attention", lambda qd, kd, *a, **kw: launches.append(kd.shape[1]) or
+                        real(qd, kd, *a, **kw))
+    g = np.random.default_rng(4)
+    rows = [(g.integers(0, 60_000, size=c + k).astype(np.int64), c, k) for c, k in [(0, 40), (30, 27), (20, 2)]]
+    return oracle, rows, oracle.expected(rows), launches, probes
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("digit_scores,budget", [(None, 1 << 28), (None, 3_000), (False, 1 << 28)],
+                         ids=["digits", "digits-head-groups", "float64-scores"])
+def test_oracle_expanded_rows_take_digit_scores(monkeypatch, digit_scores, budget, device):
+    """Expanded rows take the digits where the tables' bounds allow (unless told not to), a layer at a
+    time and, with a small budget, a group of heads a launch; both paths give the definition's values."""
+    oracle, rows, got, launches, probes = _oracle_rows(monkeypatch, digit_scores, budget, device=device)
+    assert oracle.stack.digits_fit
+    if digit_scores is False:
+        assert launches == []
+    else:
+        heads = GEO.heads if budget > 1 << 20 else 1  # 3,000 // (70 keys x 88) = 0: a head a launch
+        assert launches == [heads] * (2 * GEO.layers * GEO.heads // heads)  # two expanded rows
+    for (toks, c, k), out in zip(rows, got):
+        for layer, p in enumerate(probes):
+            want = dense_reference(p, torch.from_numpy(toks), torch.arange(c, c + k))
+            torch.testing.assert_close(out[layer].cpu(), want, rtol=1e-12, atol=1e-12)
+
+
+def test_digit_bounds_follow_the_tables(monkeypatch):
+    """A table whose values could overflow three digits turns the digits off (the float64 scores run)."""
+    probes = [MLAProbe(GEO, layer, seed=3) for layer in range(2)]
+    probes[1].w.w_qr = probes[1].w.w_qr * 4096  # q_pe's bound past DIGIT_MAX in layer 1
+    oracle, rows, got, launches, _ = _oracle_rows(monkeypatch, None, probes=probes)
+    assert not oracle.stack.digits_fit and not oracle.digit_scores and launches == []
+    narrow = MLAGeometry(layers=1, heads=2, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+    assert not MLAOracle([MLAProbe(narrow, 0, seed=3)], torch.device("cpu"), fused=True).digit_scores
+
+
+_COMPILE_FOR_HOPPER = """
+import re
+from triton import compile as build
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hybridsim.kernels import digit_attention_f64 as da
+
+BQ, BN, warps, stages = da.TILE
+const = dict(DN=128, DR=64, DV=128, DVC=32, NV=4, BQ=BQ, BN=BN)  # DeepSeek-V3's expanded rows
+desc = dict(qd=f"tensordesc<i8[{BQ}, 1, 128]>", qdr=f"tensordesc<i8[{BQ}, 1, 64]>", kd=f"tensordesc<i8[{BN}, 1, 128]>",
+            kr=f"tensordesc<i8[{BN}, 1, 64]>", v=f"tensordesc<i32[{BN}, 1, 32]>")
+kern = da._digit_attention_kernel
+sig = {}
+for name in kern.arg_names:
+    sig[name] = ("constexpr" if name in const else desc[name] if name in desc else "*fp64" if name in ("o", "consts")
+                 else "i64" if name.startswith("so_") else "*i64")
+src = ASTSource(fn=kern, signature=sig, constexprs={(kern.arg_names.index(k),): v for k, v in const.items()})
+out = build(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": warps, "num_stages": stages})
+ptx = out.asm["ptx"]
+print(out.metadata.shared, len(re.findall(r"mma[.]sync[.]aligned[.]m16n8k32[.]row[.]col[.](satfinite[.])?s32[.]s8[.]s8", ptx)),
+      len(re.findall(r"mma[.]sync[.]aligned[.]m8n8k4[.]row[.]col[.]f64", ptx)), len(re.findall(r"cp[.]async[.]bulk[.]tensor", ptx)))
+# the queries' digits from token ids, and the split: their runtime integers as arguments (layer 1 included)
+qk = da._query_digits_kernel
+const = dict(HID=64, T1=4093, T2=509, N=128, R=64, BT=32)
+sig = {n: "constexpr" if n in const else "*i64" if n in ("tok", "pos") else "*i8" if n == "qd" else "i32"
+       if n in ("n_tok", "layer", "H") else "*fp32" for n in qk.arg_names}
+build(ASTSource(fn=qk, signature=sig, constexprs={(qk.arg_names.index(k),): v for k, v in const.items()}),
+      target=GPUTarget("cuda", 90, 64), options={"num_warps": 4})
+sk = da._split_digits_kernel
+const = dict(D=128, COUNT=3, BR=32)
+sig = {n: "constexpr" if n in const else "*i32" if n == "x" else "*i8" if n == "out" else "fp32" if n == "inv_unit"
+       else "i32" for n in sk.arg_names}
+build(ASTSource(fn=sk, signature=sig, constexprs={(sk.arg_names.index(k),): v for k, v in const.items()}),
+      target=GPUTarget("cuda", 90, 64))
+"""
+
+
+def test_digit_attention_compiles_for_hopper_at_deepseek_shapes():
+    """Without a GPU: Triton's front end and ptxas build the kernel for sm_90 at DeepSeek-V3's expanded
+    shapes within Hopper's shared memory, its scores on the int8 tensor cores and its values on the
+    float64 ones, its tiles moved by the copy engine (TMA); and the queries' digits and the split.
+    A process of its own: this module runs Triton's interpreter."""
+    shared, int8, f64, tma = map(int, compile_for_hopper(_COMPILE_FOR_HOPPER).split())
+    assert shared <= 227 * 1024 and int8 > 0 and f64 > 0 and tma > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_query_digits_are_the_split_queries(device):
+    """The queries' digits from their token ids in one kernel: exactly the split of ``MLAStack.queries``."""
+    from hybridsim.layers.mla import MLAStack
+    geo = MLAGeometry(layers=2, heads=3, kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=24)
+    st = MLAStack([MLAProbe(geo, layer, seed=3) for layer in range(2)], device)
+    g = np.random.default_rng(1)
+    tok = torch.from_numpy(g.integers(0, 10 ** 6, size=45)).to(device)
+    pos = torch.arange(3000, 3045, device=device)
+    for layer in (0, 1):
+        q_nope, q_pe = st.queries(tok, pos, 4000, layer, torch.float32)
+        want = torch.cat([da.split_digits_reference(q_nope[0].reshape(-1, 32).cpu(), st.query_unit, 2).view(45, 3, -1),
+                          da.split_digits_reference(q_pe[0].reshape(-1, 32).cpu(), st.rope_unit, 3).view(45, 3, -1)], -1)
+        assert torch.equal(st.query_digits(tok, pos, 4000, layer).cpu(), want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_expanded_nope_ints_are_the_float_products(device):
+    """k_nope and the values as int32 integers from int8 products (on a GPU the tensor cores): the
+    float32 products' values over their units, exactly."""
+    from hybridsim.layers.mla import MLAStack
+    geo = MLAGeometry(layers=2, heads=3, kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=24)
+    st = MLAStack([MLAProbe(geo, layer, seed=3) for layer in range(2)], device)
+    g = np.random.default_rng(2)
+    for n in (45, 7):  # (7: fewer rows than the int8 kernel takes)
+        tok = torch.from_numpy(g.integers(0, 10 ** 6, size=n)).to(device)
+        lat = st.latents_at(tok, torch.arange(n, device=device), n, 1, torch.float32)[0]
+        k_nope, v = st.expanded_nope(lat, 1, slice(1, 3))
+        k_int, v_int = st.expanded_nope_ints(lat, 1, slice(1, 3))
+        assert k_int.dtype == v_int.dtype == torch.int32 and k_int.shape == (n, 2, 32) and v_int.shape == (n, 2, 24)
+        assert torch.equal(k_int.double() * st.nope_key_unit, k_nope.double())
+        assert torch.equal(v_int.double() * st.value_unit, v.double())
