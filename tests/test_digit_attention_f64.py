@@ -175,13 +175,17 @@ def test_oracle_expanded_rows_take_digit_scores(monkeypatch, digit_scores, budge
 
 
 def test_digit_bounds_follow_the_tables(monkeypatch):
-    """A table whose values could overflow three digits turns the digits off (the float64 scores run)."""
+    """A table whose values could overflow three digits turns the digits off (the float64 scores run), and so
+    do widths the kernel does not take."""
     probes = [MLAProbe(GEO, layer, seed=3) for layer in range(2)]
     probes[1].w.w_qr = probes[1].w.w_qr * 4096  # q_pe's bound past DIGIT_MAX in layer 1
     oracle, rows, got, launches, _ = _oracle_rows(monkeypatch, None, probes=probes)
     assert not oracle.stack.digits_fit and not oracle.digit_scores and launches == []
-    narrow = MLAGeometry(layers=1, heads=2, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
-    assert not MLAOracle([MLAProbe(narrow, 0, seed=3)], torch.device("cpu"), fused=True).digit_scores
+    for narrow in (MLAGeometry(layers=1, heads=2, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                               v_head_dim=16),  # products narrower than the int8 tensor cores take
+                   MLAGeometry(layers=1, heads=2, kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32,
+                               v_head_dim=22)):  # values' rows the copy engine cannot tile
+        assert not MLAOracle([MLAProbe(narrow, 0, seed=3)], torch.device("cpu"), fused=True).digit_scores
 
 
 _COMPILE_FOR_HOPPER = """

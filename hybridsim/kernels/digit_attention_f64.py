@@ -35,7 +35,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..device.transfer import upload, upload_many
 from .dense_attention_f64 import _hidden, _rope
 from .flash_f64 import row_of_tile, softmax_block
-from .latent_attention_f64 import _store_chunk, latent_attention_reference
+from .latent_attention_f64 import latent_attention_reference, store_chunks
 
 DIGIT_MAX = 127 * (1 + 256 + 65536)  # the largest magnitude three balanced base-256 int8 digits hold
 Q_NOPE_DIGITS, K_DIGITS = 2, 3
@@ -46,9 +46,10 @@ Q_NOPE_DIGITS, K_DIGITS = 2, 3
 TILE = (16, 64, 4, 2)
 
 
-def digit_widths_fit(nope: int, rope: int) -> bool:
-    """Whether ``digit_attention`` takes these widths: int8 products need powers of two of at least 32."""
-    return all(d >= 32 and d & (d - 1) == 0 for d in (nope, rope))
+def digit_widths_fit(nope: int, rope: int, value: int) -> bool:
+    """Whether ``digit_attention`` takes these widths: int8 products need powers of two of at least 32,
+    and the copy engine's tiles of 4-byte values rows of a multiple of 16 bytes."""
+    return all(d >= 32 and d & (d - 1) == 0 for d in (nope, rope)) and value % 4 == 0
 
 
 def split_digits_reference(x: torch.Tensor, unit: float, count: int) -> torch.Tensor:
@@ -255,14 +256,7 @@ def _digit_attention_kernel(qd, qdr, kd, kr, v, o, tile_row, tile_q0, q_start, q
             acc3 = acc3 * alpha[:, None] + tl.dot(p, _tile(v, k_0, head, 3 * DVC, BN, DVC).to(tl.float64))
         m_i = m_new
     o_rows = (qs + tl.minimum(qi, ql - 1)).to(tl.int64) * so_t + head.to(tl.int64) * so_h
-    l_i = l_i / u_v  # (the values' unit, a power of two: exact)
-    _store_chunk(o, o_rows, valid, acc0, l_i, 0, DV, DVC)
-    if NV > 1:
-        _store_chunk(o, o_rows, valid, acc1, l_i, 1, DV, DVC)
-    if NV > 2:
-        _store_chunk(o, o_rows, valid, acc2, l_i, 2, DV, DVC)
-    if NV > 3:
-        _store_chunk(o, o_rows, valid, acc3, l_i, 3, DV, DVC)
+    store_chunks(o, o_rows, valid, acc0, acc1, acc2, acc3, l_i / u_v, DV, DVC, NV)  # (u_v a power of two: exact)
 
 
 def digit_attention(qd: torch.Tensor, kd: torch.Tensor, kr: torch.Tensor, v: torch.Tensor, q_start: list[int],

@@ -94,6 +94,19 @@ def _store_chunk(o_ptr, o_rows, keep, acc, l_i, c, DV: tl.constexpr, DVC: tl.con
 
 
 @triton.jit
+def store_chunks(o_ptr, o_rows, keep, acc0, acc1, acc2, acc3, l_i, DV: tl.constexpr, DVC: tl.constexpr,
+                 NV: tl.constexpr):
+    """The NV value chunks' accumulators over the running sum, into o's rows ``o_rows`` where ``keep``."""
+    _store_chunk(o_ptr, o_rows, keep, acc0, l_i, 0, DV, DVC)
+    if NV > 1:
+        _store_chunk(o_ptr, o_rows, keep, acc1, l_i, 1, DV, DVC)
+    if NV > 2:
+        _store_chunk(o_ptr, o_rows, keep, acc2, l_i, 2, DV, DVC)
+    if NV > 3:
+        _store_chunk(o_ptr, o_rows, keep, acc3, l_i, 3, DV, DVC)
+
+
+@triton.jit
 def _latent_attention_kernel(q, k, v, o, tile_row, tile_q0, tile_h0, q_start, q_len, k_start, pos0,
                              sq_l, sq_t, sq_h, sk_l, sk_t, sk_h, sv_l, sv_t, sv_h, so_l, so_t, so_h, scale_ptr,
                              HK, G: tl.constexpr, BG: tl.constexpr, BQ: tl.constexpr, DK: tl.constexpr,
@@ -163,13 +176,7 @@ def _latent_attention_kernel(q, k, v, o, tile_row, tile_q0, tile_h0, q_start, q_
             acc3 = acc3 * alpha[:, None] + _value_chunk(p, v_base, v_rows, nm, 3, DV, DVC)
         m_i = m_new
     o_rows = layer * so_l + (qs + qc).to(tl.int64) * so_t + head.to(tl.int64) * so_h
-    _store_chunk(o, o_rows, valid, acc0, l_i, 0, DV, DVC)
-    if NV > 1:
-        _store_chunk(o, o_rows, valid, acc1, l_i, 1, DV, DVC)
-    if NV > 2:
-        _store_chunk(o, o_rows, valid, acc2, l_i, 2, DV, DVC)
-    if NV > 3:
-        _store_chunk(o, o_rows, valid, acc3, l_i, 3, DV, DVC)
+    store_chunks(o, o_rows, valid, acc0, acc1, acc2, acc3, l_i, DV, DVC, NV)
 
 
 def latent_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: list[int], q_len: list[int],

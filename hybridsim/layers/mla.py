@@ -333,7 +333,7 @@ class MLAStack:
         table, k_nope's integer at most kv_c's bound times a column's sum of |W_UK| (over its unit)."""
         from ..kernels.digit_attention_f64 import DIGIT_MAX, digit_widths_fit
         Lr, N, R = self.geo.kv_lora_rank, self.geo.qk_nope_head_dim, self.geo.qk_rope_head_dim
-        if not digit_widths_fit(N, R) or Lr > 1 << 10:
+        if not digit_widths_fit(N, R, self.geo.v_head_dim) or Lr > 1 << 10:
             return False
         cos_t, sin_t = trig_table()
         trig = float((cos_t.abs() + sin_t.abs()).max())
