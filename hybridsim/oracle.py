@@ -240,7 +240,7 @@ class DenseOracle:
             for j, (i, q0, q1) in enumerate(batch):
                 out[i].append((q0, res[:, j, : q1 - q0]))
             start = end
-        return [torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])], dim=1) for parts in out]
+        return [_joined(parts) for parts in out]
 
     def _expected_fused(self, rows: list[tuple[np.ndarray, int, int]]) -> list[torch.Tensor]:
         """Rows in groups whose float64 outputs fit the budget (the kernels keep no queries in memory)."""
@@ -310,7 +310,7 @@ class DenseOracle:
         if batched:
             for i, o in zip(batched, self._expected_batched([rows[i] for i in batched], None)):
                 out[i].append((0, o))
-        return [torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])], dim=1) for parts in out]
+        return [_joined(parts) for parts in out]
 
     def _absorbed_group(self, rows, group: list[tuple[int, int, int]], out: list) -> None:
         """Queries absorbed into the latent space, keys the latent entries themselves (values: their
@@ -387,6 +387,14 @@ class DenseOracle:
                                 unit_value=st.value_unit)
                 del kd, vv
             del qd, lat
+
+
+def _joined(parts: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """A row's pieces (first query, outputs (layers, queries, ...)) in query order along dim 1; a row in
+    one piece as it is (a long chunk's outputs are a gigabyte: no copy)."""
+    if len(parts) == 1:
+        return parts[0][1]
+    return torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])], dim=1)
 
 
 class _Packed:
