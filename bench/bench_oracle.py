@@ -80,7 +80,8 @@ def mla_step(f64: float) -> list[dict]:
         expanded = n * H * Lr * (N + V) + p * H * (N + R + V)
         flops += 2 * geo.layers * min(absorbed, expanded)
         if expanded < absorbed:
-            digit_floor += 2 * geo.layers * (p * H * V / f64 + (2 * n * H * Lr * (N + V) + p * H * (6 * N + 9 * R)) / i8)
+            int8_ops = 2 * n * H * Lr * (N + V) + p * H * (6 * N + 9 * R)  # key expansion, scores' digit pairs
+            digit_floor += 2 * geo.layers * (p * H * V / f64 + int8_ops / i8)
         else:
             digit_floor += 2 * geo.layers * absorbed / f64
     floor = flops / f64
@@ -133,7 +134,8 @@ def int8_rate(n: int = 8192) -> float:
     """int8 products with int32 sums (``torch._int_mm``), operations (2 per product) a second."""
     a = torch.randint(-128, 128, (n, n), dtype=torch.int8, device="cuda")
     b = torch.randint(-128, 128, (n, n), dtype=torch.int8, device="cuda")
-    return 2 * n ** 3 / best_seconds(lambda: torch._int_mm(a, b.t()), runs=3, reps=3)  # (column-major: cuBLASLt's int8 layout)
+    # (b column-major, cuBLASLt's int8 layout: row-major took a path 7x slower on an H200)
+    return 2 * n ** 3 / best_seconds(lambda: torch._int_mm(a, b.t()), runs=3, reps=3)
 
 
 def fp64_rate(n: int = 8192) -> float:

@@ -274,7 +274,8 @@ class DenseOracle:
         per-head keys are the large part): scores exact from int8 digits
         (``kernels/digit_attention_f64.py``; on an H200 the step's prefill chunks of ``bench_oracle``
         took 86.3 ms against 107.4 with float64 scores) where ``digit_scores``, else float64 ones
-        (``kernels/latent_attention_f64.py``). Absorbed rows (decodes) take the torch path's padded batches: on an H200 the same
+        (``kernels/latent_attention_f64.py``). Absorbed rows (decodes) take the torch path's padded
+        batches: on an H200 the same
         kernel over the latent (``absorbed_kernel``) took 48.9 ms where torch took 40.9 for
         ``bench_oracle``'s DeepSeek-V3 step (its 576-wide queries do not fit in registers). With
         ``absorbed_kernel`` they go in groups whose queries, latent outputs and outputs fit the

@@ -207,8 +207,10 @@ for name in kern.arg_names:
 src = ASTSource(fn=kern, signature=sig, constexprs={(kern.arg_names.index(k),): v for k, v in const.items()})
 out = build(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": warps, "num_stages": stages})
 ptx = out.asm["ptx"]
-print(out.metadata.shared, len(re.findall(r"mma[.]sync[.]aligned[.]m16n8k32[.]row[.]col[.](satfinite[.])?s32[.]s8[.]s8", ptx)),
-      len(re.findall(r"mma[.]sync[.]aligned[.]m8n8k4[.]row[.]col[.]f64", ptx)), len(re.findall(r"cp[.]async[.]bulk[.]tensor", ptx)))
+int8 = r"mma[.]sync[.]aligned[.]m16n8k32[.]row[.]col[.](satfinite[.])?s32[.]s8[.]s8"
+f64 = r"mma[.]sync[.]aligned[.]m8n8k4[.]row[.]col[.]f64"
+print(out.metadata.shared, len(re.findall(int8, ptx)), len(re.findall(f64, ptx)),
+      len(re.findall(r"cp[.]async[.]bulk[.]tensor", ptx)))
 # the queries' digits from token ids, and the split: their runtime integers as arguments (layer 1 included)
 qk = da._query_digits_kernel
 const = dict(HID=64, T1=4093, T2=509, N=128, R=64, BT=32)
@@ -245,8 +247,9 @@ def test_query_digits_are_the_split_queries(device):
     pos = torch.arange(3000, 3045, device=device)
     for layer in (0, 1):
         q_nope, q_pe = st.queries(tok, pos, 4000, layer, torch.float32)
-        want = torch.cat([da.split_digits_reference(q_nope[0].reshape(-1, 32).cpu(), st.query_unit, 2).view(45, 3, -1),
-                          da.split_digits_reference(q_pe[0].reshape(-1, 32).cpu(), st.rope_unit, 3).view(45, 3, -1)], -1)
+        split = lambda x, unit, count: da.split_digits_reference(x[0].reshape(-1, 32).cpu(), unit, count)  # noqa: E731
+        want = torch.cat([split(q_nope, st.query_unit, 2).view(45, 3, -1), split(q_pe, st.rope_unit, 3).view(45, 3, -1)],
+                         dim=-1)
         assert torch.equal(st.query_digits(tok, pos, 4000, layer).cpu(), want)
 
 

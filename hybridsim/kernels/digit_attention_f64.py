@@ -269,9 +269,9 @@ def digit_attention(qd: torch.Tensor, kd: torch.Tensor, kr: torch.Tensor, v: tor
     powers of two (at least 32). The heaviest tiles (most keys) start first. ``out`` (tokens, heads,
     DV) float64: where to write."""
     assert qd.dtype == kd.dtype == kr.dtype == torch.int8 and v.dtype in (torch.float32, torch.float64, torch.int32)
-    for x in (qd, kd, kr, v):  # (the copy engine's tiles)
-        assert x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(st * x.element_size() % 16 == 0
-                                                                    for st in x.stride()[:-1]), "digit_attention: layout"
+    for x in (qd, kd, kr, v):  # (the copy engine's tiles: unit last stride, the others and the start 16-byte aligned)
+        assert x.stride(-1) == 1 and x.data_ptr() % 16 == 0, "digit_attention: layout"
+        assert all(st * x.element_size() % 16 == 0 for st in x.stride()[:-1]), "digit_attention: layout"
     nq, H, _ = qd.shape
     DN, DR = kd.shape[-1] // K_DIGITS, kr.shape[-1] // K_DIGITS
     assert qd.shape[-1] == Q_NOPE_DIGITS * DN + K_DIGITS * DR and kd.shape[1] == v.shape[1] == H

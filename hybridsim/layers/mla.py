@@ -262,8 +262,10 @@ class MLAStack:
         k_nope, v = self.expanded_nope(lat, layer, heads)
         return torch.cat([k_nope, lat[:, None, Lr:].to(torch.float32).expand(-1, k_nope.shape[1], -1)], dim=-1), v
 
-    def expanded_nope(self, lat: torch.Tensor, layer: int, heads: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
-        """``expanded_keys`` without the rope part: k_nope = kv_c W_UK (n, H, nope) and v (n, H, v), float32, exact."""
+    def expanded_nope(self, lat: torch.Tensor, layer: int,
+                      heads: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """``expanded_keys`` without the rope part: k_nope = kv_c W_UK (n, H, nope) and v (n, H, v), float32,
+        exact."""
         Lr = self.geo.kv_lora_rank
         if Lr > 1 << 10:
             raise ValueError(f"kv_lora_rank {Lr}: per-head keys are exact in float32 up to 1024")
@@ -310,18 +312,16 @@ class MLAStack:
         out = out.view(n, H, N + V)
         return out[..., :N], out[..., N:]
 
-    @property
-    def value_unit(self) -> float:
-        return 2.0 ** -LATENT_SHIFT * _pow2_scale(self.geo.kv_lora_rank)
-
     # units of the integers the oracle's exact scores take (``kernels/digit_attention_f64.py``): q_nope, q_pe
-    # and k_pe are integers times these powers of two, k_nope one times ``nope_key_unit``
+    # and k_pe are integers times these powers of two, k_nope and the values ones times ``nope_key_unit``
     query_unit = 2.0 ** -LATENT_SHIFT
     rope_unit = 2.0 ** -ROPE_SHIFT
 
     @property
     def nope_key_unit(self) -> float:
         return 2.0 ** -LATENT_SHIFT * _pow2_scale(self.geo.kv_lora_rank)
+
+    value_unit = nope_key_unit  # (W_UV's power of two is W_UK's)
 
     @functools.cached_property
     def digits_fit(self) -> bool:
@@ -340,9 +340,9 @@ class MLAStack:
         x = self.emb1.abs().amax((1, 2)) + self.emb2.abs().amax((1, 2))  # (layers,)
         q_nope = x * self.w_qn.abs().sum(1).amax((1, 2))
         q_pe = x * self.w_qr.abs().sum(1).amax((1, 2)) * trig
-        key = lambda cols: self.key1[..., cols].abs().amax((1, 2)) + self.key2[..., cols].abs().amax((1, 2))  # noqa: E731
-        k_pe = key(slice(Lr, None)) * trig
-        k_nope = key(slice(None, Lr)) * (self.w_uk.abs().sum(-1) / _pow2_scale(Lr)).amax((1, 2))
+        kv_c = self.key1[..., :Lr].abs().amax((1, 2)) + self.key2[..., :Lr].abs().amax((1, 2))
+        k_pe = (self.key1[..., Lr:].abs().amax((1, 2)) + self.key2[..., Lr:].abs().amax((1, 2))) * trig
+        k_nope = kv_c * (self.w_uk.abs().sum(-1) / _pow2_scale(Lr)).amax((1, 2))
         return bool((q_nope <= 127 * 257).all() and (torch.stack([k_nope, q_pe, k_pe]) <= DIGIT_MAX).all()
                     and (q_nope * k_nope * N < 2.0 ** 53).all() and (q_pe * k_pe * R < 2.0 ** 53).all())
 
