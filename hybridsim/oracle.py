@@ -151,7 +151,7 @@ class DenseOracle:
     MLA: a long prefill chunk's per-head keys are projected once (exactly: int32 from int8 products,
     or float32) and one kernel attends over them (``_expected_latent``): its scores exact from int8
     digits and its softmax and values in float64 where the tables' bounds allow
-    (``kernels/digit_attention_f64.py``, ``MLAStack.digits_fit``), else all in float64."""
+    (``kernels/digit_attention_f64.py``, its ``digits_fit``), else all in float64."""
 
     def __init__(self, stack, device: torch.device, budget_elems: int = 1 << 27, work_bound: bool | None = None,
                  memo_bytes: int = 0, fused: bool | None = None, absorbed_kernel: bool = False,
@@ -168,7 +168,7 @@ class DenseOracle:
         self.mla = isinstance(stack, MLAStack)
         self.absorbed_kernel = absorbed_kernel  # (MLA, fused: see _expected_latent)
         # (MLA, fused: expanded rows' scores exact from int8 digits where the tables' bounds allow; False: float64)
-        self.digit_scores = self.mla and fused and digit_scores is not False and stack.digits_fit
+        self.digit_scores = self.mla and fused and digit_scores is not False and _digits_fit(stack)
         self.stack32 = stack.cast(torch.float32) if fused and not self.mla else None  # the GQA kernel's tables
 
     def forget(self, key) -> None:
@@ -366,7 +366,7 @@ class DenseOracle:
         the queries' digits (from their token ids, in one kernel) and the keys' rope digits once, then per
         group of heads k_nope and the values as int32 integers (int8 products, exact), k_nope's digits, and
         one kernel."""
-        from .kernels.digit_attention_f64 import K_DIGITS, digit_attention, split_digits
+        from .kernels.digit_attention_f64 import K_DIGITS, digit_attention, query_digits, split_digits
         st = self.stack
         g = st.geo
         n = c + k
@@ -374,7 +374,7 @@ class DenseOracle:
         per_head = 3 * n * (N + g.v_head_dim)  # int32 elements: k_nope and values, twice while they are summed
         group = max(1, min(H, self.budget // per_head))
         for layer in range(st.layers):
-            qd = st.query_digits(tok_d[c:], pos_d[c:], n, layer)  # (k, H, 2 N + 3 R)
+            qd = query_digits(*st.query_tables(), tok_d[c:], pos_d[c:], n, layer)  # (k, H, 2 N + 3 R), from token ids
             lat = st.latents_at(tok_d, pos_d, n, layer, torch.float32)[0]  # (n, Lr + R)
             kr = split_digits(lat[:, Lr:], st.rope_unit, K_DIGITS)
             for h0 in range(0, H, group):
@@ -388,6 +388,13 @@ class DenseOracle:
                                 unit_value=st.value_unit)
                 del kd, vv
             del qd, lat
+
+
+def _digits_fit(stack: MLAStack) -> bool:
+    """Whether the MLA stack's scores can be taken exactly from int8 digits (``kernels/digit_attention_f64``)."""
+    from .kernels.digit_attention_f64 import digits_fit
+    g = stack.geo
+    return digits_fit(stack.integer_bounds, g.qk_nope_head_dim, g.qk_rope_head_dim, g.v_head_dim, g.kv_lora_rank)
 
 
 def _joined(parts: list[tuple[int, torch.Tensor]]) -> torch.Tensor:

@@ -162,7 +162,7 @@ def test_oracle_expanded_rows_take_digit_scores(monkeypatch, digit_scores, budge
     """Expanded rows take the digits where the tables' bounds allow (unless told not to), a layer at a
     time and, with a small budget, a group of heads a launch; both paths give the definition's values."""
     oracle, rows, got, launches, probes = _oracle_rows(monkeypatch, digit_scores, budget, device=device)
-    assert oracle.stack.digits_fit
+    assert oracle.digit_scores == (digit_scores is not False)
     if digit_scores is False:
         assert launches == []
     else:
@@ -174,13 +174,35 @@ def test_oracle_expanded_rows_take_digit_scores(monkeypatch, digit_scores, budge
             torch.testing.assert_close(out[layer].cpu(), want, rtol=1e-12, atol=1e-12)
 
 
+def test_integer_bounds_hold_every_token():
+    """``MLAStack.integer_bounds`` bound what the tables give: every entry of a key table and every query of
+    a sample of tokens, as integers of their units, lies within them (and the DeepSeek-V3 geometry's digits
+    fit with room)."""
+    from hybridsim.layers.mla import MLAStack
+    probes = [MLAProbe(GEO, layer, seed=3) for layer in range(2)]
+    st = MLAStack(probes, torch.device("cpu"))
+    b = st.integer_bounds
+    tok = torch.from_numpy(np.random.default_rng(5).integers(0, 10 ** 6, size=300))
+    pos = torch.arange(300)
+    for layer in range(2):
+        q_nope, q_pe = st.queries(tok, pos, 300, layer)
+        lat = st.latents_at(tok, pos, 300, layer)[0]
+        k_nope, _ = st.expanded_nope_ints(lat, layer)
+        assert (q_nope / st.query_unit).abs().max() <= b["q_nope"] and (q_pe / st.rope_unit).abs().max() <= b["q_pe"]
+        assert (lat[:, GEO.kv_lora_rank:] / st.rope_unit).abs().max() <= b["k_pe"]
+        assert k_nope.abs().max() <= b["k_nope"]
+    geo = MLAGeometry(layers=2, heads=4, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+    ds = MLAStack([MLAProbe(geo, layer, seed=22) for layer in range(2)], torch.device("cpu")).integer_bounds
+    assert da.digits_fit(ds, 128, 64, 128, 512) and ds["k_nope"] < 0.8 * da.DIGIT_MAX
+
+
 def test_digit_bounds_follow_the_tables(monkeypatch):
     """A table whose values could overflow three digits turns the digits off (the float64 scores run), and so
     do widths the kernel does not take."""
     probes = [MLAProbe(GEO, layer, seed=3) for layer in range(2)]
     probes[1].w.w_qr = probes[1].w.w_qr * 4096  # q_pe's bound past DIGIT_MAX in layer 1
     oracle, rows, got, launches, _ = _oracle_rows(monkeypatch, None, probes=probes)
-    assert not oracle.stack.digits_fit and not oracle.digit_scores and launches == []
+    assert oracle.stack.integer_bounds["q_pe"] > da.DIGIT_MAX and not oracle.digit_scores and launches == []
     for narrow in (MLAGeometry(layers=1, heads=2, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
                                v_head_dim=16),  # products narrower than the int8 tensor cores take
                    MLAGeometry(layers=1, heads=2, kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32,
@@ -250,7 +272,7 @@ def test_query_digits_are_the_split_queries(device):
         split = lambda x, unit, count: da.split_digits_reference(x[0].reshape(-1, 32).cpu(), unit, count)  # noqa: E731
         want = torch.cat([split(q_nope, st.query_unit, 2).view(45, 3, -1), split(q_pe, st.rope_unit, 3).view(45, 3, -1)],
                          dim=-1)
-        assert torch.equal(st.query_digits(tok, pos, 4000, layer).cpu(), want)
+        assert torch.equal(da.query_digits(*st.query_tables(), tok, pos, 4000, layer).cpu(), want)
 
 
 @pytest.mark.parametrize("device", DEVICES)

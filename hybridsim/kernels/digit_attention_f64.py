@@ -14,8 +14,8 @@ round a sum of 192 terms. The softmax and values are the float64 kernel's, so th
 agree to float64 rounding, not bit for bit.
 
 Digits: q_nope has 2 (its integers are below 2**13), k_nope, q_pe and k_pe 3 (below 2**23);
-``MLAStack.digits_fit`` proves from the tables that every layer's values fit (else the float64
-kernel runs).
+``digits_fit`` proves from the tables' bounds (``MLAStack.integer_bounds``) that every layer's values
+fit (else the float64 kernel runs).
 
 Layout (one layer at a time, as the expanded rows go): row r owns queries
 ``qd[q_start[r]:q_start[r] + q_len[r]]`` (tokens, heads, 2*DN + 3*DR) int8, digit-major
@@ -50,6 +50,18 @@ def digit_widths_fit(nope: int, rope: int, value: int) -> bool:
     """Whether ``digit_attention`` takes these widths: int8 products need powers of two of at least 32,
     and the copy engine's tiles of 4-byte values rows of a multiple of 16 bytes."""
     return all(d >= 32 and d & (d - 1) == 0 for d in (nope, rope)) and value % 4 == 0
+
+
+def digits_fit(bounds: dict[str, float], nope: int, rope: int, value: int, kv_lora_rank: int) -> bool:
+    """Whether an MLA layer stack's scores can be taken exactly from int8 digits here: widths the kernel
+    takes (``digit_widths_fit``), a kv_c rank whose per-head keys are exact (``MLAStack.expanded_nope_ints``:
+    up to 1024), and its integers' bounds (``MLAStack.integer_bounds``) within their digits: |q_nope|
+    within two (127 * 257), |k_nope|, |q_pe|, |k_pe| within three (``DIGIT_MAX``), each part's score an
+    integer below 2**53 (float64 joins the digits' powers exactly)."""
+    b = bounds
+    return (digit_widths_fit(nope, rope, value) and kv_lora_rank <= 1 << 10 and b["q_nope"] <= 127 * 257
+            and max(b["k_nope"], b["q_pe"], b["k_pe"]) <= DIGIT_MAX
+            and b["q_nope"] * b["k_nope"] * nope < 2.0 ** 53 and b["q_pe"] * b["k_pe"] * rope < 2.0 ** 53)
 
 
 def split_digits_reference(x: torch.Tensor, unit: float, count: int) -> torch.Tensor:
@@ -142,7 +154,7 @@ def query_digits(emb1: torch.Tensor, emb2: torch.Tensor, w_qn: torch.Tensor, w_q
     tokens' ids ``tok`` at positions ``pos`` (below n_pos) and the MLA probe's float32 tables (``MLAStack``'s:
     emb1, emb2 (layers, table rows, hidden), w_qn (layers, hidden, heads, N), w_qr (layers, hidden, heads,
     R)): the digits of q_nope over ``MLAStack.query_unit`` and of q_pe over ``rope_unit``, exactly those
-    splitting ``MLAStack.queries`` gives (the caller has proved the bounds: ``MLAStack.digits_fit``)."""
+    splitting ``MLAStack.queries`` gives (the caller has proved the bounds: ``digits_fit``)."""
     from ..layers.exact import rotation_tables
     _, HID, H, N = w_qn.shape
     R = w_qr.shape[-1]

@@ -278,13 +278,11 @@ class MLAStack:
         v = torch.einsum("nr,krv->nkv", low, w_uv) + torch.einsum("nr,krv->nkv", high, w_uv)
         return k_nope, v
 
-    def query_digits(self, tok: torch.Tensor, pos: torch.Tensor, n_pos: int, layer: int) -> torch.Tensor:
-        """One layer's queries as the int8 digits of their integers (tokens, H, 2 nope + 3 rope), from
-        their token ids in one kernel (``kernels/digit_attention_f64.query_digits``): what splitting
-        ``queries`` gives, where ``digits_fit``."""
-        from ..kernels.digit_attention_f64 import query_digits
+    def query_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """emb1, emb2 (layers, table rows, hidden), W_QN (layers, hidden, H, nope) and W_QR (layers, hidden, H,
+        rope) in float32 (small integers: exact): what a kernel projecting queries from token ids reads."""
         t = self._tables(torch.float32)
-        return query_digits(t["emb1"], t["emb2"], t["w_qn"], t["w_qr"], tok, pos, n_pos, layer)
+        return t["emb1"], t["emb2"], t["w_qn"], t["w_qr"]
 
     def expanded_nope_ints(self, lat: torch.Tensor, layer: int,
                            heads: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
@@ -324,17 +322,14 @@ class MLAStack:
     value_unit = nope_key_unit  # (W_UV's power of two is W_UK's)
 
     @functools.cached_property
-    def digits_fit(self) -> bool:
-        """Whether every layer's scores can be taken exactly from int8 digits, at widths the kernel
-        takes: |q_nope| below 2**15 of its unit (2 digits), |k_nope|, |q_pe| and |k_pe| within three
-        digits (``DIGIT_MAX``), and each part's score an integer below 2**53 of its unit (float64 adds
-        the digits' powers exactly). Bounds from the tables: a hidden state's entries are at most
-        max|emb1| + max|emb2|, a rotated value at most max(|x1|, |x2|) (|cos| + |sin|) over the cos/sin
-        table, k_nope's integer at most kv_c's bound times a column's sum of |W_UK| (over its unit)."""
-        from ..kernels.digit_attention_f64 import DIGIT_MAX, digit_widths_fit
-        Lr, N, R = self.geo.kv_lora_rank, self.geo.qk_nope_head_dim, self.geo.qk_rope_head_dim
-        if not digit_widths_fit(N, R, self.geo.v_head_dim) or Lr > 1 << 10:
-            return False
+    def integer_bounds(self) -> dict[str, float]:
+        """The largest magnitude any token's q_nope, q_pe, k_nope and k_pe can take, as integers of their
+        units (``query_unit``, ``rope_unit``, ``nope_key_unit``), over every layer: what an exact integer
+        form of the scores must hold (``kernels/digit_attention_f64.digits_fit``). From the tables: a hidden
+        state's entries are at most max|emb1| + max|emb2|, a rotated value at most max(|x1|, |x2|)
+        (|cos| + |sin|) over the cos/sin table, k_nope's integer at most kv_c's bound times a column's sum
+        of |W_UK| (over its unit)."""
+        Lr = self.geo.kv_lora_rank
         cos_t, sin_t = trig_table()
         trig = float((cos_t.abs() + sin_t.abs()).max())
         x = self.emb1.abs().amax((1, 2)) + self.emb2.abs().amax((1, 2))  # (layers,)
@@ -343,8 +338,8 @@ class MLAStack:
         kv_c = self.key1[..., :Lr].abs().amax((1, 2)) + self.key2[..., :Lr].abs().amax((1, 2))
         k_pe = (self.key1[..., Lr:].abs().amax((1, 2)) + self.key2[..., Lr:].abs().amax((1, 2))) * trig
         k_nope = kv_c * (self.w_uk.abs().sum(-1) / _pow2_scale(Lr)).amax((1, 2))
-        return bool((q_nope <= 127 * 257).all() and (torch.stack([k_nope, q_pe, k_pe]) <= DIGIT_MAX).all()
-                    and (q_nope * k_nope * N < 2.0 ** 53).all() and (q_pe * k_pe * R < 2.0 ** 53).all())
+        return {name: float(b.max()) for name, b in (("q_nope", q_nope), ("q_pe", q_pe), ("k_nope", k_nope),
+                                                     ("k_pe", k_pe))}
 
     def expands(self, b: int, q: int, n: int, bounded: bool = True) -> bool:
         """Whether attending q queries over n keys costs fewer operations with every key up-projected
