@@ -37,7 +37,12 @@ from .dense_attention_f64 import _hidden, _rope
 from .flash_f64 import row_of_tile, softmax_block
 from .latent_attention_f64 import latent_attention_reference, store_chunks
 
-DIGIT_MAX = 127 * (1 + 256 + 65536)  # the largest magnitude three balanced base-256 int8 digits hold
+def digit_capacity(count: int) -> int:
+    """The largest magnitude ``count`` balanced base-256 int8 digits hold (each at most 127)."""
+    return 127 * sum(256 ** i for i in range(count))
+
+
+DIGIT_MAX = digit_capacity(3)
 Q_NOPE_DIGITS, K_DIGITS = 2, 3
 # (queries a program takes, keys a block, warps, pipeline stages), the fastest of six on an H200 for
 # bench_oracle's DeepSeek-V3 prefill chunks: 86.3 ms; 16 x 32 keys 109.2, 16 x 128 109.6 (1 stage) and
@@ -56,10 +61,11 @@ def digits_fit(bounds: dict[str, float], nope: int, rope: int, value: int, kv_lo
     """Whether an MLA layer stack's scores can be taken exactly from int8 digits here: widths the kernel
     takes (``digit_widths_fit``), a kv_c rank whose per-head keys are exact (``MLAStack.expanded_nope_ints``:
     up to 1024), and its integers' bounds (``MLAStack.integer_bounds``) within their digits: |q_nope|
-    within two (127 * 257), |k_nope|, |q_pe|, |k_pe| within three (``DIGIT_MAX``), each part's score an
-    integer below 2**53 (float64 joins the digits' powers exactly)."""
+    within two, |k_nope|, |q_pe|, |k_pe| within three (``DIGIT_MAX``), each part's score an integer below
+    2**53 (float64 joins the digits' powers exactly)."""
     b = bounds
-    return (digit_widths_fit(nope, rope, value) and kv_lora_rank <= 1 << 10 and b["q_nope"] <= 127 * 257
+    return (digit_widths_fit(nope, rope, value) and kv_lora_rank <= 1 << 10
+            and b["q_nope"] <= digit_capacity(Q_NOPE_DIGITS)
             and max(b["k_nope"], b["q_pe"], b["k_pe"]) <= DIGIT_MAX
             and b["q_nope"] * b["k_nope"] * nope < 2.0 ** 53 and b["q_pe"] * b["k_pe"] * rope < 2.0 ** 53)
 
@@ -81,6 +87,13 @@ def split_digits_reference(x: torch.Tensor, unit: float, count: int) -> torch.Te
     return torch.cat(out, dim=-1)
 
 
+@triton.jit
+def _next_digit(x):
+    """x's lowest balanced base-256 digit (in [-128, 127]) and the rest (x - digit) / 256, exactly (int32)."""
+    d = ((x + 128) & 255) - 128
+    return d, (x - d) >> 8
+
+
 @triton.jit(do_not_specialize=["rows"])
 def _split_digits_kernel(x, out, rows, sx, so, inv_unit, D: tl.constexpr, COUNT: tl.constexpr, BR: tl.constexpr):
     r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR).to(tl.int64)
@@ -88,9 +101,8 @@ def _split_digits_kernel(x, out, rows, sx, so, inv_unit, D: tl.constexpr, COUNT:
     keep = (r < rows)[:, None]
     xi = (tl.load(x + r[:, None] * sx + d[None, :], mask=keep, other=0.0).to(tl.float64) * inv_unit).to(tl.int32)
     for c in tl.static_range(COUNT):
-        dig = ((xi + 128) & 255) - 128
+        dig, xi = _next_digit(xi)
         tl.store(out + r[:, None] * so + c * D + d[None, :], dig.to(tl.int8), mask=keep)
-        xi = (xi - dig) >> 8
 
 
 def split_digits(x: torch.Tensor, unit: float, count: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -136,16 +148,13 @@ def _query_digits_kernel(tok, pos, emb1, emb2, w_qn, w_qr, cc, ss, qd, n_tok, la
     r_hi = r_hi.to(tl.int32)
     out = qd + (i.to(tl.int64) * H + h)[:, None] * (2 * N + 3 * R)
     for c in tl.static_range(2):
-        dig = ((q_n + 128) & 255) - 128
+        dig, q_n = _next_digit(q_n)
         tl.store(out + c * N + dn[None, :], dig.to(tl.int8), mask=im[:, None])
-        q_n = (q_n - dig) >> 8
     for c in tl.static_range(3):
-        d_lo = ((r_lo + 128) & 255) - 128
-        d_hi = ((r_hi + 128) & 255) - 128
+        d_lo, r_lo = _next_digit(r_lo)
+        d_hi, r_hi = _next_digit(r_hi)
         tl.store(out + 2 * N + c * R + dr[None, :], d_lo.to(tl.int8), mask=im[:, None])
         tl.store(out + 2 * N + c * R + R // 2 + dr[None, :], d_hi.to(tl.int8), mask=im[:, None])
-        r_lo = (r_lo - d_lo) >> 8
-        r_hi = (r_hi - d_hi) >> 8
 
 
 def query_digits(emb1: torch.Tensor, emb2: torch.Tensor, w_qn: torch.Tensor, w_qr: torch.Tensor, tok: torch.Tensor,
