@@ -363,38 +363,38 @@ class DenseOracle:
 
     def _expanded_row_digits(self, tok_d: torch.Tensor, pos_d: torch.Tensor, c: int, k: int, o: torch.Tensor) -> None:
         """``_expanded_row`` with exact scores from int8 digits (``kernels/digit_attention_f64.py``): per layer
-        the queries' digits (from their token ids, in one kernel) and the keys' rope digits once, then per
-        group of heads k_nope and the values as int32 integers (int8 products, exact), k_nope's digits, and
-        one kernel."""
-        from .kernels.digit_attention_f64 import K_DIGITS, digit_attention, query_digits, split_digits
+        the queries' digits and the keys' kv_c parts and k_pe digits, each from token ids in one kernel, then
+        per group of heads k_nope's digits and the values as int32 integers in two (``kernels/digit_keys.py``:
+        int8 products, exact), and one attention kernel."""
+        from .kernels.digit_attention_f64 import digit_attention, query_digits
+        from .kernels.digit_keys import expand_digits, key_parts
         st = self.stack
         g = st.geo
         n = c + k
-        H, Lr, N, R = st.heads, g.kv_lora_rank, g.qk_nope_head_dim, g.qk_rope_head_dim
-        per_head = 3 * n * (N + g.v_head_dim)  # int32 elements: k_nope and values, twice while they are summed
+        H = st.heads
+        per_head = n * (g.qk_nope_head_dim + g.v_head_dim)  # 4-byte elements of a head's keys and values, at most
         group = max(1, min(H, self.budget // per_head))
         for layer in range(st.layers):
             qd = query_digits(*st.query_tables(), tok_d[c:], pos_d[c:], n, layer)  # (k, H, 2 N + 3 R), from token ids
-            lat = st.latents_at(tok_d, pos_d, n, layer, torch.float32)[0]  # (n, Lr + R)
-            kr = split_digits(lat[:, Lr:], st.rope_unit, K_DIGITS)
+            parts, kr = key_parts(*st.key_tables(), g.qk_rope_head_dim, tok_d, pos_d, n, layer)
+            w_k, w_v = st.expansion_weights(layer)
             for h0 in range(0, H, group):
                 heads = slice(h0, min(H, h0 + group))
-                k_nope, vv = st.expanded_nope_ints(lat, layer, heads)  # int32, exact
-                hg = k_nope.shape[1]
-                kd = split_digits(k_nope.as_strided((n * hg, N), (k_nope.stride(1), 1)), 1.0, K_DIGITS)
-                del k_nope
-                digit_attention(qd[:, heads], kd.view(n, hg, K_DIGITS * N), kr, vv, [0], [k], [0], [c], st.scale,
+                kd, vv = expand_digits(parts, w_k, w_v, heads)  # exact integers, (n, heads, 3 N) and (n, heads, V)
+                digit_attention(qd[:, heads], kd, kr, vv, [0], [k], [0], [c], st.scale,
                                 st.query_unit * st.nope_key_unit, st.rope_unit * st.rope_unit, out=o[layer, :, heads],
                                 unit_value=st.value_unit)
                 del kd, vv
-            del qd, lat
+            del qd, parts, kr
 
 
 def _digits_fit(stack: MLAStack) -> bool:
     """Whether the MLA stack's scores can be taken exactly from int8 digits (``kernels/digit_attention_f64``)."""
     from .kernels.digit_attention_f64 import digits_fit
+    from .kernels.digit_keys import expand_widths_fit
     g = stack.geo
-    return digits_fit(stack.integer_bounds, g.qk_nope_head_dim, g.qk_rope_head_dim, g.v_head_dim, g.kv_lora_rank)
+    return (digits_fit(stack.integer_bounds, g.qk_nope_head_dim, g.qk_rope_head_dim, g.v_head_dim, g.kv_lora_rank)
+            and expand_widths_fit(g.kv_lora_rank))
 
 
 def _joined(parts: list[tuple[int, torch.Tensor]]) -> torch.Tensor:

@@ -45,36 +45,6 @@ def test_digits_split_and_join_exactly_at_the_edges():
         da.split_digits_reference(torch.tensor([[0.5]]), 1.0, 3)
 
 
-def _split_on(device: str) -> None:
-    """The split kernel (a GPU, or the interpreter: ``split_digits`` on a CPU takes the reference)
-    writes what the reference gives, into a strided view, rows in both directions of every digit."""
-    g = torch.Generator().manual_seed(5)
-    x = torch.randint(LOW3, da.DIGIT_MAX + 1, (70, 3, 96), generator=g).double() * 2.0 ** -17
-    x[0, 0, :4] = torch.tensor([da.DIGIT_MAX, LOW3, 0, -1]) * 2.0 ** -17
-    src = x.to(device, torch.float32)[:, :, :64].reshape(-1, 64) if device == "cuda" else None
-    want = da.split_digits_reference(x[:, :, :64].reshape(-1, 64), 2.0 ** -17, 3)
-    if device == "cuda":
-        out = torch.full((210, 200), 99, dtype=torch.int8, device=device)
-        got = da.split_digits(src, 2.0 ** -17, 3, out=out[:, 8:200])
-        assert got.data_ptr() == out[:, 8:].data_ptr() and bool((out[:, :8] == 99).all())
-    else:
-        got = _interpreted_split(x[:, :, :64].reshape(-1, 64).float(), 2.0 ** -17, 3)
-    assert torch.equal(got.cpu(), want)
-
-
-def _interpreted_split(x: torch.Tensor, unit: float, count: int) -> torch.Tensor:
-    rows, D = x.shape
-    out = torch.full((rows, count * D), 99, dtype=torch.int8)
-    da._split_digits_kernel[(rows // 16 + 1,)](x, out, rows, x.stride(0), out.stride(0), 1.0 / unit, D=D, COUNT=count,
-                                              BR=16)
-    return out
-
-
-@INTERPRETER
-def test_digit_split_kernel_equals_the_reference():
-    _split_on("cpu")
-
-
 def _packed(seed: int, H: int, DN: int, DR: int, DV: int, rows, device: str):
     """Random exact queries and keys at their full digit range, as digits; rows packed in shuffled order
     with a key slot no row owns between rows and a query slot no row owns after each."""
@@ -132,7 +102,6 @@ def test_digit_attention_kernel_equals_the_definition(int_values):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_digit_attention_kernel_on_the_gpu():
-    _split_on("cuda")
     rows = ((1, 0), (2, 1000), (2, 37), (3, 700), (64, 0), (200, 300), (9, 2000))
     _check_kernel("cuda", 5, 128, 64, 128, rows)
     _check_kernel("cuda", 5, 128, 64, 128, rows, int_values=True)
@@ -187,7 +156,7 @@ def test_integer_bounds_hold_every_token():
     for layer in range(2):
         q_nope, q_pe = st.queries(tok, pos, 300, layer)
         lat = st.latents_at(tok, pos, 300, layer)[0]
-        k_nope, _ = st.expanded_nope_ints(lat, layer)
+        k_nope = st.expanded_nope(lat.float(), layer)[0].double() / st.nope_key_unit
         assert (q_nope / st.query_unit).abs().max() <= b["q_nope"] and (q_pe / st.rope_unit).abs().max() <= b["q_pe"]
         assert (lat[:, GEO.kv_lora_rank:] / st.rope_unit).abs().max() <= b["k_pe"]
         assert k_nope.abs().max() <= b["k_nope"]
@@ -233,26 +202,39 @@ int8 = r"mma[.]sync[.]aligned[.]m16n8k32[.]row[.]col[.](satfinite[.])?s32[.]s8[.
 f64 = r"mma[.]sync[.]aligned[.]m8n8k4[.]row[.]col[.]f64"
 print(out.metadata.shared, len(re.findall(int8, ptx)), len(re.findall(f64, ptx)),
       len(re.findall(r"cp[.]async[.]bulk[.]tensor", ptx)))
-# the queries' digits from token ids, and the split: their runtime integers as arguments (layer 1 included)
+# the queries' digits from token ids: their runtime integers as arguments (layer 1 included)
 qk = da._query_digits_kernel
 const = dict(HID=64, T1=4093, T2=509, N=128, R=64, BT=32)
 sig = {n: "constexpr" if n in const else "*i64" if n in ("tok", "pos") else "*i8" if n == "qd" else "i32"
        if n in ("n_tok", "layer", "H") else "*fp32" for n in qk.arg_names}
 build(ASTSource(fn=qk, signature=sig, constexprs={(qk.arg_names.index(k),): v for k, v in const.items()}),
       target=GPUTarget("cuda", 90, 64), options={"num_warps": 4})
-sk = da._split_digits_kernel
-const = dict(D=128, COUNT=3, BR=32)
-sig = {n: "constexpr" if n in const else "*i32" if n == "x" else "*i8" if n == "out" else "fp32" if n == "inv_unit"
-       else "i32" for n in sk.arg_names}
-build(ASTSource(fn=sk, signature=sig, constexprs={(sk.arg_names.index(k),): v for k, v in const.items()}),
-      target=GPUTarget("cuda", 90, 64))
+from hybridsim.kernels import digit_keys as dk
+# the keys' parts and digits from token ids, and their expansion on the int8 tensor cores
+kp = dk._key_parts_kernel
+const = dict(LR=512, R=64, T1=4093, T2=509, BT=32, BL=128)
+sig = {n: "constexpr" if n in const else "*i64" if n in ("tok", "pos") else "*i8" if n in ("parts", "kr") else "i32"
+       if n in ("n_tok", "layer") else "*fp32" for n in kp.arg_names}
+build(ASTSource(fn=kp, signature=sig, constexprs={(kp.arg_names.index(k),): v for k, v in const.items()}),
+      target=GPUTarget("cuda", 90, 64), options={"num_warps": 4})
+ek = dk._expand_digits_kernel
+BM, BN, BK, warps, stages = dk.EXPAND_TILE
+for nope in (True, False):
+    const = dict(LR=512, D=128, NOPE=nope, BM=BM, BN=BN, BK=BK)
+    desc = dict(parts=f"tensordesc<i8[1, {BM}, {BK}]>", w=f"tensordesc<i8[1, {BN}, {BK}]>",
+                out=f"tensordesc<i8[{BM}, 1, {BN}]>" if nope else f"tensordesc<i32[{BM}, 1, {BN}]>")
+    sig = {n: "constexpr" if n in const else desc.get(n, "i32") for n in ek.arg_names}
+    built = build(ASTSource(fn=ek, signature=sig, constexprs={(ek.arg_names.index(k),): v for k, v in const.items()}),
+                  target=GPUTarget("cuda", 90, 64), options={"num_warps": warps, "num_stages": stages})
+    assert re.search(r"wgmma[.]mma_async[^\\n]*[.]s32[.]s8[.]s8", built.asm["ptx"]), "no int8 wgmma"
 """
 
 
 def test_digit_attention_compiles_for_hopper_at_deepseek_shapes():
     """Without a GPU: Triton's front end and ptxas build the kernel for sm_90 at DeepSeek-V3's expanded
     shapes within Hopper's shared memory, its scores on the int8 tensor cores and its values on the
-    float64 ones, its tiles moved by the copy engine (TMA); and the queries' digits and the split.
+    float64 ones, its tiles moved by the copy engine (TMA); and the queries' and keys' digits, the keys'
+    expansion on the int8 warpgroup products.
     A process of its own: this module runs Triton's interpreter."""
     shared, int8, f64, tma = map(int, compile_for_hopper(_COMPILE_FOR_HOPPER).split())
     assert shared <= 227 * 1024 and int8 > 0 and f64 > 0 and tma > 0
@@ -273,21 +255,3 @@ def test_query_digits_are_the_split_queries(device):
         want = torch.cat([split(q_nope, st.query_unit, 2).view(45, 3, -1), split(q_pe, st.rope_unit, 3).view(45, 3, -1)],
                          dim=-1)
         assert torch.equal(da.query_digits(*st.query_tables(), tok, pos, 4000, layer).cpu(), want)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_expanded_nope_ints_are_the_float_products(device):
-    """k_nope and the values as int32 integers from int8 products (on a GPU the tensor cores): the
-    float32 products' values over their units, exactly."""
-    from hybridsim.layers.mla import MLAStack
-    geo = MLAGeometry(layers=2, heads=3, kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=24)
-    st = MLAStack([MLAProbe(geo, layer, seed=3) for layer in range(2)], device)
-    g = np.random.default_rng(2)
-    for n in (45, 7):  # (7: fewer rows than the int8 kernel takes)
-        tok = torch.from_numpy(g.integers(0, 10 ** 6, size=n)).to(device)
-        lat = st.latents_at(tok, torch.arange(n, device=device), n, 1, torch.float32)[0]
-        k_nope, v = st.expanded_nope(lat, 1, slice(1, 3))
-        k_int, v_int = st.expanded_nope_ints(lat, 1, slice(1, 3))
-        assert k_int.dtype == v_int.dtype == torch.int32 and k_int.shape == (n, 2, 32) and v_int.shape == (n, 2, 24)
-        assert torch.equal(k_int.double() * st.nope_key_unit, k_nope.double())
-        assert torch.equal(v_int.double() * st.value_unit, v.double())

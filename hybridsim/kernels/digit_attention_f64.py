@@ -59,7 +59,7 @@ def digit_widths_fit(nope: int, rope: int, value: int) -> bool:
 
 def digits_fit(bounds: dict[str, float], nope: int, rope: int, value: int, kv_lora_rank: int) -> bool:
     """Whether an MLA layer stack's scores can be taken exactly from int8 digits here: widths the kernel
-    takes (``digit_widths_fit``), a kv_c rank whose per-head keys are exact (``MLAStack.expanded_nope_ints``:
+    takes (``digit_widths_fit``), a kv_c rank whose per-head keys are exact (``digit_keys.expand_digits``:
     up to 1024), and its integers' bounds (``MLAStack.integer_bounds``) within their digits: |q_nope|
     within two, |k_nope|, |q_pe|, |k_pe| within three (``DIGIT_MAX``), each part's score an integer below
     2**53 (float64 joins the digits' powers exactly)."""
@@ -76,14 +76,14 @@ def split_digits_reference(x: torch.Tensor, unit: float, count: int) -> torch.Te
     Raises if a value needs more than ``count`` digits."""
     xi = torch.round(x.double() / unit).to(torch.int64)
     if not torch.equal(xi.double() * unit, x.double()):
-        raise ValueError("split_digits: values are not integers times the unit")
+        raise ValueError("split_digits_reference: values are not integers times the unit")
     out = []
     for _ in range(count):
         d = ((xi + 128) & 255) - 128
         out.append(d.to(torch.int8))
         xi = (xi - d) >> 8
     if bool((xi != 0).any()):
-        raise ValueError(f"split_digits: a value needs more than {count} digits")
+        raise ValueError(f"split_digits_reference: a value needs more than {count} digits")
     return torch.cat(out, dim=-1)
 
 
@@ -92,36 +92,6 @@ def _next_digit(x):
     """x's lowest balanced base-256 digit (in [-128, 127]) and the rest (x - digit) / 256, exactly (int32)."""
     d = ((x + 128) & 255) - 128
     return d, (x - d) >> 8
-
-
-@triton.jit(do_not_specialize=["rows"])
-def _split_digits_kernel(x, out, rows, sx, so, inv_unit, D: tl.constexpr, COUNT: tl.constexpr, BR: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR).to(tl.int64)
-    d = tl.arange(0, D)
-    keep = (r < rows)[:, None]
-    xi = (tl.load(x + r[:, None] * sx + d[None, :], mask=keep, other=0.0).to(tl.float64) * inv_unit).to(tl.int32)
-    for c in tl.static_range(COUNT):
-        dig, xi = _next_digit(xi)
-        tl.store(out + r[:, None] * so + c * D + d[None, :], dig.to(tl.int8), mask=keep)
-
-
-def split_digits(x: torch.Tensor, unit: float, count: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``split_digits_reference`` in one pass on a GPU (the caller has proved the bound: no check there);
-    x (rows, D) float32 or float64 holding integers times ``unit``, or int32 integers (unit 1), and
-    ``out`` (rows, count * D), where to write, may have any row stride (last axes contiguous; D a
-    power of two)."""
-    rows, D = x.shape
-    if out is None:
-        out = torch.empty((rows, count * D), dtype=torch.int8, device=x.device)
-    assert out.shape == (rows, count * D) and out.dtype == torch.int8 and out.stride(1) == 1 and x.stride(1) == 1
-    if x.device.type != "cuda":
-        out.copy_(split_digits_reference(x, unit, count))
-        return out
-    assert D == triton.next_power_of_2(D)
-    BR = max(1, 4096 // D)
-    _split_digits_kernel[(triton.cdiv(rows, BR),)](x, out, rows, x.stride(0), out.stride(0), 1.0 / unit, D=D,
-                                                   COUNT=count, BR=BR)
-    return out
 
 
 @triton.jit(do_not_specialize=["n_tok", "layer"])  # (layer 1 would be a constant; a step's count varies)

@@ -194,6 +194,7 @@ class MLAStack:
         self.heads = self.geo.heads
         self.key_elems = 2 * self.geo.entry_dim()  # a key's two table rows and its entry
         self._t32: dict[str, torch.Tensor] | None = None  # ``_tables(float32)``, made on first use
+        self._int_weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # ``expansion_weights``
 
     def hidden(self, tok: torch.Tensor) -> torch.Tensor:
         """(layers, *tok.shape, hidden)."""
@@ -284,31 +285,25 @@ class MLAStack:
         t = self._tables(torch.float32)
         return t["emb1"], t["emb2"], t["w_qn"], t["w_qr"]
 
-    def expanded_nope_ints(self, lat: torch.Tensor, layer: int,
-                           heads: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
-        """``expanded_nope``'s k_nope and v as int32 integers (of ``nope_key_unit`` and ``value_unit``):
-        views (n, H, nope) and (n, H, v) of one (n, H, nope + v) tensor, from int8 products. kv_c's
-        integer (|.| <= 2**12) is 64 J + low with low in [0, 64) and J in [-64, 64], both int8 as the
-        weights' integers are (in [-4, 4]), and every product sum of kv_c_rank terms is an exact int32
-        (below 2**21); on a GPU the int8 tensor cores take them (``torch._int_mm``)."""
-        Lr, N, V = self.geo.kv_lora_rank, self.geo.qk_nope_head_dim, self.geo.v_head_dim
-        unit = _pow2_scale(Lr)
-        kv = torch.round(lat[:, :Lr].double() * 2.0 ** LATENT_SHIFT).to(torch.int32)
-        parts = ((kv & 63).to(torch.int8), (kv >> 6).to(torch.int8))
-        # the weights' integers, (H, nope + v, kv_lora): column-major for the int8 products
+    def key_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-token latent tables key1, key2 (layers, table rows, kv_lora + rope) in float32 (integers
+        below 2**13: exact): what a kernel making keys from token ids reads (a key's latent integers are
+        key1[tok % TABLE] + key2[(tok // TABLE) % TABLE2], kv_c over 2**-LATENT_SHIFT and k_pe, rotated,
+        over ``rope_unit``)."""
         t = self._tables(torch.float32)
-        w = torch.cat([t["w_uk"][layer, heads], t["w_uv"][layer, heads].transpose(1, 2)], dim=1) / unit
-        H = w.shape[0]
-        w = w.round().to(torch.int8).reshape(H * (N + V), Lr)
-        n = kv.shape[0]
-        if kv.is_cuda and n > 16:
-            out = torch._int_mm(parts[0], w.t())
-            out.add_(torch._int_mm(parts[1], w.t()), alpha=64)
-        else:  # (a CPU, or too few rows for the int8 kernel: the same integers in float64, exactly)
-            wd = w.t().double()
-            out = (parts[0].double() @ wd + 64 * (parts[1].double() @ wd)).to(torch.int32)
-        out = out.view(n, H, N + V)
-        return out[..., :N], out[..., N:]
+        return t["key1"], t["key2"]
+
+    def expansion_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's W_UK (H, nope, kv_lora) and W_UV transposed (H, v, kv_lora) as their integers
+        (in [-4, 4], over their power of two) in int8, rows kv_lora-contiguous as the int8 products take
+        them; made once a layer."""
+        w = self._int_weights.get(layer)
+        if w is None:
+            unit = _pow2_scale(self.geo.kv_lora_rank)
+            t = self._tables(torch.float32)
+            w = self._int_weights[layer] = tuple((x / unit).round().to(torch.int8).contiguous() for x in (
+                t["w_uk"][layer], t["w_uv"][layer].transpose(1, 2)))
+        return w
 
     # units of the integers the oracle's exact scores take (``kernels/digit_attention_f64.py``): q_nope, q_pe
     # and k_pe are integers times these powers of two, k_nope and the values ones times ``nope_key_unit``
