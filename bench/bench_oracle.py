@@ -55,7 +55,7 @@ def step_rows(seed: int = 0) -> list[tuple[np.ndarray, int, int]]:
     return [(g.integers(0, 10 ** 6, size=c + k).astype(np.int64), c, k) for c, k in shape]
 
 
-def mla_step(f64: float) -> list[dict]:
+def mla_step(f64: float, sweep: bool = True) -> list[dict]:
     """The MLA oracle (torch, and the fused kernels) at DeepSeek-V3's geometry with the scenario's 8
     layers, on a step shaped like ``deepseek_v3_mooncake``'s: two prefill chunks and 26 rows of 2
     committed tokens (one draft) over 1k-12k. The fused path's expanded rows (the prefill chunks)
@@ -93,7 +93,7 @@ def mla_step(f64: float) -> list[dict]:
     # (scores, the expanded rows' tile): float64 ones (queries x keys, score chunk, warps, stages), or
     # exact ones from int8 digits (queries x keys, warps, stages); absorbed rows by torch's padded batches
     cases = [None, ("float64", lat.PER_HEAD)] + [("digits", t) for t in (
-        digits.TILE, (16, 32, 4, 2), (16, 128, 4, 1), (16, 128, 4, 2), (16, 64, 8, 2))]
+        digits.TILE, (16, 32, 4, 2), (16, 128, 4, 1), (16, 128, 4, 2), (16, 64, 8, 2))[:None if sweep else 1]]
     default = (lat.PER_HEAD, digits.TILE)
     for case in cases:
         if case is None:
@@ -149,11 +149,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--mla-only", action="store_true", help="only the MLA oracle's step")
     ap.add_argument("--gqa-only", action="store_true", help="only the GQA oracle's step")
+    ap.add_argument("--no-sweep", action="store_true", help="the MLA step's digit path at its default tile only")
     a = ap.parse_args()
     if a.mla_only:
         f64 = fp64_rate()
         print(f"{torch.cuda.get_device_name()}, {date.today()}: float64 matmul {f64 / 1e12:.1f} TFLOP/s")
-        res = mla_step(f64)
+        res = mla_step(f64, not a.no_sweep)
         if a.out:
             a.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "date": str(date.today()),
                                          "fp64_flops": f64, "cases": res}, indent=2))
@@ -223,7 +224,7 @@ def main() -> None:
     fused.WORKSPACE, fused.WORKSPACE_ELEMS, fused.DECODE_SPLIT_KEYS = default
     fused.PARTIAL_ELEMS = partial_elems
     if not a.gqa_only:
-        results += mla_step(f64)
+        results += mla_step(f64, not a.no_sweep)
     if a.out:
         a.out.write_text(json.dumps({"device": dev, "date": str(date.today()), "fp64_flops": f64,
                                      **rates.as_dict(), "flops": flops, "floor_ms": floor * 1e3,

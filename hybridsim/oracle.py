@@ -35,7 +35,7 @@ from .kernels.batching import CPU_CALL_ELEMS, worth_merging
 from .kernels.probe_scan import ScanBuilder, ScanLaunch
 from .layers.mamba import StackedTables
 from .layers.gqa import GQAProbe, GQAStack
-from .layers.mla import MLAProbe, MLAStack
+from .layers.mla import LATENT_SHIFT, ROPE_SHIFT, MLAProbe, MLAStack
 
 
 SMALL_BATCH = 1 << 14  # (query, key) pairs of padding any oracle batch may take: one call beats two small ones
@@ -236,11 +236,23 @@ class DenseOracle:
                 toks, c, k = rows[i]
                 tok[j, : c + q1] = toks[: c + q1]
                 qpos[j] = np.minimum(c + q0 + np.arange(q_max), c + q1 - 1)  # padding repeats the last query
-            res = self.stack.attend(upload(tok, self.device), upload(qpos, self.device))
+            res = self._attend(upload(tok, self.device), upload(qpos, self.device))
             for j, (i, q0, q1) in enumerate(batch):
                 out[i].append((q0, res[:, j, : q1 - q0]))
             start = end
         return [_joined(parts) for parts in out]
+
+    def _attend(self, tok: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
+        """``stack.attend`` over padded rows; on a GPU an MLA stack's latents from one kernel
+        (``kernels/probe_latents.py``: the same values)."""
+        st = self.stack
+        if not (self.mla and tok.is_cuda):
+            return st.attend(tok, qpos)
+        from .kernels.probe_latents import latent_rows
+        n = tok.shape[1]
+        lat = latent_rows(st.key1, st.key2, st.geo.qk_rope_head_dim, tok, torch.arange(n, device=tok.device), n,
+                          LATENT_SHIFT, ROPE_SHIFT)
+        return st.attend(tok, qpos, lat=lat)
 
     def _expected_fused(self, rows: list[tuple[np.ndarray, int, int]]) -> list[torch.Tensor]:
         """Rows in groups whose float64 outputs fit the budget (the kernels keep no queries in memory)."""
@@ -317,12 +329,14 @@ class DenseOracle:
         """Queries absorbed into the latent space, keys the latent entries themselves (values: their
         kv_c part, the same memory), then W_UV on the latent outputs."""
         from .kernels.latent_attention_f64 import latent_attention
+        from .kernels.probe_latents import latent_rows
         st = self.stack
         Lr = st.geo.kv_lora_rank
         p = _Packed(rows, group)
         kpos = np.concatenate([np.arange(m) for m in p.n])
         tok_d, kpos_d, qtok_d, qpos_d = upload_many([p.tokens, kpos, p.qtok, p.qpos], self.device)
-        lat = st.latents_at(tok_d, kpos_d, p.n_pos).to(torch.float32)[:, :, None]  # exact: (Ly, keys, 1, Lr + R)
+        lat = latent_rows(st.key1, st.key2, st.geo.qk_rope_head_dim, tok_d, kpos_d, p.n_pos, LATENT_SHIFT, ROPE_SHIFT,
+                          torch.float32)[:, :, None]  # exact: (Ly, keys, 1, Lr + R)
         q = st.absorbed_queries(qtok_d, qpos_d, p.n_pos)
         o_lat = latent_attention(q, lat, lat[..., :Lr], p.q_start, p.q_len, p.k_start, p.pos0, st.scale)
         del q

@@ -350,15 +350,18 @@ class MLAStack:
         factor = 1 if self.emb1.is_cuda else 2
         return factor * expanded < absorbed and (not bounded or b * n * H * (N + V) <= EXPANDED_ELEMS)
 
-    def attend(self, tok: torch.Tensor, qpos: torch.Tensor, expand: bool | None = None) -> torch.Tensor:
+    def attend(self, tok: torch.Tensor, qpos: torch.Tensor, expand: bool | None = None,
+               lat: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention in float64 for b padded rows: tok (b, n) committed tokens, query
         positions qpos (b, q) (each below its row's length). Returns (layers, b, q, H, v).
         Two associations, equal in real arithmetic: keys up-projected (q_nope . kv_c W_UK and
         p . kv_c W_UV) or queries absorbed ((q_nope W_UK) . kv_c, then W_UV after the sum); the
-        cheaper one for the batch's shape is taken unless ``expand`` says which."""
+        cheaper one for the batch's shape is taken unless ``expand`` says which. ``lat``: the tokens'
+        ``latents`` (float64), if the caller has made them (a GPU kernel: ``kernels/probe_latents.py``)."""
         b, n = tok.shape
         Lr = self.geo.kv_lora_rank
-        lat = self.latents(tok, n)  # (Ly, b, n, kv_lora + rope)
+        if lat is None:
+            lat = self.latents(tok, n)  # (Ly, b, n, kv_lora + rope)
         kv, kr = lat[..., :Lr], lat[..., Lr:]
         xq = self.hidden(tok.gather(1, qpos))  # (Ly, b, q, hidden)
         q_nope, q_pe = queries_of(xq, self.w_qn, self.w_qr, qpos[..., None], n)
