@@ -49,6 +49,50 @@ def _pairs_errors(monkeypatch, batch: int, large: int, device: str) -> None:
     assert any(r[2] == 1.0 for r in res) and any(r[0] > 0 for r in res)
 
 
+def _viewed_pairs(device: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Pairs that are views: rows starting off 16-byte boundaries (one element into a buffer), rows with
+    a stride (every other row of a buffer), rows not contiguous (a transpose: copied), widths of one."""
+    gen = torch.Generator().manual_seed(9)
+    big_w = torch.randn(4000, generator=gen, dtype=torch.float64)
+    big_g = (big_w + 1e-4 * torch.randn(4000, generator=gen, dtype=torch.float64)).float()
+    big_g[17] = float("nan")
+    want = [big_w[1:61].view(5, 4, 3), big_w[100:400].view(30, 10)[::2], big_w[500:530].view(5, 6).t(),
+            big_w[700:707], big_w[800:1400].view(3, 200)]
+    got = [big_g[1:61].view(5, 4, 3), big_g[100:400].view(30, 10)[::2], big_g[500:530].view(5, 6).t(),
+           big_g[700:707], big_g[800:1400].view(3, 200)]
+    return [g.to(device) if device != "cpu" else g for g in got], [w.to(device) if device != "cpu" else w for w in want]
+
+
+@INTERPRETER
+def test_table_errors_equal_the_per_pair_definition():
+    """The GPU's path under the interpreter: every pair's rows reduced by one launch over a table of
+    where they lie (shifted, strided, transposed views among them), then per pair."""
+    got, want = _viewed_pairs("cpu")
+    res = segments._table_errors(got, want, torch.full((len(got), 3), float("nan"), dtype=torch.float64)).tolist()
+    assert res == [_one(g, w) for g, w in zip(got, want)]
+    assert res[0][2] == 1.0 and all(r[0] > 0 for r in res[1:])
+    gen = torch.Generator().manual_seed(3)  # the mixed pairs of the stacked path's test, through the table
+    got, want = [], []
+    for k in range(40):
+        shape = [(int(torch.randint(0, 9, (1,), generator=gen)), 4, 3), (int(torch.randint(1, 30, (1,), generator=gen)),),
+                 (2, 5), ()][k % 4]
+        w = torch.randn(shape, generator=gen, dtype=torch.float64)
+        g = (w + 1e-3 * torch.randn(shape, generator=gen, dtype=torch.float64)).float() if k % 3 else w.float()
+        if k % 7 == 0 and g.numel():
+            g.view(-1)[0] = float("inf")
+        got.append(g)
+        want.append(w)
+    res = segments._table_errors(got, want, torch.zeros(len(got), 3, dtype=torch.float64)).tolist()
+    assert res == [_one(g, w) for g, w in zip(got, want)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_rel_errors_on_the_gpu_over_views():
+    got, want = _viewed_pairs("cuda")
+    assert rel_errors(got, want).tolist() == [_one(g.cpu(), w.cpu()) for g, w in zip(got, want)]
+
+
 @pytest.mark.parametrize("batch,large", [(1 << 24, 1 << 18), (50, 1 << 18), (1 << 24, 20)])
 def test_rel_errors_equal_the_per_pair_definition(monkeypatch, batch, large):
     """50: many stacked passes and pairs larger than a pass alone; 20: many pairs reduced alone."""
@@ -58,7 +102,8 @@ def test_rel_errors_equal_the_per_pair_definition(monkeypatch, batch, large):
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch,large", [(1 << 24, 1 << 18), (50, 1 << 18), (1 << 24, 20)])
 def test_rel_errors_on_the_gpu_equal_the_per_pair_definition(monkeypatch, batch, large):
-    """The GPU's path: every per-row reduction by the Triton kernel."""
+    """The GPU's path: every pair's rows by the Triton kernel over a table of rows (the stacked path's
+    limits do not apply there: nothing is stacked)."""
     _pairs_errors(monkeypatch, batch, large, "cuda")
 
 

@@ -6,6 +6,7 @@ in torch; addresses are int64."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -16,33 +17,59 @@ MAX_PIECES = 65535  # (the grid's second axis)
 
 
 @triton.jit
-def _row_stats_kernel(g, w, out, width, g_row, w_row, piece_len, BLOCK: tl.constexpr, WIDE: tl.constexpr):
-    """One program a piece of a row: ``row_stats_reference`` over it in one pass (float64 arithmetic),
-    into out (rows, pieces, 3)."""
-    r = tl.program_id(0).to(tl.int64)
-    piece = tl.program_id(1).to(tl.int64)
+def _piece_stats(gp, wp, start, stop, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    """``row_stats_reference`` over elements start..stop-1 of one row (gp, wp: the row's first elements)
+    in one pass, float64 arithmetic: (max |g - w|, max |w|, whether the NaN/±inf positions differ)."""
     inf = float("inf")
     diff = tl.zeros([BLOCK], tl.float64)
     top = tl.zeros([BLOCK], tl.float64)
     special = tl.zeros([BLOCK], tl.int32)
-    for c0 in range(piece * piece_len, tl.minimum(width, (piece + 1) * piece_len), BLOCK):
+    for c0 in range(start, stop, BLOCK):
         c = c0 + tl.arange(0, BLOCK)
-        m = c < width
-        gv = tl.load(g + r * g_row + c, mask=m, other=0.0)
+        m = c < stop
+        gv = tl.load(gp + c, mask=m, other=0.0)
         if not WIDE:  # (half precision through float32: some builds convert it to float64 no other way)
             gv = gv.to(tl.float32)
         gv = gv.to(tl.float64)
-        wv = tl.load(w + r * w_row + c, mask=m, other=0.0)
+        wv = tl.load(wp + c, mask=m, other=0.0)
         special |= (((gv != gv) != (wv != wv)) | ((gv == inf) != (wv == inf))
                     | ((gv == -inf) != (wv == -inf))).to(tl.int32)
         g0 = tl.where((gv == gv) & (tl.abs(gv) != inf), gv, 0.0)
         w0 = tl.where((wv == wv) & (tl.abs(wv) != inf), wv, 0.0)
         diff = tl.maximum(diff, tl.abs(g0 - w0))
         top = tl.maximum(top, tl.abs(w0))
+    return tl.max(diff, axis=0), tl.max(top, axis=0), tl.max(special, axis=0).to(tl.float64)
+
+
+@triton.jit
+def _store_stats(out, r, piece, stats):
     at = out + (r * tl.num_programs(1) + piece) * 3
-    tl.store(at, tl.max(diff, axis=0))
-    tl.store(at + 1, tl.max(top, axis=0))
-    tl.store(at + 2, tl.max(special, axis=0).to(tl.float64))
+    tl.store(at, stats[0])
+    tl.store(at + 1, stats[1])
+    tl.store(at + 2, stats[2])
+
+
+@triton.jit
+def _row_stats_kernel(g, w, out, width, g_row, w_row, piece_len, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    """One program a piece of a row of strided (rows, width) tensors, into out (rows, pieces, 3)."""
+    r = tl.program_id(0).to(tl.int64)
+    piece = tl.program_id(1).to(tl.int64)
+    stop = tl.minimum(width, (piece + 1) * piece_len)
+    _store_stats(out, r, piece, _piece_stats(g + r * g_row, w + r * w_row, piece * piece_len, stop, BLOCK, WIDE))
+
+
+@triton.jit
+def _table_rows_kernel(g, w, g_at, w_at, out, width, piece_len, BLOCK: tl.constexpr, WIDE: tl.constexpr,
+                       G_ALIGN: tl.constexpr, W_ALIGN: tl.constexpr):
+    """One program a piece of row program_id(0) of a table of rows: the row starts g_at[r] elements
+    from g and w_at[r] from w (other tensors' rows, reached from the first one's pointer; multiples of
+    G_ALIGN and W_ALIGN elements: 16 bytes where every row allows, so the loads stay wide)."""
+    r = tl.program_id(0).to(tl.int64)
+    piece = tl.program_id(1).to(tl.int64)
+    g0 = tl.multiple_of(tl.load(g_at + r), G_ALIGN)
+    w0 = tl.multiple_of(tl.load(w_at + r), W_ALIGN)
+    stop = tl.minimum(width, (piece + 1) * piece_len)
+    _store_stats(out, r, piece, _piece_stats(g + g0, w + w0, piece * piece_len, stop, BLOCK, WIDE))
 
 
 def split(width: int) -> tuple[int, int]:
@@ -62,4 +89,37 @@ def row_stats(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if g.shape[0]:
         _row_stats_kernel[(g.shape[0], pieces)](g, w, out, g.shape[1], g.stride(0), w.stride(0), piece_len,
                                                 BLOCK=BLOCK, WIDE=g.dtype == torch.float64, num_warps=4)
+    return out[:, 0] if pieces == 1 else out.amax(1)
+
+
+def _row_starts(parts: list[torch.Tensor]) -> tuple[np.ndarray, int]:
+    """Each part's rows' first elements, in elements from the first part's (int64; a part's rows are
+    its first axis, each row contiguous), and the largest power of two up to 16 bytes dividing them all."""
+    base, size = parts[0].data_ptr(), parts[0].element_size()
+    starts = [(t.data_ptr() - base) // size + np.arange(t.shape[0], dtype=np.int64) * t.stride(0) for t in parts]
+    at = np.concatenate(starts) if starts else np.zeros(0, np.int64)
+    align = 16 // size
+    while align > 1 and (base % 16 or (at % align).any()):
+        align //= 2
+    return at, align
+
+
+def table_row_stats(got: list[torch.Tensor], want: list[torch.Tensor]) -> torch.Tensor:
+    """``row_stats`` of many pairs in one launch, nothing copied: got[i], want[i] (rows_i, width), each
+    row contiguous, got all of one dtype (as ``row_stats`` takes), want float64, all on one device.
+    Returns (sum of rows_i, 3) float64, pair after pair."""
+    from ..device.transfer import upload_many
+    width = got[0].shape[1]
+    assert all(g.shape == w.shape and g.shape[1] == width and g.dtype == got[0].dtype and w.dtype == torch.float64
+               for g, w in zip(got, want))
+    assert all(t.shape[0] <= 1 or width == 1 or t.stride(1) == 1 for t in got + want) and width > 0
+    rows = sum(g.shape[0] for g in got)
+    piece_len, pieces = split(width)
+    out = torch.empty(rows, pieces, 3, dtype=torch.float64, device=got[0].device)
+    if rows:
+        (g_at, g_align), (w_at, w_align) = _row_starts(got), _row_starts(want)
+        g_at_d, w_at_d = upload_many([g_at, w_at], got[0].device)
+        _table_rows_kernel[(rows, pieces)](got[0], want[0], g_at_d, w_at_d, out, width, piece_len, BLOCK=BLOCK,
+                                           WIDE=got[0].dtype == torch.float64, G_ALIGN=g_align, W_ALIGN=w_align,
+                                           num_warps=4)
     return out[:, 0] if pieces == 1 else out.amax(1)

@@ -1,21 +1,19 @@
 """Relative errors of many (got, want) pairs with few launches.
 
-Small pairs whose rows are alike (a row: everything after the first axis, e.g. one
-token's heads x dims) are stacked on the row axis and reduced in two levels: each row on
-its own (a plain reduction, no atomics), then the rows' maxima per pair (a segmented
-reduction of a few thousand values); a step's decode rows of every layer are then a few
-launches. A large pair (a prefill chunk's outputs) is reduced where it lies: stacking it
-would only copy it.
+On a GPU the pairs of one row width (a row: everything after the first axis, e.g. one token's heads x
+dims) and dtype are reduced in two levels: each row by one Triton launch over a table of every pair's
+rows where they lie (``row_stats_triton.table_row_stats``: each element read once, nothing copied),
+then the rows' maxima per pair by one segmented reduction; a step's checks are then a few launches.
+In torch the per-row reduction took about a dozen passes over float64 working copies (NaN/inf masks,
+cleaned copies, differences): 24.5 ms a step of ``deepseek_v3_mooncake``'s oracle on an H200.
 
-The per-row reduction on a GPU is one Triton pass (``row_stats_triton.row_stats``: each element
-read once); in torch it took about a dozen passes over float64 working copies (NaN/inf masks,
-cleaned copies, differences): 24.5 ms a step of ``deepseek_v3_mooncake``'s oracle on an H200,
-more than its decode rows' attention. ``row_stats_reference`` is the same reduction in torch (a
-CPU's path).
+On a CPU small pairs are stacked on the row axis (a copy) and reduced the same two levels, and a large
+pair (a prefill chunk's outputs) where it lies; ``row_stats_reference`` is the per-row reduction there.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..device.transfer import upload
@@ -45,6 +43,8 @@ def rel_errors(got: list[torch.Tensor], want: list[torch.Tensor]) -> torch.Tenso
     1.0 where the pair's NaN/inf positions differ (else 0)."""
     dev = got[0].device
     out = torch.zeros(len(got), 3, dtype=torch.float64, device=dev)
+    if dev.type == "cuda":
+        return _table_errors(got, want, out)
     kinds: dict = {}  # pairs that stack: the same row width and dtypes
     for i, (g, w) in enumerate(zip(got, want)):
         if g.numel() >= LARGE:  # big enough to fill the device alone: reduced where it lies, no copy
@@ -65,6 +65,35 @@ def rel_errors(got: list[torch.Tensor], want: list[torch.Tensor]) -> torch.Tenso
     return out
 
 
+def _table_errors(got: list[torch.Tensor], want: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """``rel_errors`` on a GPU: the pairs of one row width and dtype reduced by one launch over a table of
+    their rows (``row_stats_triton.table_row_stats``: nothing stacked or copied), then each pair's rows
+    by one segmented maximum. A step's checks are then a few launches, where a launch a pair took 9.6 ms
+    a step of ``deepseek_v3_mooncake`` on an H100 (synced, session 33)."""
+    from .row_stats_triton import table_row_stats  # (Triton only where it runs: importing it sets its mode)
+    dev = out.device
+    kinds: dict = {}
+    for i, g in enumerate(got):
+        if g.numel():
+            kinds.setdefault((g[0].numel() if g.dim() >= 2 else 1, g.dtype), []).append(i)
+    for (width, _), idx in kinds.items():
+        gs = [_rows(got[i], width) for i in idx]
+        ws = [_rows(want[i].to(dev, torch.float64), width) for i in idx]
+        per_row = table_row_stats(gs, ws)
+        seg = upload(np.repeat(np.arange(len(idx)), [g.shape[0] for g in gs]), dev)
+        per_pair = torch.zeros(len(idx), 3, dtype=torch.float64, device=dev).scatter_reduce_(
+            0, seg[:, None].expand(-1, 3), per_row, "amax")
+        diff, top, spec = per_pair.unbind(-1)
+        out[upload(idx, dev)] = torch.stack([diff, diff / top.clamp_min(1e-30), spec], dim=-1)
+    return out
+
+
+def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    """t as (rows, width) with each row contiguous: a view where t allows, else a copy."""
+    r = t.reshape(-1, width)
+    return r if width == 1 or r.stride(1) == 1 else r.contiguous()
+
+
 def row_stats_reference(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """(rows, 3) float64 for g, w (rows, width): per row max |g - w| and max |w| with NaN and
     ±inf read as 0, and 1.0 where the two differ in a NaN, +inf or -inf position (else 0)."""
@@ -74,23 +103,20 @@ def row_stats_reference(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _stacked_errors(got, want, idx: list[int], width: int, dev) -> torch.Tensor:
+    """A CPU's reduction of pairs ``idx`` (stacked, or one where it lies)."""
     # (got keeps its dtype: the subtraction promotes to float64 element by element, no copy)
     if len(idx) == 1:  # (a view: nothing copied)
         g, w = got[idx[0]].reshape(-1, width), want[idx[0]].reshape(-1, width).to(dev, torch.float64)
     else:
         g = torch.cat([got[i].reshape(-1, width) for i in idx])
         w = torch.cat([want[i].reshape(-1, width) for i in idx]).to(dev, torch.float64)
-    if dev.type == "cpu":
-        diff = (g - w).abs().amax(-1)
-        if bool(diff.max() < float("inf")):
-            # the usual case, known at once where reading back costs nothing: every difference is finite, so
-            # both sides are (inf - inf and NaN give NaN, inf - x gives inf): no NaN/inf to mask or match
-            per_row = torch.stack([diff, w.abs().amax(-1), torch.zeros_like(diff)], dim=-1)
-        else:
-            per_row = row_stats_reference(g, w)
+    diff = (g - w).abs().amax(-1)
+    if bool(diff.max() < float("inf")):
+        # the usual case, known at once where reading back costs nothing: every difference is finite, so
+        # both sides are (inf - inf and NaN give NaN, inf - x gives inf): no NaN/inf to mask or match
+        per_row = torch.stack([diff, w.abs().amax(-1), torch.zeros_like(diff)], dim=-1)
     else:
-        from .row_stats_triton import row_stats  # (Triton only where it runs: importing it sets its mode)
-        per_row = row_stats(g, w)
+        per_row = row_stats_reference(g, w)
     if len(idx) == 1:
         per_pair = per_row.amax(0, keepdim=True)
     else:
