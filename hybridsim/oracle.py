@@ -38,7 +38,12 @@ from .layers.gqa import GQAProbe, GQAStack
 from .layers.mla import LATENT_SHIFT, ROPE_SHIFT, MLAProbe, MLAStack
 
 
-SMALL_BATCH = 1 << 14  # (query, key) pairs of padding any oracle batch may take: one call beats two small ones
+# Padding a batch of the torch path may take on a GPU (where, with the fused kernels, it holds only MLA decode
+# rows): PAD_WORK times its real (query, key) pairs, plus SMALL_BATCH score elements (pairs times layers and
+# heads): one call beats two small ones. deepseek_v3_mooncake's decode rows took 2.19 times their real work
+# at twice plus 2**14 pairs (2.2 batches a step), 1.19 times at these (6.0 batches a step).
+PAD_WORK = 1.25
+SMALL_BATCH = 1 << 14
 
 
 @dataclass
@@ -134,8 +139,8 @@ class DenseOracle:
     (scores, and each row's projected keys: for a decode row the keys are the larger part). ``stack`` is a layer kind's stacked probe (``MLAStack``, ``GQAStack``): its
     ``attend`` recomputes everything from token ids.
 
-    On a GPU a batch may take padding up to twice its real work (``SMALL_BATCH`` more): calls
-    are what cost there. A CPU computes every padded element (scores and keys) at full price
+    On a GPU a batch may take padding up to a quarter of its real work (``PAD_WORK``, ``SMALL_BATCH``
+    more): its calls cost little there next to an MLA decode row's float64 products. A CPU computes every padded element (scores and keys) at full price
     and slows down once a batch's scores leave its cache, so there pieces merge only where one
     call costs less than two and the scores stay in the cache (``kernels/batching.py``).
     Where keys cost projections (``GQAStack``) and ``memo_bytes`` allows, a CPU keeps each
@@ -226,7 +231,7 @@ class DenseOracle:
                 if self.work_bound:  # (a piece alone may pass the cache bound: split, it projects its keys again)
                     if not worth_merging(merged, elems(b - 1, q_max, n_max) + elems(1, q, n), b * q_max * n2 * per_q):
                         break
-                elif b * q_max * n2 > 2 * (actual + q * n) + SMALL_BATCH:
+                elif b * q_max * n2 > PAD_WORK * (actual + q * n) + SMALL_BATCH / per_q:
                     break
                 n_max, actual, end = n2, actual + q * n, end + 1
             batch = pieces[start:end]
@@ -389,7 +394,7 @@ class DenseOracle:
         per_head = n * (g.qk_nope_head_dim + g.v_head_dim)  # 4-byte elements of a head's keys and values, at most
         group = max(1, min(H, self.budget // per_head))
         for layer in range(st.layers):
-            qd = query_digits(*st.query_tables(), tok_d[c:], pos_d[c:], n, layer)  # (k, H, 2 N + 3 R), from token ids
+            qd = query_digits(*st.query_tables(), tok_d, pos_d, n, layer, first=c)  # (k, H, 2 N + 3 R), from token ids
             parts, kr = key_parts(*st.key_tables(), g.qk_rope_head_dim, tok_d, pos_d, n, layer)
             w_k, w_v = st.expansion_weights(layer)
             for h0 in range(0, H, group):

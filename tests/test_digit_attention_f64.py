@@ -206,7 +206,7 @@ print(out.metadata.shared, len(re.findall(int8, ptx)), len(re.findall(f64, ptx))
 qk = da._query_digits_kernel
 const = dict(HID=64, T1=4093, T2=509, N=128, R=64, BT=32)
 sig = {n: "constexpr" if n in const else "*i64" if n in ("tok", "pos") else "*i8" if n == "qd" else "i32"
-       if n in ("n_tok", "layer", "H") else "*fp32" for n in qk.arg_names}
+       if n in ("first", "n_tok", "layer", "H") else "*fp32" for n in qk.arg_names}
 build(ASTSource(fn=qk, signature=sig, constexprs={(qk.arg_names.index(k),): v for k, v in const.items()}),
       target=GPUTarget("cuda", 90, 64), options={"num_warps": 4})
 from hybridsim.kernels import digit_keys as dk
@@ -255,3 +255,5 @@ def test_query_digits_are_the_split_queries(device):
         want = torch.cat([split(q_nope, st.query_unit, 2).view(45, 3, -1), split(q_pe, st.rope_unit, 3).view(45, 3, -1)],
                          dim=-1)
         assert torch.equal(da.query_digits(*st.query_tables(), tok, pos, 4000, layer).cpu(), want)
+        # the last 30 of them, by an offset into the same tensors
+        assert torch.equal(da.query_digits(*st.query_tables(), tok, pos, 4000, layer, first=15).cpu(), want[15:])

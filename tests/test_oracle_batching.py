@@ -74,8 +74,9 @@ def test_fused_oracle_equals_the_definition(monkeypatch, budget):
 
 @pytest.mark.parametrize("work_bound", [False, True], ids=["gpu-rule", "cpu-rule"])
 def test_cpu_batches_do_not_pad_decodes_to_a_prefill(monkeypatch, work_bound):
-    """Where work is the cost (a CPU), a decode row is not padded to a prefill chunk's queries and
-    keys (on a GPU one call is cheaper than two): the batches the oracle forms, by shape."""
+    """A decode row is not padded to a prefill chunk's queries and keys, where work is the cost (a CPU)
+    nor on a GPU (padding up to ``PAD_WORK`` times the real work: the two decode rows share a call, the
+    prefill chunk would double it): the batches the oracle forms, by shape."""
     geo = MLA[0]()
     probes = [MLAProbe(geo, layer, seed=3) for layer in range(2)]
     oracle = MLAOracle(probes, torch.device("cpu"), work_bound=work_bound)
@@ -86,10 +87,7 @@ def test_cpu_batches_do_not_pad_decodes_to_a_prefill(monkeypatch, work_bound):
     g = np.random.default_rng(5)
     rows = [(g.integers(0, 60_000, size=c + k).astype(np.int64), c, k) for c, k in [(112, 112), (259, 4), (250, 3)]]
     got = oracle.expected(rows)
-    if work_bound:
-        assert shapes == [(1, 224, 112), (2, 263, 4)]
-    else:
-        assert shapes == [(2, 263, 112), (1, 253, 3)]  # the decode row padded to 112 queries
+    assert shapes == [(1, 224, 112), (2, 263, 4)]
     for (toks, c, k), out in zip(rows, got):
         want = mla_dense(probes[1], torch.from_numpy(toks), torch.arange(c, c + k))
         assert torch.allclose(out[1], want, rtol=1e-10, atol=1e-12)

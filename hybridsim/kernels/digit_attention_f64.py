@@ -94,8 +94,8 @@ def _next_digit(x):
     return d, (x - d) >> 8
 
 
-@triton.jit(do_not_specialize=["n_tok", "layer"])  # (layer 1 would be a constant; a step's count varies)
-def _query_digits_kernel(tok, pos, emb1, emb2, w_qn, w_qr, cc, ss, qd, n_tok, layer, H,
+@triton.jit(do_not_specialize=["first", "n_tok", "layer"])  # (layer 1 would be a constant; a step's count varies)
+def _query_digits_kernel(tok, pos, emb1, emb2, w_qn, w_qr, cc, ss, qd, first, n_tok, layer, H,
                          HID: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
                          BT: tl.constexpr):
     """Tokens program_id(0) * BT.. of head program_id(1): the query's integers from its token id (two
@@ -104,7 +104,7 @@ def _query_digits_kernel(tok, pos, emb1, emb2, w_qn, w_qr, cc, ss, qd, n_tok, la
     i = tl.program_id(0) * BT + tl.arange(0, BT)
     h = tl.program_id(1).to(tl.int64)
     im = i < n_tok
-    x = _hidden(tok, 0, i, im, emb1, emb2, layer, HID, T1, T2)
+    x = _hidden(tok, first, i, im, emb1, emb2, layer, HID, T1, T2)
     hid = tl.arange(0, HID).to(tl.int64)
     row = (layer.to(tl.int64) * HID + hid) * H + h
     dn = tl.arange(0, N)
@@ -112,7 +112,7 @@ def _query_digits_kernel(tok, pos, emb1, emb2, w_qn, w_qr, cc, ss, qd, n_tok, la
     dr = tl.arange(0, R // 2)
     lo = tl.dot(x, tl.load(w_qr + row[:, None] * R + dr[None, :]))
     hi = tl.dot(x, tl.load(w_qr + row[:, None] * R + R // 2 + dr[None, :]))
-    p = tl.load(pos + i, mask=im, other=0)
+    p = tl.load(pos + first + i, mask=im, other=0)
     r_lo, r_hi = _rope(lo, hi, p, im, cc, ss, R, R // 2)
     r_lo = r_lo.to(tl.int32)
     r_hi = r_hi.to(tl.int32)
@@ -128,23 +128,26 @@ def _query_digits_kernel(tok, pos, emb1, emb2, w_qn, w_qr, cc, ss, qd, n_tok, la
 
 
 def query_digits(emb1: torch.Tensor, emb2: torch.Tensor, w_qn: torch.Tensor, w_qr: torch.Tensor, tok: torch.Tensor,
-                 pos: torch.Tensor, n_pos: int, layer: int) -> torch.Tensor:
+                 pos: torch.Tensor, n_pos: int, layer: int, first: int = 0) -> torch.Tensor:
     """The digits ``digit_attention`` reads of one layer's queries, (tokens, heads, 2 N + 3 R) int8, from the
     tokens' ids ``tok`` at positions ``pos`` (below n_pos) and the MLA probe's float32 tables (``MLAStack``'s:
     emb1, emb2 (layers, table rows, hidden), w_qn (layers, hidden, heads, N), w_qr (layers, hidden, heads,
     R)): the digits of q_nope over ``MLAStack.query_unit`` and of q_pe over ``rope_unit``, exactly those
-    splitting ``MLAStack.queries`` gives (the caller has proved the bounds: ``digits_fit``)."""
+    splitting ``MLAStack.queries`` gives (the caller has proved the bounds: ``digits_fit``). The queries are
+    tok[first:] at pos[first:] (an offset, not a slice: a slice's pointer alignment would build a kernel
+    variant for each)."""
     from ..layers.exact import rotation_tables
     _, HID, H, N = w_qn.shape
     R = w_qr.shape[-1]
-    n_tok = tok.shape[0]
+    n_tok = tok.shape[0] - first
+    assert n_tok >= 0 and pos.shape[0] == tok.shape[0]
     qd = torch.empty((n_tok, H, 2 * N + 3 * R), dtype=torch.int8, device=tok.device)
     if n_tok == 0:
         return qd
     cc, ss = rotation_tables(R, n_pos, tok.device, torch.float32)
     BT = 32
     _query_digits_kernel[(triton.cdiv(n_tok, BT), H)](
-        tok, pos, emb1, emb2, w_qn, w_qr, cc, ss, qd, n_tok, layer, H, HID=HID, T1=emb1.shape[1], T2=emb2.shape[1],
+        tok, pos, emb1, emb2, w_qn, w_qr, cc, ss, qd, first, n_tok, layer, H, HID=HID, T1=emb1.shape[1], T2=emb2.shape[1],
         N=N, R=R, BT=BT, num_warps=4)
     return qd
 
