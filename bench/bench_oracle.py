@@ -93,7 +93,8 @@ def mla_step(f64: float, sweep: bool = True) -> list[dict]:
     # (scores, the expanded rows' tile): float64 ones (queries x keys, score chunk, warps, stages), or
     # exact ones from int8 digits (queries x keys, warps, stages); absorbed rows by torch's padded batches
     cases = [None, ("float64", lat.PER_HEAD)] + [("digits", t) for t in (
-        digits.TILE, (16, 32, 4, 2), (16, 128, 4, 1), (16, 128, 4, 2), (16, 64, 8, 2))[:None if sweep else 1]]
+        digits.TILE, (16, 32, 4, 2), (16, 64, 4, 1), (16, 64, 4, 3), (16, 128, 4, 1), (16, 128, 4, 2),
+        (16, 64, 8, 2))[:None if sweep else 1]]
     default = (lat.PER_HEAD, digits.TILE)
     for case in cases:
         if case is None:

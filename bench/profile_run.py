@@ -3,6 +3,7 @@ under cProfile with the device synchronised at the end, and print the top functi
 
     python3 bench/profile_run.py scenarios/nemotron_h_8b.yaml [--max-steps N] [--warm-steps N]
         [--kernels triton] [--timed 3] [--sync-phases [--time-calls MOD:NAME,...]] [--sync-debug]
+        [--cuda-profile-steps A:B]
         [--cuda-profile] [--sort cumulative]
 
 ``--timed N`` times N runs without the profiler first (the numbers for a bar: cProfile itself
@@ -31,7 +32,7 @@ from hybridsim.device.builds import built_variants, grown  # noqa: E402
 from hybridsim.runner import plan_scenario  # noqa: E402
 
 
-def once(path: str, max_steps, kernels: str, device: str):
+def once(path: str, max_steps, kernels: str, device: str, progress=None):
     # the previous run's caches go back to the device first: a real-scale run's memory plan must see them free
     gc.collect()
     if torch.cuda.is_available():
@@ -41,7 +42,7 @@ def once(path: str, max_steps, kernels: str, device: str):
         s = loaded.scenario
         loaded.scenario = s.model_copy(update={"execution": s.execution.model_copy(update={"max_steps": max_steps})})
     t0 = perf_counter()
-    res = plan_scenario(loaded, kernels=kernels, device=device)
+    res = plan_scenario(loaded, kernels=kernels, device=device, progress=progress)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return res, perf_counter() - t0
@@ -112,6 +113,8 @@ def main() -> None:
     ap.add_argument("--time-calls", default="",
                     help="with --sync-phases: comma-separated module:Qualified.name callables, each call timed with "
                          "the device synced before and after (inclusive of what it calls), in ms a step")
+    ap.add_argument("--cuda-profile-steps", default="",
+                    help="A:B: device time by kernel over steps A..B-1 only (a run's whole profile is too big to tabulate)")
     ap.add_argument("--no-cprofile", action="store_true", help="skip the last run, under cProfile")
     a = ap.parse_args()
     if a.time_calls:
@@ -129,6 +132,21 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
             once(a.scenario, a.max_steps, a.kernels, a.device)
         print(tp.key_averages().table(sort_by="self_cuda_time_total", row_limit=a.top))
+    if a.cuda_profile_steps:  # device time by kernel over a window of steps, the device synced at its edges
+        from torch.profiler import ProfilerActivity, profile
+        first, last = (int(x) for x in a.cuda_profile_steps.split(":"))
+        window = profile(activities=[ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU])
+
+        def edges(stats) -> None:
+            if stats.steps in (first, last) and torch.cuda.is_available():
+                torch.cuda.synchronize()
+            if stats.steps == first:
+                window.start()
+            elif stats.steps == last:
+                window.stop()
+        once(a.scenario, a.max_steps or last + 1, a.kernels, a.device, progress=edges)
+        print(f"device time by kernel, steps {first}..{last - 1} ({last - first} steps):")
+        print(window.key_averages().table(sort_by="self_cuda_time_total", row_limit=a.top))
     for k in range(a.timed):  # cProfile slows a host-bound loop: these are the honest numbers
         before = built_variants()
         r, _ = once(a.scenario, a.max_steps, a.kernels, a.device)
