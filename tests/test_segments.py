@@ -84,6 +84,10 @@ def test_table_errors_equal_the_per_pair_definition():
         want.append(w)
     res = segments._table_errors(got, want, torch.zeros(len(got), 3, dtype=torch.float64)).tolist()
     assert res == [_one(g, w) for g, w in zip(got, want)]
+    # wants of other dtypes (a path's float32 outputs, half-precision ones) are read as they are, exactly
+    narrow = [w.to(dt) for w, dt in zip(want, [torch.float32, torch.bfloat16, torch.float16, torch.float32] * 10)]
+    res = segments._table_errors(got, narrow, torch.zeros(len(got), 3, dtype=torch.float64)).tolist()
+    assert res == [_one(g, w) for g, w in zip(got, narrow)]
 
 
 @pytest.mark.gpu

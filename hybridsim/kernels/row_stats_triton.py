@@ -17,7 +17,15 @@ MAX_PIECES = 65535  # (the grid's second axis)
 
 
 @triton.jit
-def _piece_stats(gp, wp, start, stop, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+def _float64(x, WIDE: tl.constexpr):
+    """x in float64, exactly (half precision through float32: some builds convert it to float64 no other way)."""
+    if not WIDE:
+        x = x.to(tl.float32)
+    return x.to(tl.float64)
+
+
+@triton.jit
+def _piece_stats(gp, wp, start, stop, BLOCK: tl.constexpr, WIDE: tl.constexpr, W_WIDE: tl.constexpr):
     """``row_stats_reference`` over elements start..stop-1 of one row (gp, wp: the row's first elements)
     in one pass, float64 arithmetic: (max |g - w|, max |w|, whether the NaN/±inf positions differ)."""
     inf = float("inf")
@@ -27,11 +35,8 @@ def _piece_stats(gp, wp, start, stop, BLOCK: tl.constexpr, WIDE: tl.constexpr):
     for c0 in range(start, stop, BLOCK):
         c = c0 + tl.arange(0, BLOCK)
         m = c < stop
-        gv = tl.load(gp + c, mask=m, other=0.0)
-        if not WIDE:  # (half precision through float32: some builds convert it to float64 no other way)
-            gv = gv.to(tl.float32)
-        gv = gv.to(tl.float64)
-        wv = tl.load(wp + c, mask=m, other=0.0)
+        gv = _float64(tl.load(gp + c, mask=m, other=0.0), WIDE)
+        wv = _float64(tl.load(wp + c, mask=m, other=0.0), W_WIDE)
         special |= (((gv != gv) != (wv != wv)) | ((gv == inf) != (wv == inf))
                     | ((gv == -inf) != (wv == -inf))).to(tl.int32)
         g0 = tl.where((gv == gv) & (tl.abs(gv) != inf), gv, 0.0)
@@ -55,12 +60,12 @@ def _row_stats_kernel(g, w, out, width, g_row, w_row, piece_len, BLOCK: tl.const
     r = tl.program_id(0).to(tl.int64)
     piece = tl.program_id(1).to(tl.int64)
     stop = tl.minimum(width, (piece + 1) * piece_len)
-    _store_stats(out, r, piece, _piece_stats(g + r * g_row, w + r * w_row, piece * piece_len, stop, BLOCK, WIDE))
+    _store_stats(out, r, piece, _piece_stats(g + r * g_row, w + r * w_row, piece * piece_len, stop, BLOCK, WIDE, True))
 
 
 @triton.jit
 def _table_rows_kernel(g, w, g_at, w_at, out, width, piece_len, BLOCK: tl.constexpr, WIDE: tl.constexpr,
-                       G_ALIGN: tl.constexpr, W_ALIGN: tl.constexpr):
+                       W_WIDE: tl.constexpr, G_ALIGN: tl.constexpr, W_ALIGN: tl.constexpr):
     """One program a piece of row program_id(0) of a table of rows: the row starts g_at[r] elements
     from g and w_at[r] from w (other tensors' rows, reached from the first one's pointer; multiples of
     G_ALIGN and W_ALIGN elements: 16 bytes where every row allows, so the loads stay wide)."""
@@ -69,7 +74,7 @@ def _table_rows_kernel(g, w, g_at, w_at, out, width, piece_len, BLOCK: tl.conste
     g0 = tl.multiple_of(tl.load(g_at + r), G_ALIGN)
     w0 = tl.multiple_of(tl.load(w_at + r), W_ALIGN)
     stop = tl.minimum(width, (piece + 1) * piece_len)
-    _store_stats(out, r, piece, _piece_stats(g + g0, w + w0, piece * piece_len, stop, BLOCK, WIDE))
+    _store_stats(out, r, piece, _piece_stats(g + g0, w + w0, piece * piece_len, stop, BLOCK, WIDE, W_WIDE))
 
 
 def split(width: int) -> tuple[int, int]:
@@ -106,12 +111,13 @@ def _row_starts(parts: list[torch.Tensor]) -> tuple[np.ndarray, int]:
 
 def table_row_stats(got: list[torch.Tensor], want: list[torch.Tensor]) -> torch.Tensor:
     """``row_stats`` of many pairs in one launch, nothing copied: got[i], want[i] (rows_i, width), each
-    row contiguous, got all of one dtype (as ``row_stats`` takes), want float64, all on one device.
-    Returns (sum of rows_i, 3) float64, pair after pair."""
+    row contiguous, got all of one dtype and want all of one (each as ``row_stats`` takes got: read in
+    float64 exactly), all on one device. Returns (sum of rows_i, 3) float64, pair after pair."""
     from ..device.transfer import upload_many
     width = got[0].shape[1]
-    assert all(g.shape == w.shape and g.shape[1] == width and g.dtype == got[0].dtype and w.dtype == torch.float64
+    assert all(g.shape == w.shape and g.shape[1] == width and g.dtype == got[0].dtype and w.dtype == want[0].dtype
                for g, w in zip(got, want))
+    assert all(x[0].dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16) for x in (got, want))
     assert all(t.shape[0] <= 1 or width == 1 or t.stride(1) == 1 for t in got + want) and width > 0
     rows = sum(g.shape[0] for g in got)
     piece_len, pieces = split(width)
@@ -120,6 +126,7 @@ def table_row_stats(got: list[torch.Tensor], want: list[torch.Tensor]) -> torch.
         (g_at, g_align), (w_at, w_align) = _row_starts(got), _row_starts(want)
         g_at_d, w_at_d = upload_many([g_at, w_at], got[0].device)
         _table_rows_kernel[(rows, pieces)](got[0], want[0], g_at_d, w_at_d, out, width, piece_len, BLOCK=BLOCK,
-                                           WIDE=got[0].dtype == torch.float64, G_ALIGN=g_align, W_ALIGN=w_align,
+                                           WIDE=got[0].dtype == torch.float64, W_WIDE=want[0].dtype == torch.float64,
+                                           G_ALIGN=g_align, W_ALIGN=w_align,
                                            num_warps=4)
     return out[:, 0] if pieces == 1 else out.amax(1)

@@ -73,12 +73,12 @@ def _table_errors(got: list[torch.Tensor], want: list[torch.Tensor], out: torch.
     from .row_stats_triton import table_row_stats  # (Triton only where it runs: importing it sets its mode)
     dev = out.device
     kinds: dict = {}
-    for i, g in enumerate(got):
-        if g.numel():
-            kinds.setdefault((g[0].numel() if g.dim() >= 2 else 1, g.dtype), []).append(i)
-    for (width, _), idx in kinds.items():
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g.numel():  # (a want of another dtype is read as it is: a float64 copy of a prefill chunk's is gigabytes)
+            kinds.setdefault((g[0].numel() if g.dim() >= 2 else 1, g.dtype, w.dtype), []).append(i)
+    for (width, _, _), idx in kinds.items():
         gs = [_rows(got[i], width) for i in idx]
-        ws = [_rows(want[i].to(dev, torch.float64), width) for i in idx]
+        ws = [_rows(want[i].to(dev), width) for i in idx]
         per_row = table_row_stats(gs, ws)
         seg = upload(np.repeat(np.arange(len(idx)), [g.shape[0] for g in gs]), dev)
         per_pair = torch.zeros(len(idx), 3, dtype=torch.float64, device=dev).scatter_reduce_(
