@@ -3,7 +3,7 @@ under cProfile with the device synchronised at the end, and print the top functi
 
     python3 bench/profile_run.py scenarios/nemotron_h_8b.yaml [--max-steps N] [--warm-steps N]
         [--kernels triton] [--timed 3] [--sync-phases [--time-calls MOD:NAME,...]] [--sync-debug]
-        [--cuda-profile-steps A:B]
+        [--cuda-profile-steps A:B [--annotate MOD:NAME,...]]
         [--cuda-profile] [--sort cumulative]
 
 ``--timed N`` times N runs without the profiler first (the numbers for a bar: cProfile itself
@@ -87,6 +87,19 @@ def _timed_call(spec: str):
     return spec, owner, name, orig, acc
 
 
+def _ranged_call(spec: str):
+    """Replace module:Qualified.name with a wrapper whose calls are profiler ranges named ``spec``.
+    Returns (owner, name, original)."""
+    from torch.profiler import record_function
+    owner, name, orig = _resolve(spec)
+
+    def ranged(*args, **kw):
+        with record_function(spec):
+            return orig(*args, **kw)
+    setattr(owner, name, ranged)
+    return owner, name, orig
+
+
 def report_compiles(before: dict[str, int]) -> None:
     """Kernel variants built inside the run just timed (``hybridsim/device/builds.py``): a variant
     compiled mid-run is in the figure."""
@@ -115,6 +128,9 @@ def main() -> None:
                          "the device synced before and after (inclusive of what it calls), in ms a step")
     ap.add_argument("--cuda-profile-steps", default="",
                     help="A:B: device time by kernel over steps A..B-1 only (a run's whole profile is too big to tabulate)")
+    ap.add_argument("--annotate", default="",
+                    help="with --cuda-profile-steps: comma-separated module:Qualified.name callables, each call a "
+                         "profiler range: the table's CUDA total of a range is the device time of what it launched")
     ap.add_argument("--no-cprofile", action="store_true", help="skip the last run, under cProfile")
     a = ap.parse_args()
     if a.time_calls:
@@ -135,7 +151,9 @@ def main() -> None:
     if a.cuda_profile_steps:  # device time by kernel over a window of steps, the device synced at its edges
         from torch.profiler import ProfilerActivity, profile
         first, last = (int(x) for x in a.cuda_profile_steps.split(":"))
-        window = profile(activities=[ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU])
+        ranges = [_ranged_call(spec) for spec in a.annotate.split(",") if spec]
+        activities = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+        window = profile(activities=activities + [ProfilerActivity.CPU] if ranges or not activities else activities)
 
         def edges(stats) -> None:
             if stats.steps in (first, last) and torch.cuda.is_available():
@@ -145,8 +163,16 @@ def main() -> None:
             elif stats.steps == last:
                 window.stop()
         once(a.scenario, a.max_steps or last + 1, a.kernels, a.device, progress=edges)
+        for owner, name, orig in ranges:
+            setattr(owner, name, orig)
         print(f"device time by kernel, steps {first}..{last - 1} ({last - first} steps):")
-        print(window.key_averages().table(sort_by="self_cuda_time_total", row_limit=a.top))
+        averages = window.key_averages()
+        print(averages.table(sort_by="self_cuda_time_total", row_limit=a.top))
+        if ranges:
+            print(f"device time of what each annotated call launched (CUDA total), steps {first}..{last - 1}:")
+            for ev in averages:
+                if ev.key in a.annotate.split(","):
+                    print(f"  {ev.key}: {ev.count} calls, {ev.device_time_total / 1e3 / (last - first):.1f} ms/step")
     for k in range(a.timed):  # cProfile slows a host-bound loop: these are the honest numbers
         before = built_variants()
         r, _ = once(a.scenario, a.max_steps, a.kernels, a.device)
