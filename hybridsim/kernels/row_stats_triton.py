@@ -97,36 +97,55 @@ def row_stats(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out[:, 0] if pieces == 1 else out.amax(1)
 
 
-def _row_starts(parts: list[torch.Tensor]) -> tuple[np.ndarray, int]:
-    """Each part's rows' first elements, in elements from the first part's (int64; a part's rows are
-    its first axis, each row contiguous), and the largest power of two up to 16 bytes dividing them all."""
-    base, size = parts[0].data_ptr(), parts[0].element_size()
-    starts = [(t.data_ptr() - base) // size + np.arange(t.shape[0], dtype=np.int64) * t.stride(0) for t in parts]
-    at = np.concatenate(starts) if starts else np.zeros(0, np.int64)
+Rows = tuple[torch.Tensor, int, int]  # a tensor read as rows: (it, how many rows, elements from one row to the next)
+
+
+def rows_of(t: torch.Tensor, width: int) -> Rows:
+    """t read as rows of ``width`` contiguous elements, for ``table_row_stats``: t itself where it is
+    contiguous (no new tensor: a step checks hundreds of pairs, and each costs the host time), else a
+    view, or a copy where the rows are not contiguous."""
+    if t.is_contiguous():
+        return t, t.numel() // width, width
+    r = t.reshape(-1, width)
+    if width > 1 and r.stride(1) != 1:
+        r = r.contiguous()
+    return r, r.shape[0], r.stride(0)
+
+
+def _row_starts(parts: list[Rows]) -> tuple[np.ndarray, int]:
+    """Each part's rows' first elements, in elements from the first part's (int64), and the largest power
+    of two up to 16 bytes dividing them all."""
+    first = parts[0][0]
+    base, size = first.data_ptr(), first.element_size()
+    n = len(parts)
+    off = np.fromiter(((t.data_ptr() - base) // size for t, _, _ in parts), np.int64, n)
+    rows = np.fromiter((r for _, r, _ in parts), np.int64, n)
+    step = np.fromiter((st for _, _, st in parts), np.int64, n)
+    k = np.arange(int(rows.sum()), dtype=np.int64) - np.repeat(np.cumsum(rows) - rows, rows)
+    at = np.repeat(off, rows) + k * np.repeat(step, rows)
     align = 16 // size
     while align > 1 and (base % 16 or (at % align).any()):
         align //= 2
     return at, align
 
 
-def table_row_stats(got: list[torch.Tensor], want: list[torch.Tensor]) -> torch.Tensor:
-    """``row_stats`` of many pairs in one launch, nothing copied: got[i], want[i] (rows_i, width), each
-    row contiguous, got all of one dtype and want all of one (each as ``row_stats`` takes got: read in
-    float64 exactly), all on one device. Returns (sum of rows_i, 3) float64, pair after pair."""
+def table_row_stats(got: list[Rows], want: list[Rows], width: int) -> torch.Tensor:
+    """``row_stats`` of many pairs in one launch, nothing copied: got[i], want[i] the same number of rows
+    of ``width`` elements (``rows_of``), got all of one dtype and want all of one (each read in float64
+    exactly, as ``row_stats`` reads got), all on one device. Returns (sum of the rows, 3) float64, pair
+    after pair."""
     from ..device.transfer import upload_many
-    width = got[0].shape[1]
-    assert all(g.shape == w.shape and g.shape[1] == width and g.dtype == got[0].dtype and w.dtype == want[0].dtype
-               for g, w in zip(got, want))
-    assert all(x[0].dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16) for x in (got, want))
-    assert all(t.shape[0] <= 1 or width == 1 or t.stride(1) == 1 for t in got + want) and width > 0
-    rows = sum(g.shape[0] for g in got)
+    g0, w0 = got[0][0], want[0][0]
+    assert width > 0 and all(g[1] == w[1] and g[0].dtype == g0.dtype and w[0].dtype == w0.dtype
+                             for g, w in zip(got, want))
+    assert all(x.dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16) for x in (g0, w0))
+    rows = sum(g[1] for g in got)
     piece_len, pieces = split(width)
-    out = torch.empty(rows, pieces, 3, dtype=torch.float64, device=got[0].device)
+    out = torch.empty(rows, pieces, 3, dtype=torch.float64, device=g0.device)
     if rows:
         (g_at, g_align), (w_at, w_align) = _row_starts(got), _row_starts(want)
-        g_at_d, w_at_d = upload_many([g_at, w_at], got[0].device)
-        _table_rows_kernel[(rows, pieces)](got[0], want[0], g_at_d, w_at_d, out, width, piece_len, BLOCK=BLOCK,
-                                           WIDE=got[0].dtype == torch.float64, W_WIDE=want[0].dtype == torch.float64,
-                                           G_ALIGN=g_align, W_ALIGN=w_align,
-                                           num_warps=4)
+        g_at_d, w_at_d = upload_many([g_at, w_at], g0.device)
+        _table_rows_kernel[(rows, pieces)](g0, w0, g_at_d, w_at_d, out, width, piece_len, BLOCK=BLOCK,
+                                           WIDE=g0.dtype == torch.float64, W_WIDE=w0.dtype == torch.float64,
+                                           G_ALIGN=g_align, W_ALIGN=w_align, num_warps=4)
     return out[:, 0] if pieces == 1 else out.amax(1)

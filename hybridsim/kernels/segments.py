@@ -66,32 +66,28 @@ def rel_errors(got: list[torch.Tensor], want: list[torch.Tensor]) -> torch.Tenso
 
 
 def _table_errors(got: list[torch.Tensor], want: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-    """``rel_errors`` on a GPU: the pairs of one row width and dtype reduced by one launch over a table of
+    """``rel_errors`` on a GPU: the pairs of one row width and dtypes reduced by one launch over a table of
     their rows (``row_stats_triton.table_row_stats``: nothing stacked or copied), then each pair's rows
     by one segmented maximum. A step's checks are then a few launches, where a launch a pair took 9.6 ms
-    a step of ``deepseek_v3_mooncake`` on an H100 (synced, session 33)."""
-    from .row_stats_triton import table_row_stats  # (Triton only where it runs: importing it sets its mode)
+    a step of ``deepseek_v3_mooncake`` on an H100 (synced, session 33); the host's work a pair is a few
+    attribute reads (its rows' starts in one numpy pass)."""
+    from .row_stats_triton import rows_of, table_row_stats  # (Triton only where it runs: importing it sets its mode)
     dev = out.device
     kinds: dict = {}
     for i, (g, w) in enumerate(zip(got, want)):
-        if g.numel():  # (a want of another dtype is read as it is: a float64 copy of a prefill chunk's is gigabytes)
-            kinds.setdefault((g[0].numel() if g.dim() >= 2 else 1, g.dtype, w.dtype), []).append(i)
+        n = g.numel()
+        if n:  # (a want of another dtype is read as it is: a float64 copy of a prefill chunk's is gigabytes)
+            kinds.setdefault((n // g.shape[0] if g.dim() >= 2 else 1, g.dtype, w.dtype), []).append(i)
     for (width, _, _), idx in kinds.items():
-        gs = [_rows(got[i], width) for i in idx]
-        ws = [_rows(want[i].to(dev), width) for i in idx]
-        per_row = table_row_stats(gs, ws)
-        seg = upload(np.repeat(np.arange(len(idx)), [g.shape[0] for g in gs]), dev)
+        gs = [rows_of(got[i], width) for i in idx]
+        ws = [rows_of(want[i] if want[i].device == dev else want[i].to(dev), width) for i in idx]
+        per_row = table_row_stats(gs, ws, width)
+        seg = upload(np.repeat(np.arange(len(idx)), [g[1] for g in gs]), dev)
         per_pair = torch.zeros(len(idx), 3, dtype=torch.float64, device=dev).scatter_reduce_(
             0, seg[:, None].expand(-1, 3), per_row, "amax")
         diff, top, spec = per_pair.unbind(-1)
         out[upload(idx, dev)] = torch.stack([diff, diff / top.clamp_min(1e-30), spec], dim=-1)
     return out
-
-
-def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
-    """t as (rows, width) with each row contiguous: a view where t allows, else a copy."""
-    r = t.reshape(-1, width)
-    return r if width == 1 or r.stride(1) == 1 else r.contiguous()
 
 
 def row_stats_reference(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
