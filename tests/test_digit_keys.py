@@ -95,3 +95,18 @@ def test_expansion_equals_its_definition_at_full_range(device):
         if heads == slice(None):  # the edges went through: key 0's first two k_nope columns in head 0
             top = join_digits(kd[0, 0].cpu(), 1.0, 3)[:2]
             assert top.tolist() == [4 * 4159 * Lr, -4 * 4159 * Lr]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_keys_at_a_rank_that_is_no_power_of_two(device):
+    """kv_lora 96 (a multiple of 32, three product steps of 32): both kernels give their torch definitions."""
+    geo = MLAGeometry(layers=1, heads=2, kv_lora_rank=96, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32)
+    st = MLAStack([MLAProbe(geo, 0, seed=3)], device)
+    tok = torch.from_numpy(np.random.default_rng(1).integers(0, 10 ** 6, size=20)).to(device)
+    pos = torch.arange(20, device=device)
+    parts, kr = dk.key_parts(*st.key_tables(), 32, tok, pos, 20, 0)
+    ref = dk.key_parts_reference(*st.key_tables(), 32, tok, pos, 20, 0)
+    assert torch.equal(parts.cpu(), ref[0].cpu()) and torch.equal(kr.cpu(), ref[1].cpu())
+    kd, v = dk.expand_digits(parts, *st.expansion_weights(0))
+    want_kd, want_v = dk.expand_digits_reference(parts.cpu(), *(w.cpu() for w in st.expansion_weights(0)))
+    assert torch.equal(kd.cpu(), want_kd) and torch.equal(v.cpu(), want_v)

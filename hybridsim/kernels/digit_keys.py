@@ -74,12 +74,14 @@ def key_parts(key1: torch.Tensor, key2: torch.Tensor, rope: int, tok: torch.Tens
               layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's keys of tokens ``tok`` at positions ``pos`` (below n_pos) from the MLA probe's per-token
     latent tables (``MLAStack.key_tables``: key1, key2 (layers, table rows, kv_lora + rope) float32, each
-    entry an integer; its last ``rope`` columns k_pe's): kv_c's integers as (2, keys, kv_lora) int8 parts, low 6 bits and the rest (kv_c =
-    64 parts[1] + parts[0]), and k_pe's digits (keys, 3 * rope) int8 over ``MLAStack.rope_unit``, the digits
-    splitting ``MLAStack.latents_at`` gives. A GPU, or the interpreter."""
+    entry an integer, the last ``rope`` columns k_pe's): kv_c's integers as (2, keys, kv_lora) int8 parts,
+    low 6 bits and the rest (kv_c = 64 parts[1] + parts[0]), and k_pe's digits (keys, 3 * rope) int8 over
+    ``MLAStack.rope_unit``, the digits splitting ``MLAStack.latents_at`` gives. A GPU, or the interpreter;
+    kv_lora a multiple of 32 (``expand_widths_fit``), rope a power of two."""
     from ..layers.exact import rotation_tables
     _, T1, width = key1.shape
     R, LR = rope, width - rope
+    assert expand_widths_fit(LR) and R & (R - 1) == 0
     n = tok.shape[0]
     parts = torch.empty((2, n, LR), dtype=torch.int8, device=tok.device)
     kr = torch.empty((n, K_DIGITS * R), dtype=torch.int8, device=tok.device)
@@ -88,7 +90,7 @@ def key_parts(key1: torch.Tensor, key2: torch.Tensor, rope: int, tok: torch.Tens
     cc, ss = rotation_tables(R, n_pos, tok.device, torch.float32)
     BT = 16  # (32 keys x 128 columns of two tables spill)
     _key_parts_kernel[(triton.cdiv(n, BT),)](tok, pos, key1, key2, cc, ss, parts, kr, n, layer, LR=LR, R=R, T1=T1,
-                                            T2=key2.shape[1], BT=BT, BL=min(LR, 128), num_warps=4)
+                                            T2=key2.shape[1], BT=BT, BL=_steps(LR, 128), num_warps=4)
     return parts, kr
 
 
