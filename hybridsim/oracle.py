@@ -140,9 +140,10 @@ class DenseOracle:
     ``attend`` recomputes everything from token ids.
 
     On a GPU a batch may take padding up to a quarter of its real work (``PAD_WORK``, ``SMALL_BATCH``
-    more): its calls cost little there next to an MLA decode row's float64 products. A CPU computes every padded element (scores and keys) at full price
-    and slows down once a batch's scores leave its cache, so there pieces merge only where one
-    call costs less than two and the scores stay in the cache (``kernels/batching.py``).
+    more): its calls cost little there next to an MLA decode row's float64 products. A CPU computes
+    every padded element (scores and keys) at full price and slows down once a batch's scores leave its
+    cache, so there pieces merge only where one call costs less than two and the scores stay in the
+    cache (``kernels/batching.py``).
     Where keys cost projections (``GQAStack``) and ``memo_bytes`` allows, a CPU keeps each
     request's projected keys (``KeyMemo``): a long row then attends alone over them. A row too
     long for one piece (a long prefill chunk) has its keys projected once for all its pieces.

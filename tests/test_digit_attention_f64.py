@@ -212,7 +212,7 @@ build(ASTSource(fn=qk, signature=sig, constexprs={(qk.arg_names.index(k),): v fo
 from hybridsim.kernels import digit_keys as dk
 # the keys' parts and digits from token ids, and their expansion on the int8 tensor cores
 kp = dk._key_parts_kernel
-const = dict(LR=512, R=64, T1=4093, T2=509, BT=32, BL=128)
+const = dict(LR=512, R=64, T1=4093, T2=509, BT=16, BL=128)  # (as key_parts launches it)
 sig = {n: "constexpr" if n in const else "*i64" if n in ("tok", "pos") else "*i8" if n in ("parts", "kr") else "i32"
        if n in ("n_tok", "layer") else "*fp32" for n in kp.arg_names}
 build(ASTSource(fn=kp, signature=sig, constexprs={(kp.arg_names.index(k),): v for k, v in const.items()}),
