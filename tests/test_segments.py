@@ -27,9 +27,8 @@ def _one(g: torch.Tensor, w: torch.Tensor) -> list[float]:
     return [diff, diff / max(top, 1e-30), float(special)]
 
 
-def _pairs_errors(monkeypatch, batch: int, large: int, device: str) -> None:
-    monkeypatch.setattr(segments, "BATCH", batch)
-    monkeypatch.setattr(segments, "LARGE", large)
+def _mixed_pairs(device: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """40 pairs of mixed shapes (empty, 1-D, 2-D, 3-D, 0-d), NaN and ±inf on one side or both."""
     gen = torch.Generator().manual_seed(3)
     got, want = [], []
     for k in range(40):
@@ -44,6 +43,13 @@ def _pairs_errors(monkeypatch, batch: int, large: int, device: str) -> None:
             w.view(-1)[-1] = float("inf")
         got.append(g.to(device))
         want.append(w.to(device))
+    return got, want
+
+
+def _pairs_errors(monkeypatch, batch: int, large: int, device: str) -> None:
+    monkeypatch.setattr(segments, "BATCH", batch)
+    monkeypatch.setattr(segments, "LARGE", large)
+    got, want = _mixed_pairs(device)
     res = rel_errors(got, want).tolist()
     assert res == [_one(g.cpu(), w.cpu()) for g, w in zip(got, want)]
     assert any(r[2] == 1.0 for r in res) and any(r[0] > 0 for r in res)
@@ -71,17 +77,7 @@ def test_table_errors_equal_the_per_pair_definition():
     res = segments._table_errors(got, want, torch.full((len(got), 3), float("nan"), dtype=torch.float64)).tolist()
     assert res == [_one(g, w) for g, w in zip(got, want)]
     assert res[0][2] == 1.0 and all(r[0] > 0 for r in res[1:])
-    gen = torch.Generator().manual_seed(3)  # the mixed pairs of the stacked path's test, through the table
-    got, want = [], []
-    for k in range(40):
-        shape = [(int(torch.randint(0, 9, (1,), generator=gen)), 4, 3), (int(torch.randint(1, 30, (1,), generator=gen)),),
-                 (2, 5), ()][k % 4]
-        w = torch.randn(shape, generator=gen, dtype=torch.float64)
-        g = (w + 1e-3 * torch.randn(shape, generator=gen, dtype=torch.float64)).float() if k % 3 else w.float()
-        if k % 7 == 0 and g.numel():
-            g.view(-1)[0] = float("inf")
-        got.append(g)
-        want.append(w)
+    got, want = _mixed_pairs("cpu")  # the stacked path's pairs, through the table
     res = segments._table_errors(got, want, torch.zeros(len(got), 3, dtype=torch.float64)).tolist()
     assert res == [_one(g, w) for g, w in zip(got, want)]
     # wants of other dtypes (a path's float32 outputs, half-precision ones) are read as they are, exactly
