@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .dense_attention_f64 import _rope
 from .digit_attention_f64 import K_DIGITS, _next_digit, split_digits_reference
+from .probe_latents import rotated_rope, rows_sum, table_rows
 
 _DIGITS = tl.constexpr(K_DIGITS)  # (what a kernel may read of a module's globals)
 # (keys a program takes, columns at most, kv_lora columns a product step at most, warps, stages)
@@ -41,25 +41,16 @@ def _key_parts_kernel(tok, pos, key1, key2, cc, ss, parts, kr, n_tok, layer, LR:
     parts (parts[0] low, parts[1] high), k_pe rotated and split into digits."""
     i = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
     im = i < n_tok
-    t = tl.load(tok + i, mask=im, other=0).to(tl.int64)
-    lay = layer.to(tl.int64)
-    row1 = (lay * T1 + t % T1) * (LR + R)
-    row2 = (lay * T2 + (t // T1) % T2) * (LR + R)
+    row1, row2 = table_rows(tok, i, im, layer.to(tl.int64), T1, T2, LR + R)
     half = n_tok.to(tl.int64) * LR
     for c0 in tl.static_range(0, LR, BL):
         d = c0 + tl.arange(0, BL)
-        kv = (tl.load(key1 + row1[:, None] + d[None, :], mask=im[:, None], other=0.0)
-              + tl.load(key2 + row2[:, None] + d[None, :], mask=im[:, None], other=0.0)).to(tl.int32)
+        kv = rows_sum(key1, key2, row1, row2, 0, d, im[:, None]).to(tl.int32)
         at = parts + i[:, None] * LR + d[None, :]
         tl.store(at, (kv & 63).to(tl.int8), mask=im[:, None])
         tl.store(at + half, (kv >> 6).to(tl.int8), mask=im[:, None])
     dr = tl.arange(0, R // 2)
-    lo = (tl.load(key1 + row1[:, None] + LR + dr[None, :], mask=im[:, None], other=0.0)
-          + tl.load(key2 + row2[:, None] + LR + dr[None, :], mask=im[:, None], other=0.0))
-    hi = (tl.load(key1 + row1[:, None] + LR + R // 2 + dr[None, :], mask=im[:, None], other=0.0)
-          + tl.load(key2 + row2[:, None] + LR + R // 2 + dr[None, :], mask=im[:, None], other=0.0))
-    p = tl.load(pos + i, mask=im, other=0)
-    r_lo, r_hi = _rope(lo, hi, p, im, cc, ss, R, R // 2)
+    r_lo, r_hi, _ = rotated_rope(key1, key2, row1, row2, pos + i, im, cc, ss, LR, R, R // 2)
     r_lo = r_lo.to(tl.int32)
     r_hi = r_hi.to(tl.int32)
     out = kr + i[:, None] * (_DIGITS * R)

@@ -17,6 +17,33 @@ import triton.language as tl
 from .dense_attention_f64 import _rope
 
 
+@triton.jit
+def table_rows(tok, i, im, layer, T1: tl.constexpr, T2: tl.constexpr, W: tl.constexpr):
+    """Where tokens i's two rows start in per-layer tables of width W (``MLAStack``'s key1 and key2:
+    rows tok % T1 and (tok // T1) % T2 of layer ``layer``, an int64)."""
+    t = tl.load(tok + i, mask=im, other=0).to(tl.int64)
+    return (layer * T1 + t % T1) * W, (layer * T2 + (t // T1) % T2) * W
+
+
+@triton.jit
+def rows_sum(key1, key2, row1, row2, c: tl.constexpr, d, m):
+    """The two table rows' columns c + d summed (integers: exact)."""
+    return (tl.load(key1 + row1[:, None] + c + d[None, :], mask=m, other=0.0)
+            + tl.load(key2 + row2[:, None] + c + d[None, :], mask=m, other=0.0))
+
+
+@triton.jit
+def rotated_rope(key1, key2, row1, row2, pos_at, im, cc, ss, LR: tl.constexpr, R: tl.constexpr, RH: tl.constexpr):
+    """k_pe of the rows (their last R columns) rotated at the positions ``pos_at`` points to with the integer
+    tables: its two halves (BT, RH), columns past R // 2 zero, and the mask of the real ones."""
+    dr = tl.arange(0, RH)
+    m = im[:, None] & (dr < R // 2)[None, :]
+    lo = rows_sum(key1, key2, row1, row2, LR, dr, m)
+    hi = rows_sum(key1, key2, row1, row2, LR + R // 2, dr, m)
+    r_lo, r_hi = _rope(lo, hi, tl.load(pos_at, mask=im, other=0), im, cc, ss, R, RH)
+    return r_lo, r_hi, m
+
+
 @triton.jit(do_not_specialize=["n_tok", "P"])
 def _latent_rows_kernel(tok, pos, key1, key2, cc, ss, out, n_tok, P, LR: tl.constexpr, R: tl.constexpr,
                         T1: tl.constexpr, T2: tl.constexpr, KV_SCALE: tl.constexpr, ROPE_SCALE: tl.constexpr,
@@ -25,24 +52,14 @@ def _latent_rows_kernel(tok, pos, key1, key2, cc, ss, out, n_tok, P, LR: tl.cons
     i = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
     layer = tl.program_id(1).to(tl.int64)
     im = i < n_tok
-    t = tl.load(tok + i, mask=im, other=0).to(tl.int64)
-    row1 = (layer * T1 + t % T1) * (LR + R)
-    row2 = (layer * T2 + (t // T1) % T2) * (LR + R)
+    row1, row2 = table_rows(tok, i, im, layer, T1, T2, LR + R)
     o = out + (layer * n_tok + i)[:, None] * (LR + R)
     for c0 in tl.static_range(0, LR, BL):
         d = c0 + tl.arange(0, BL)
         m = im[:, None] & (d < LR)[None, :]
-        kv = (tl.load(key1 + row1[:, None] + d[None, :], mask=m, other=0.0)
-              + tl.load(key2 + row2[:, None] + d[None, :], mask=m, other=0.0))
-        tl.store(o + d[None, :], (kv * KV_SCALE).to(out.dtype.element_ty), mask=m)
+        tl.store(o + d[None, :], (rows_sum(key1, key2, row1, row2, 0, d, m) * KV_SCALE).to(out.dtype.element_ty), mask=m)
+    r_lo, r_hi, m = rotated_rope(key1, key2, row1, row2, pos + i % P, im, cc, ss, LR, R, RH)
     dr = tl.arange(0, RH)
-    m = im[:, None] & (dr < R // 2)[None, :]
-    lo = (tl.load(key1 + row1[:, None] + LR + dr[None, :], mask=m, other=0.0)
-          + tl.load(key2 + row2[:, None] + LR + dr[None, :], mask=m, other=0.0))
-    hi = (tl.load(key1 + row1[:, None] + LR + R // 2 + dr[None, :], mask=m, other=0.0)
-          + tl.load(key2 + row2[:, None] + LR + R // 2 + dr[None, :], mask=m, other=0.0))
-    p = tl.load(pos + i % P, mask=im, other=0)
-    r_lo, r_hi = _rope(lo, hi, p, im, cc, ss, R, RH)
     tl.store(o + LR + dr[None, :], (r_lo * ROPE_SCALE).to(out.dtype.element_ty), mask=m)
     tl.store(o + LR + R // 2 + dr[None, :], (r_hi * ROPE_SCALE).to(out.dtype.element_ty), mask=m)
 
