@@ -251,14 +251,16 @@ class DenseOracle:
     def _attend(self, tok: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
         """``stack.attend`` over padded rows; on a GPU an MLA stack's latents from one kernel
         (``kernels/probe_latents.py``: the same values)."""
-        st = self.stack
         if not (self.mla and tok.is_cuda):
-            return st.attend(tok, qpos)
-        from .kernels.probe_latents import latent_rows
+            return self.stack.attend(tok, qpos)
         n = tok.shape[1]
-        lat = latent_rows(st.key1, st.key2, st.geo.qk_rope_head_dim, tok, torch.arange(n, device=tok.device), n,
-                          LATENT_SHIFT, ROPE_SHIFT)
-        return st.attend(tok, qpos, lat=lat)
+        return self.stack.attend(tok, qpos, lat=self._latents(tok, torch.arange(n, device=tok.device), n))
+
+    def _latents(self, tok: torch.Tensor, pos: torch.Tensor, n_pos: int, dtype: torch.dtype = torch.float64):
+        """The MLA stack's ``latents_at`` (every layer) from one kernel (``kernels/probe_latents.py``)."""
+        from .kernels.probe_latents import latent_rows
+        st = self.stack
+        return latent_rows(st.key1, st.key2, st.geo.qk_rope_head_dim, tok, pos, n_pos, LATENT_SHIFT, ROPE_SHIFT, dtype)
 
     def _expected_fused(self, rows: list[tuple[np.ndarray, int, int]]) -> list[torch.Tensor]:
         """Rows in groups whose float64 outputs fit the budget (the kernels keep no queries in memory)."""
@@ -335,14 +337,12 @@ class DenseOracle:
         """Queries absorbed into the latent space, keys the latent entries themselves (values: their
         kv_c part, the same memory), then W_UV on the latent outputs."""
         from .kernels.latent_attention_f64 import latent_attention
-        from .kernels.probe_latents import latent_rows
         st = self.stack
         Lr = st.geo.kv_lora_rank
         p = _Packed(rows, group)
         kpos = np.concatenate([np.arange(m) for m in p.n])
         tok_d, kpos_d, qtok_d, qpos_d = upload_many([p.tokens, kpos, p.qtok, p.qpos], self.device)
-        lat = latent_rows(st.key1, st.key2, st.geo.qk_rope_head_dim, tok_d, kpos_d, p.n_pos, LATENT_SHIFT, ROPE_SHIFT,
-                          torch.float32)[:, :, None]  # exact: (Ly, keys, 1, Lr + R)
+        lat = self._latents(tok_d, kpos_d, p.n_pos, torch.float32)[:, :, None]  # exact: (Ly, keys, 1, Lr + R)
         q = st.absorbed_queries(qtok_d, qpos_d, p.n_pos)
         o_lat = latent_attention(q, lat, lat[..., :Lr], p.q_start, p.q_len, p.k_start, p.pos0, st.scale)
         del q

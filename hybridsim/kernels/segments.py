@@ -13,7 +13,6 @@ pair (a prefill chunk's outputs) where it lies; ``row_stats_reference`` is the p
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ..device.transfer import upload
@@ -81,12 +80,7 @@ def _table_errors(got: list[torch.Tensor], want: list[torch.Tensor], out: torch.
     for (width, _, _), idx in kinds.items():
         gs = [rows_of(got[i], width) for i in idx]
         ws = [rows_of(want[i] if want[i].device == dev else want[i].to(dev), width) for i in idx]
-        per_row = table_row_stats(gs, ws, width)
-        seg = upload(np.repeat(np.arange(len(idx)), [g[1] for g in gs]), dev)
-        per_pair = torch.zeros(len(idx), 3, dtype=torch.float64, device=dev).scatter_reduce_(
-            0, seg[:, None].expand(-1, 3), per_row, "amax")
-        diff, top, spec = per_pair.unbind(-1)
-        out[upload(idx, dev)] = torch.stack([diff, diff / top.clamp_min(1e-30), spec], dim=-1)
+        out[upload(idx, dev)] = _pair_errors(table_row_stats(gs, ws, width), [g[1] for g in gs], dev)
     return out
 
 
@@ -113,11 +107,17 @@ def _stacked_errors(got, want, idx: list[int], width: int, dev) -> torch.Tensor:
         per_row = torch.stack([diff, w.abs().amax(-1), torch.zeros_like(diff)], dim=-1)
     else:
         per_row = row_stats_reference(g, w)
-    if len(idx) == 1:
+    return _pair_errors(per_row, [got[i].numel() // width for i in idx], dev)
+
+
+def _pair_errors(per_row: torch.Tensor, rows: list[int], dev) -> torch.Tensor:
+    """Rows' (max |g - w|, max |w|, NaN/inf differ) of consecutive pairs of ``rows`` rows each -> each
+    pair's (max |g - w|, that over max |w|, NaN/inf differ): (pairs, 3)."""
+    if len(rows) == 1:
         per_pair = per_row.amax(0, keepdim=True)
     else:
-        seg = segment_ids([got[i].numel() // width for i in idx], dev)
-        per_pair = torch.zeros(len(idx), 3, dtype=torch.float64, device=dev).scatter_reduce_(
+        seg = segment_ids(rows, dev)
+        per_pair = torch.zeros(len(rows), 3, dtype=torch.float64, device=dev).scatter_reduce_(
             0, seg[:, None].expand(-1, 3), per_row, "amax")
     diff, top, spec = per_pair.unbind(-1)
     return torch.stack([diff, diff / top.clamp_min(1e-30), spec], dim=-1)
