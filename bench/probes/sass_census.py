@@ -1,7 +1,10 @@
 """Without a GPU: build the MLA oracle's digit attention kernel for sm_90 at DeepSeek-V3's expanded shapes
 and count its key loop's SASS by opcode: registers, local memory (spills), shared memory, instructions a
-warp a key block and a (query, key) pair a head. The kernel is bound by instruction issue, so these
-counts rank tiles before a device call does (history/2026-11-27_session32.md, _session33.md).
+warp a key block and a (query, key) pair a head: the instruction work of a tile, before a device call
+times it. They do not rank tiles by speed: ncu on an H200 (history/2026-11-28_session34.md) found the
+kernel waiting on latency (a third of its issue slots used, 0.4 eligible warps a scheduler), not on issue.
+Before session 34 the count took the widest backward branch, an out-of-line wait loop's, and so took in
+the prologue and epilogue too (about twice the key loop).
 
     python bench/probes/sass_census.py [--tile 16,64,4,2] [--maxnreg 168]
 
@@ -55,9 +58,13 @@ def census(binary: bytes) -> tuple[str, list[str]]:
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
         usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
     instr = [(int(m.group(1), 16), m.group(3), line) for line in sass.splitlines() if (m := ADDRESS.match(line))]
+    # the key loop's back edge: the widest predicated backward branch (the unpredicated ones go back from
+    # out-of-line wait loops past the kernel's end, and would take the prologue and epilogue in)
     span = (0, -1)
     for addr, op, line in instr:
-        target = re.search(r"0x([0-9a-f]+)", line.split(op, 1)[1]) if op.startswith("BRA") else None
+        if not op.startswith("BRA") or not re.search(r"@!?P\d", line):
+            continue
+        target = re.search(r"0x([0-9a-f]+)", line.split(op, 1)[1])
         if target and int(target.group(1), 16) < addr and addr - int(target.group(1), 16) > span[1] - span[0]:
             span = (int(target.group(1), 16), addr)
     resources = re.search(r"REG:\d+ STACK:\d+", usage)
