@@ -8,6 +8,10 @@ the prologue and epilogue too (about twice the key loop).
 
     python bench/probes/sass_census.py [--tile 16,64,4,2] [--maxnreg 168]
 
+It builds with the Triton installed. To count what the device runs, build with its version (3.6:
+``pip install --target DIR triton==3.6.0``, then ``PYTHONPATH=DIR``): Triton 3.9 emits other code (the
+float64 products as DMMA.8x8x4, not 16x8x16: 1,482 instructions a warp an iteration against 1,316).
+
 Needs Triton's NVIDIA tool chain (ptxas, cuobjdump: the pip wheel carries them); no CUDA device.
 """
 from __future__ import annotations
