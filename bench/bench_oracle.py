@@ -55,6 +55,15 @@ def step_rows(seed: int = 0) -> list[tuple[np.ndarray, int, int]]:
     return [(g.integers(0, 10 ** 6, size=c + k).astype(np.int64), c, k) for c, k in shape]
 
 
+def mla_row_ops(geo, c: int, k: int) -> tuple[int, int]:
+    """A row's multiply-adds a layer in float64 (k queries after c cached tokens, causal), in the absorbed
+    and the expanded association (``MLAStack.expands``' two counts, over the row's (query, key) pairs)."""
+    H, Lr, R, N, V = geo.heads, geo.kv_lora_rank, geo.qk_rope_head_dim, geo.qk_nope_head_dim, geo.v_head_dim
+    n, p = c + k, k * c + k * (k + 1) // 2
+    return (k * H * (N * Lr + Lr * V) + p * H * (2 * Lr + R),
+            n * H * Lr * (N + V) + p * H * (N + R + V))
+
+
 def mla_step(f64: float, sweep: bool = True) -> list[dict]:
     """The MLA oracle (torch, and the fused kernels) at DeepSeek-V3's geometry with the scenario's 8
     layers, on a step shaped like ``deepseek_v3_mooncake``'s: two prefill chunks and 26 rows of 2
@@ -76,8 +85,7 @@ def mla_step(f64: float, sweep: bool = True) -> list[dict]:
     flops, digit_floor = 0, 0.0
     for _, c, k in rows:
         n, p = c + k, k * c + k * (k + 1) // 2
-        absorbed = k * H * (N * Lr + Lr * V) + p * H * (2 * Lr + R)
-        expanded = n * H * Lr * (N + V) + p * H * (N + R + V)
+        absorbed, expanded = mla_row_ops(geo, c, k)
         flops += 2 * geo.layers * min(absorbed, expanded)
         if expanded < absorbed:
             int8_ops = 2 * n * H * Lr * (N + V) + p * H * (6 * N + 9 * R)  # key expansion, scores' digit pairs

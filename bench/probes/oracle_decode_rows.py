@@ -2,7 +2,7 @@
 --check off --record``, no execution), the decode rows of steps A..B-1 taken with random token ids of their
 lengths, and each step's rows checked by the oracle on the GPU: torch's padded float64 batches (the default)
 against the float64 latent kernel (``absorbed_kernel``). Prints ms a step, the rows' float64 floor at a given
-rate, and the two paths' agreement (history/2026-11-28_session34.md).
+rate (``bench_oracle``'s count: absorbing the queries and unabsorbing the outputs included), and the two paths' agreement (history/2026-11-28_session34.md).
 
     python3 bench/probes/oracle_decode_rows.py [--steps 60:90] [--f64-rate 57.5e12]
 """
@@ -17,6 +17,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # (bench_oracle: a row's float64 work)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -25,6 +26,7 @@ from hybridsim.layers.exact import prepare_rope  # noqa: E402
 from hybridsim.layers.mla import MLAProbe  # noqa: E402
 from hybridsim.oracle import MLAOracle  # noqa: E402
 from hybridsim.presets import build_preset  # noqa: E402
+from bench_oracle import mla_row_ops  # noqa: E402
 
 SCENARIO = os.path.join(os.path.dirname(__file__), "..", "..", "scenarios", "deepseek_v3_mooncake.yaml")
 
@@ -59,11 +61,10 @@ def main() -> None:
         prepare_rope(geo.qk_rope_head_dim, 16384, dev, dt)
     g = np.random.default_rng(0)
     rows = {s: [(g.integers(0, 32000, size=c + k).astype(np.int64), c, k) for c, k in v] for s, v in steps.items()}
-    H, Lr, R = geo.heads, geo.kv_lora_rank, geo.qk_rope_head_dim
-    pairs = sum(k * c + k * (k + 1) // 2 for v in steps.values() for c, k in v) / len(steps)
-    flops = pairs * H * geo.layers * (2 * Lr + R) * 2
+    flops = sum(2 * geo.layers * min(mla_row_ops(geo, c, k)) for v in steps.values() for c, k in v) / len(steps)
     print(f"steps {first}..{last - 1}: {sum(map(len, steps.values())) / len(steps):.1f} decode rows a step, "
-          f"{flops / 1e9:.0f} GFLOP a step: {flops / a.f64_rate * 1e3:.2f} ms at {a.f64_rate / 1e12:.1f} TFLOP/s")
+          f"{flops / 1e9:.0f} GFLOP a step in each row's cheaper association (bench_oracle's count): "
+          f"{flops / a.f64_rate * 1e3:.2f} ms at {a.f64_rate / 1e12:.1f} TFLOP/s")
     outs = {}
     for kernel in (False, True):
         oracle = MLAOracle(probes, dev, fused=True, absorbed_kernel=kernel)
