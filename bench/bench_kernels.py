@@ -298,8 +298,7 @@ def memory_rows(ceil):
 
 
 def compare_rows(ceil):
-    """The checks' per-row reduction of (got, want) pairs (``row_stats_triton.row_stats``: the table launch
-    a run's checks make, for one pair): a
+    """The checks' per-row reduction of (got, want) pairs (``row_stats_triton.row_stats``): a
     DeepSeek-V3 prefill chunk's outputs of one layer (1,024 tokens x 128 heads x 128, bf16 against
     the oracle's float64) as 1,024 rows and as one row (a large pair), and a Nemotron-H-8B step's
     attention outputs (4,096 tokens x 32 x 128). Floor: both operands read once."""

@@ -55,6 +55,15 @@ def _store_stats(out, r, piece, stats):
 
 
 @triton.jit
+def _row_stats_kernel(g, w, out, width, g_row, w_row, piece_len, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    """One program a piece of a row of strided (rows, width) tensors, into out (rows, pieces, 3)."""
+    r = tl.program_id(0).to(tl.int64)
+    piece = tl.program_id(1).to(tl.int64)
+    stop = tl.minimum(width, (piece + 1) * piece_len)
+    _store_stats(out, r, piece, _piece_stats(g + r * g_row, w + r * w_row, piece * piece_len, stop, BLOCK, WIDE, True))
+
+
+@triton.jit
 def _table_rows_kernel(g, w, g_at, w_at, out, width, piece_len, BLOCK: tl.constexpr, WIDE: tl.constexpr,
                        W_WIDE: tl.constexpr, G_ALIGN: tl.constexpr, W_ALIGN: tl.constexpr):
     """One program a piece of row program_id(0) of a table of rows: the row starts g_at[r] elements
@@ -76,12 +85,16 @@ def split(width: int) -> tuple[int, int]:
 
 
 def row_stats(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``row_stats_reference`` in one Triton launch (a GPU, or the interpreter): ``table_row_stats`` of one
-    pair, the launch a run's checks make. g: (rows, width) of float64, float32, float16 or bfloat16 (each
-    is exact in float32, then float64); w float64."""
+    """``row_stats_reference`` in one Triton launch (a GPU, or the interpreter). g: (rows, width) of
+    float64, float32, float16 or bfloat16 (each is exact in float32, then float64); w float64."""
     assert w.dtype == torch.float64 and g.shape == w.shape and g.dim() == 2
-    width = g.shape[1]
-    return table_row_stats([rows_of(g, width)], [rows_of(w, width)], width)
+    g, w = (x if x.stride(-1) == 1 else x.contiguous() for x in (g, w))
+    piece_len, pieces = split(g.shape[1])
+    out = torch.empty(g.shape[0], pieces, 3, dtype=torch.float64, device=g.device)
+    if g.shape[0]:
+        _row_stats_kernel[(g.shape[0], pieces)](g, w, out, g.shape[1], g.stride(0), w.stride(0), piece_len,
+                                                BLOCK=BLOCK, WIDE=g.dtype == torch.float64, num_warps=4)
+    return out[:, 0] if pieces == 1 else out.amax(1)
 
 
 Rows = tuple[torch.Tensor, int, int]  # a tensor read as rows: (it, how many rows, elements from one row to the next)
