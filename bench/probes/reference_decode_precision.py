@@ -1,8 +1,7 @@
 """The reference MLA decode (``ReferenceKernels.mla_decode``: what ``kernel.mla_decode`` re-runs for every
-decode row) at deepseek_v3_mooncake-like decode shapes: with its products split into bfloat16 pieces on the
-matrix units (``split_bmm``, as the check runs it since session 35), in float32 on the CUDA cores (as it ran
-before), in float64 (the queries given as float64) and with TF32 products: time and distance from float64
-(history/2026-11-28_session34.md, 2026-11-28_session35.md). Needs a CUDA device.
+decode row) at deepseek_v3_mooncake-like decode shapes, computed in float32 (as the check runs it), in
+float64 (the queries given as float64) and with TF32 products: time and distance from float64
+(history/2026-11-28_session34.md). Needs a CUDA device.
 
     python3 bench/probes/reference_decode_precision.py
 """
@@ -17,7 +16,6 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from hybridsim.device.matmul import matmul_tf32  # noqa: E402
-from hybridsim.kernels import reference  # noqa: E402
 from hybridsim.kernels.reference import ReferenceKernels  # noqa: E402
 
 K = ReferenceKernels()
@@ -37,15 +35,8 @@ def main() -> None:
         q_pe = torch.randn(B, 2, 128, 64, generator=g).to(dev)
         seq = lens.to(dev)
 
-        def split():
-            return K.mla_decode(q_lat, q_pe, cache, table, seq, 512, 0.07, max_seq_len=n)
-
         def f32():
-            reference.SPLIT_PRODUCTS = False
-            try:
-                return split()
-            finally:
-                reference.SPLIT_PRODUCTS = True
+            return K.mla_decode(q_lat, q_pe, cache, table, seq, 512, 0.07, max_seq_len=n)
 
         def f64():
             return K.mla_decode(q_lat.double(), q_pe.double(), cache, table, seq, 512, 0.07, max_seq_len=n)
@@ -57,11 +48,10 @@ def main() -> None:
         exact = f64()[0]
         rel = lambda o: float((o.double() - exact).abs().amax() / exact.abs().amax())  # noqa: E731
         times = {name: triton.testing.do_bench(fn, warmup=3, rep=30) for name, fn in
-                 (("bf16 x3", split), ("float32", f32), ("float64", f64), ("TF32", tf32))}
+                 (("float32", f32), ("float64", f64), ("TF32", tf32))}
         print(f"B={B} lengths {lo}-{hi} (longest {n}, padding {B * n / int(lens.sum()):.2f}x): "
               + ", ".join(f"{k} {v:.2f} ms" for k, v in times.items())
-              + f"; max rel diff from float64: bf16 x3 {rel(split()[0]):.1e}, float32 {rel(f32()[0]):.1e}, "
-              f"TF32 {rel(tf32()[0]):.1e}", flush=True)
+              + f"; max rel diff from float64: float32 {rel(f32()[0]):.1e}, TF32 {rel(tf32()[0]):.1e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ Block ids are widened to int64 before any address arithmetic.
 
 from __future__ import annotations
 
-from functools import cache
 
 import torch
 
@@ -16,7 +15,6 @@ from .probe_scan import scan_reference
 NEG_INF = float("-inf")
 SCORE_ELEMS = 1 << 27  # mla_decode materialises scores of at most this many elements at once
 PARTIAL_SCORE_ELEMS = 1 << 26  # attention_partial's callers keep its score matrix within this many elements
-SPLIT_PRODUCTS = True  # mla_decode's bfloat16-cache products by split_bmm where it can (a probe sets False to compare)
 
 
 def _softmax_lse(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,44 +27,6 @@ def _softmax_lse(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     total = s.sum(-1, keepdim=True)
     lse = torch.where(finite, m + torch.log(total), m).squeeze(-1)
     return s.div_(torch.where(finite, total, 1.0)).masked_fill_(~finite, 0.0), lse
-
-
-def bf16_pieces(x: torch.Tensor):
-    """A float32 tensor as three bfloat16 tensors whose float32 sum is x: each the bfloat16 rounding of
-    what the ones before it left (every remainder is exact in float32; bfloat16 keeps float32's exponent
-    range), so the three carry x's 24-bit significand to within one rounding of its last bits (or of
-bfloat16's smallest step, 2**-133, where a remainder falls below the normal range). Yields
-    them one at a time: the caller holds one piece and one remainder, not three pieces."""
-    piece = x.to(torch.bfloat16)
-    yield piece
-    rest = x - piece.float()
-    piece = rest.to(torch.bfloat16)
-    yield piece
-    yield rest.sub_(piece.float()).to(torch.bfloat16)
-
-
-def split_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a (B, M, K) float32 times b (B, K, N) bfloat16, in float32, on the bfloat16 matrix units (CUDA):
-    a's three ``bf16_pieces`` times b, each product of two 8-bit significands exact in float32 and summed
-    there, the three results added in float32. Float32's accuracy (the same error as a float32 product
-    measured against float64: tests/test_reference_split.py) at the bfloat16 rate, where a float32
-    product without TF32 runs on the CUDA cores at a tenth of it."""
-    out = None
-    for piece in bf16_pieces(a):
-        part = torch.bmm(piece, b, out_dtype=torch.float32)
-        out = part if out is None else out.add_(part)
-    return out
-
-
-@cache
-def split_products_here(device: torch.device) -> bool:
-    """Whether torch takes bfloat16 products into float32 on this device (``bmm``'s ``out_dtype``: CUDA,
-    torch 2.8 and later)."""
-    one = torch.ones(1, 1, 1, dtype=torch.bfloat16, device=device)
-    try:
-        return torch.bmm(one, one, out_dtype=torch.float32).dtype == torch.float32
-    except (TypeError, RuntimeError, NotImplementedError):
-        return False
 
 
 def takes_causal(provider) -> bool:
@@ -262,29 +222,16 @@ class ReferenceKernels:
         bs = cache.shape[1]
         kpos = torch.arange(n, device=dev)
         table = block_table.to(dev, torch.int64)
-        # a bfloat16 cache with float32 queries on a GPU: the products on the bfloat16 matrix units
-        # (``split_bmm``: float32's accuracy); elsewhere in float32 (CPUs, float32 and float16 caches)
-        split = (SPLIT_PRODUCTS and splits == 1 and dev.type == "cuda" and cache.dtype == torch.bfloat16
-                 and q_lat.dtype == torch.float32 and split_products_here(dev))
-        lat = cache[table[:, kpos // bs], kpos % bs]  # (B, n, L+R), a fresh copy
-        if not split:
-            lat = lat.to(q_lat.dtype)
+        lat = cache[table[:, kpos // bs], kpos % bs].to(q_lat.dtype)  # (B, n, L+R), a fresh copy
         # keys past a shorter request's end read whatever its padding names (the NaN null page)
         lat.masked_fill_((kpos[None, :] >= lens[:, None])[..., None], 0.0)
         kv_c = lat[..., :kv_lora_rank]
         # q_lat . kv_c + q_pe . k_pe as one product over the whole entry
-        q = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1)
-        if split:
-            H = q.shape[2]
-            s = split_bmm(q.flatten(1, 2), lat.transpose(1, 2)).view(B, nq, H, n).mul_(scale)
-        else:
-            s = torch.einsum("bqhd,bmd->bqhm", q, lat) * scale
+        s = torch.einsum("bqhd,bmd->bqhm", torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1), lat) * scale
         qpos = lens[:, None] - nq + torch.arange(nq, device=dev)[None, :]  # (B, nq)
         visible = (kpos[None, None, :] <= qpos[:, :, None]) & (kpos[None, None, :] < lens[:, None, None])
         if splits == 1:
             p, lse = _softmax_lse(s.masked_fill_(~visible[:, :, None, :], NEG_INF))
-            if split:
-                return split_bmm(p.flatten(1, 2), kv_c).view(B, nq, H, kv_lora_rank), lse
             return torch.einsum("bqhm,bmd->bqhd", p, kv_c), lse
         per = torch.div(lens + splits - 1, splits, rounding_mode="floor").clamp_min(1)  # (B,)
         part = kpos[None, :] // per[:, None]  # (B, n): which split each key falls in
