@@ -81,6 +81,41 @@ def test_mla_decode_independent_of_splits(splits):
         assert torch.allclose(l[qi], torch.logsumexp(s, dim=-1), atol=1e-5)
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_mla_decode_batch_padding_and_specials(splits):
+    """A batch of rows of different lengths equals each row alone and reads nothing past a row's end
+    (pages no row owns, and the padding's null page, hold NaN); the specials: a query that sees no key,
+    and a request of no keys, give o = 0 and lse = -inf; a NaN among a row's visible keys gives lse =
+    NaN and p = 0, so o is 0 times the row's values: NaN in the NaN's column, 0 elsewhere (in one split)."""
+    torch.manual_seed(3)
+    L, R, H, bs, nq = 16, 4, 3, 4, 2
+    cache = torch.randn(12, bs, L + R)
+    lens = [9, 2, 14, 1, 6, 0]
+    rows = [[1, 4, 9], [0], [2, 5, 7, 10], [11], [3, 6], []]
+    table = torch.full((6, 4), 8)  # page 8: the null page, NaN
+    for b, r in enumerate(rows):
+        table[b, :len(r)] = torch.tensor(r, dtype=torch.int64)
+    cache[8] = float("nan")
+    cache[6, 2:] = float("nan")  # past row 4's end (6 tokens: page 6 holds its positions 4, 5)
+    cache[5, 1, 3] = float("nan")  # row 2's position 5 (visible to both its queries), column 3 of kv_c
+    q_lat, q_pe = torch.randn(6, nq, H, L), torch.randn(6, nq, H, R)
+    o, lse = K.mla_decode(q_lat, q_pe, cache, table, torch.tensor(lens), L, 0.2, num_splits=splits)
+    for b in (0, 1, 4):
+        ob, lb = K.mla_decode_one(q_lat[b], q_pe[b], cache, table[b], lens[b], L, 0.2, num_splits=1)
+        assert torch.allclose(o[b], ob, atol=1e-6) and torch.allclose(lse[b], lb, atol=1e-6)
+        assert bool(torch.isfinite(o[b]).all()) and bool(torch.isfinite(lse[b]).all())
+    for b, q in ((3, 0), (5, 0), (5, 1)):  # nothing visible
+        assert torch.equal(o[b, q], torch.zeros_like(o[b, q])) and bool(torch.isneginf(lse[b, q]).all())
+    assert bool(torch.isfinite(o[3, 1]).all()) and bool(torch.isfinite(lse[3, 1]).all())
+    assert bool(lse[2].isnan().all())
+    assert bool(o[2, ..., 3].isnan().all())
+    if splits == 1:  # (split partials merge a NaN lse into the whole row)
+        column = torch.zeros(L, dtype=torch.bool)
+        column[3] = True
+        assert torch.equal(o[2].isnan(), column.expand_as(o[2]))
+        assert torch.equal(o[2].nan_to_num(0.0), torch.zeros_like(o[2]))
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 200), st.integers(1, 90)), min_size=1, max_size=6),
        st.sampled_from([4, 16, 32]))

@@ -220,19 +220,28 @@ class ReferenceKernels:
                      for i in range(0, B, per)]
             return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
         bs = cache.shape[1]
+        H = q_lat.shape[2]
         kpos = torch.arange(n, device=dev)
-        table = block_table.to(dev, torch.int64)
-        lat = cache[table[:, kpos // bs], kpos % bs].to(q_lat.dtype)  # (B, n, L+R), a fresh copy
-        # keys past a shorter request's end read whatever its padding names (the NaN null page)
-        lat.masked_fill_((kpos[None, :] >= lens[:, None])[..., None], 0.0)
+        # a shorter request's padding reads its own last key again (masked below: its weight is 0), never
+        # what its block row names past its end (the NaN null page: 0 x NaN would reach the output)
+        at = torch.minimum(kpos[None, :], (lens - 1).clamp_min(0)[:, None])  # (B, n)
+        lat = cache[block_table.to(dev, torch.int64).gather(1, at // bs), at % bs].to(q_lat.dtype)  # (B, n, L+R)
         kv_c = lat[..., :kv_lora_rank]
-        # q_lat . kv_c + q_pe . k_pe as one product over the whole entry
-        s = torch.einsum("bqhd,bmd->bqhm", torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1), lat) * scale
+        # q_lat . kv_c + q_pe . k_pe as one product over the whole entry, the scale applied by the product
+        q = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1).flatten(1, 2)  # (B, nq H, L+R)
+        s = torch.empty(B, nq * H, n, dtype=q.dtype, device=dev).baddbmm_(q, lat.transpose(1, 2), beta=0, alpha=scale)
+        s = s.view(B, nq, H, n)
         qpos = lens[:, None] - nq + torch.arange(nq, device=dev)[None, :]  # (B, nq)
         visible = (kpos[None, None, :] <= qpos[:, :, None]) & (kpos[None, None, :] < lens[:, None, None])
         if splits == 1:
-            p, lse = _softmax_lse(s.masked_fill_(~visible[:, :, None, :], NEG_INF))
-            return torch.einsum("bqhm,bmd->bqhd", p, kv_c), lse
+            # torch's softmax and logsumexp, fewer passes over the scores than ``_softmax_lse`` with its
+            # semantics: p = 0 in a row with no finite lse (nothing visible, or a NaN or inf among its
+            # scores); a request of no keys gives o = 0 (its padding read key 0 of its first page)
+            lse = torch.logsumexp(s.masked_fill_(~visible[:, :, None, :], NEG_INF), dim=-1)
+            p = torch.softmax(s, dim=-1).masked_fill_(~torch.isfinite(lse)[..., None], 0.0).view(B, nq * H, n)
+            del s
+            o = torch.bmm(p, kv_c).view(B, nq, H, kv_lora_rank)
+            return o.masked_fill_((lens == 0)[:, None, None, None], 0.0), lse
         per = torch.div(lens + splits - 1, splits, rounding_mode="floor").clamp_min(1)  # (B,)
         part = kpos[None, :] // per[:, None]  # (B, n): which split each key falls in
         # every split's partial attention at once: (splits, B, nq, H, n)
