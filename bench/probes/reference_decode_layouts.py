@@ -11,27 +11,16 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 
 from hybridsim.kernels.reference import ReferenceKernels, _softmax_lse  # noqa: E402
+from reference_decode_precision import inputs  # noqa: E402  (the same rows)
 
 K = ReferenceKernels()
 NEG_INF = float("-inf")
-
-
-def inputs(B: int, lo: int, hi: int, dev: str = "cuda"):
-    g = torch.Generator().manual_seed(B)
-    lens = torch.randint(lo, hi, (B,), generator=g)
-    n = int(lens.max())
-    per_row = -(-n // 64)
-    blocks = B * per_row + 8
-    cache = (torch.randn(blocks, 64, 576, generator=g) * 0.5).to(torch.bfloat16).to(dev)
-    table = torch.randperm(blocks, generator=g)[:B * per_row].view(B, per_row).to(dev)
-    q_lat = torch.randn(B, 2, 128, 512, generator=g).to(dev)
-    q_pe = torch.randn(B, 2, 128, 64, generator=g).to(dev)
-    return q_lat, q_pe, cache, table, lens.to(dev), n
 
 
 def variant(q_lat, q_pe, cache, table, lens, n, scale, layout: str, passes: str):

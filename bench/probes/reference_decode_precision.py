@@ -21,19 +21,25 @@ from hybridsim.kernels.reference import ReferenceKernels  # noqa: E402
 K = ReferenceKernels()
 
 
+def inputs(B: int, lo: int, hi: int, dev: str = "cuda"):
+    """B decode rows of 2 queries, 128 heads, lengths drawn from [lo, hi), a bf16 latent cache of 64-token
+    pages in shuffled block rows: (q_lat, q_pe, cache, table, lengths, the longest)."""
+    g = torch.Generator().manual_seed(B)
+    lens = torch.randint(lo, hi, (B,), generator=g)
+    n = int(lens.max())
+    per_row = -(-n // 64)
+    blocks = B * per_row + 8
+    cache = (torch.randn(blocks, 64, 576, generator=g) * 0.5).to(torch.bfloat16).to(dev)
+    table = torch.randperm(blocks, generator=g)[:B * per_row].view(B, per_row).to(dev)
+    q_lat = torch.randn(B, 2, 128, 512, generator=g).to(dev)
+    q_pe = torch.randn(B, 2, 128, 64, generator=g).to(dev)
+    return q_lat, q_pe, cache, table, lens.to(dev), n
+
+
 def main() -> None:
-    dev = "cuda"
     for B, lo, hi in [(32, 500, 5000), (24, 1000, 12000), (64, 200, 3000)]:  # rows, their lengths
-        g = torch.Generator().manual_seed(B)
-        lens = torch.randint(lo, hi, (B,), generator=g)
-        n = int(lens.max())
-        per_row = -(-n // 64)
-        blocks = B * per_row + 8
-        cache = (torch.randn(blocks, 64, 576, generator=g) * 0.5).to(torch.bfloat16).to(dev)
-        table = torch.randperm(blocks, generator=g)[:B * per_row].view(B, per_row).to(dev)
-        q_lat = torch.randn(B, 2, 128, 512, generator=g).to(dev)
-        q_pe = torch.randn(B, 2, 128, 64, generator=g).to(dev)
-        seq = lens.to(dev)
+        q_lat, q_pe, cache, table, seq, n = inputs(B, lo, hi)
+        lens = seq.cpu()
 
         def f32():
             return K.mla_decode(q_lat, q_pe, cache, table, seq, 512, 0.07, max_seq_len=n)
