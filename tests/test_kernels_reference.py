@@ -81,8 +81,13 @@ def test_mla_decode_independent_of_splits(splits):
         assert torch.allclose(l[qi], torch.logsumexp(s, dim=-1), atol=1e-5)
 
 
+ON_DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                                  reason="needs a GPU")])]
+
+
+@pytest.mark.parametrize("device", ON_DEVICES)
 @pytest.mark.parametrize("splits", [1, 2])
-def test_mla_decode_batch_padding_and_specials(splits):
+def test_mla_decode_batch_padding_and_specials(splits, device):
     """A batch of rows of different lengths equals each row alone and reads nothing past a row's end
     (pages no row owns, and the padding's null page, hold NaN); the specials: a query that sees no key,
     and a request of no keys, give o = 0 and lse = -inf; a NaN among a row's visible keys gives lse =
@@ -99,7 +104,8 @@ def test_mla_decode_batch_padding_and_specials(splits):
     cache[6, 2:] = float("nan")  # past row 4's end (6 tokens: page 6 holds its positions 4, 5)
     cache[5, 1, 3] = float("nan")  # row 2's position 5 (visible to both its queries), column 3 of kv_c
     q_lat, q_pe = torch.randn(6, nq, H, L), torch.randn(6, nq, H, R)
-    o, lse = K.mla_decode(q_lat, q_pe, cache, table, torch.tensor(lens), L, 0.2, num_splits=splits)
+    cache, table, q_lat, q_pe = (x.to(device) for x in (cache, table, q_lat, q_pe))
+    o, lse = K.mla_decode(q_lat, q_pe, cache, table, torch.tensor(lens, device=device), L, 0.2, num_splits=splits)
     for b in (0, 1, 4):
         ob, lb = K.mla_decode_one(q_lat[b], q_pe[b], cache, table[b], lens[b], L, 0.2, num_splits=1)
         assert torch.allclose(o[b], ob, atol=1e-6) and torch.allclose(lse[b], lb, atol=1e-6)
@@ -110,7 +116,7 @@ def test_mla_decode_batch_padding_and_specials(splits):
     assert bool(lse[2].isnan().all())
     assert bool(o[2, ..., 3].isnan().all())
     if splits == 1:  # (split partials merge a NaN lse into the whole row)
-        column = torch.zeros(L, dtype=torch.bool)
+        column = torch.zeros(L, dtype=torch.bool, device=device)
         column[3] = True
         assert torch.equal(o[2].isnan(), column.expand_as(o[2]))
         assert torch.equal(o[2].nan_to_num(0.0), torch.zeros_like(o[2]))
