@@ -86,15 +86,16 @@ ON_DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.sk
 
 
 @pytest.mark.parametrize("device", ON_DEVICES)
-@pytest.mark.parametrize("splits", [1, 2])
-def test_mla_decode_batch_padding_and_specials(splits, device):
+@pytest.mark.parametrize("splits,strided", [(1, False), (2, False), (1, True)])
+def test_mla_decode_batch_padding_and_specials(splits, strided, device):
     """A batch of rows of different lengths equals each row alone and reads nothing past a row's end
     (pages no row owns, and the padding's null page, hold NaN); the specials: a query that sees no key,
     and a request of no keys, give o = 0 and lse = -inf; a NaN among a row's visible keys gives lse =
-    NaN and p = 0, so o is 0 times the row's values: NaN in the NaN's column, 0 elsewhere (in one split)."""
+    NaN and p = 0, so o is 0 times the row's values: NaN in the NaN's column, 0 elsewhere (in one split).
+    ``strided``: a cache that is a view with gaps between entries (gathered by page and offset, not by row)."""
     torch.manual_seed(3)
     L, R, H, bs, nq = 16, 4, 3, 4, 2
-    cache = torch.randn(12, bs, L + R)
+    cache = torch.randn(12, bs, L + R + 3)[..., :L + R] if strided else torch.randn(12, bs, L + R)
     lens = [9, 2, 14, 1, 6, 0]
     rows = [[1, 4, 9], [0], [2, 5, 7, 10], [11], [3, 6], []]
     table = torch.full((6, 4), 8)  # page 8: the null page, NaN

@@ -1,7 +1,8 @@
 """Where the reference MLA decode's time goes (``ReferenceKernels.mla_decode``, the float32 path that
 ``kernel.mla_decode`` re-runs for every decode row): its two products alone in each operand layout torch can
 hand cuBLAS, and whole variants of the reference (the products' layouts; fewer passes over the scores), each
-timed and measured against float64, at deepseek_v3_mooncake-like decode shapes. Needs a CUDA device.
+timed and measured against float64, at deepseek_v3_mooncake-like decode shapes; and its other steps alone
+(the keys' gather, the softmax's reductions). Needs a CUDA device.
 
     python3 bench/probes/reference_decode_layouts.py
 """
@@ -91,6 +92,18 @@ def main() -> None:
             "values p.kv_t^T": lambda: torch.bmm(p, kv_t.transpose(1, 2)),
             "transposed copy of the keys": lambda: lat.transpose(1, 2).contiguous(),
         }
+        at = torch.minimum(torch.arange(n, device="cuda")[None, :], (lens - 1)[:, None])
+        pages = table.gather(1, at // 64)
+        rows = (pages * 64 + at % 64).flatten()
+        s = torch.randn(B, 2, 128, n, device="cuda")
+        other = {
+            "gather by (page, offset)": lambda: cache[pages, at % 64],
+            "gather by row (index_select)": lambda: cache.view(-1, 576).index_select(0, rows),
+            "the gathered keys to float32": lambda: cache[pages, at % 64].float(),
+            "logsumexp": lambda: torch.logsumexp(s, -1),
+            "softmax": lambda: torch.softmax(s, -1),
+            "amax": lambda: s.amax(-1),
+        }
         flop = 2 * B * M * n * 576
         print(f"B={B} lengths {lo}-{hi} (longest {n}): products alone")
         for name, fn in gemm.items():
@@ -98,7 +111,9 @@ def main() -> None:
             f = flop if name.startswith("scores") else 2 * B * M * n * 512
             print(f"  {name}: {t:.3f} ms" + ("" if name.startswith("transposed") else f", {f / t / 1e9:.1f} TFLOP/s"),
                   flush=True)
-        del q, lat, lat_t, p, kv, kv_t
+        for name, fn in other.items():
+            print(f"  {name}: {triton.testing.do_bench(fn, warmup=3, rep=30):.3f} ms", flush=True)
+        del q, lat, lat_t, p, kv, kv_t, s
         exact = K.mla_decode(q_lat.double(), q_pe.double(), cache, table, lens, 512, scale, max_seq_len=n)
 
         def rel(got):

@@ -225,7 +225,12 @@ class ReferenceKernels:
         # a shorter request's padding reads its own last key again (masked below: its weight is 0), never
         # what its block row names past its end (the NaN null page: 0 x NaN would reach the output)
         at = torch.minimum(kpos[None, :], (lens - 1).clamp_min(0)[:, None])  # (B, n)
-        lat = cache[block_table.to(dev, torch.int64).gather(1, at // bs), at % bs].to(q_lat.dtype)  # (B, n, L+R)
+        pages = block_table.to(dev, torch.int64).gather(1, at // bs)
+        if cache.is_contiguous():  # whole entries by row number: one contiguous copy each
+            lat = cache.view(-1, cache.shape[-1]).index_select(0, (pages * bs + at % bs).flatten()).view(B, n, -1)
+        else:
+            lat = cache[pages, at % bs]
+        lat = lat.to(q_lat.dtype)  # (B, n, L+R)
         kv_c = lat[..., :kv_lora_rank]
         # q_lat . kv_c + q_pe . k_pe as one product over the whole entry, the scale applied by the product
         q = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1).flatten(1, 2)  # (B, nq H, L+R)
@@ -237,8 +242,13 @@ class ReferenceKernels:
             # torch's softmax and logsumexp, fewer passes over the scores than ``_softmax_lse`` with its
             # semantics: p = 0 in a row with no finite lse (nothing visible, or a NaN or inf among its
             # scores); a request of no keys gives o = 0 (its padding read key 0 of its first page)
-            lse = torch.logsumexp(s.masked_fill_(~visible[:, :, None, :], NEG_INF), dim=-1)
-            p = torch.softmax(s, dim=-1).masked_fill_(~torch.isfinite(lse)[..., None], 0.0).view(B, nq * H, n)
+            # (lse from the softmax's own largest probability, 1 / its sum: torch's logsumexp would make
+            # the exponentials again in a tensor of their own)
+            m = s.masked_fill_(~visible[:, :, None, :], NEG_INF).amax(dim=-1)
+            p = torch.softmax(s, dim=-1)
+            finite = torch.isfinite(m)
+            lse = torch.where(finite, m - torch.log(p.amax(dim=-1)), m)
+            p = p.masked_fill_(~finite[..., None], 0.0).view(B, nq * H, n)
             del s
             o = torch.bmm(p, kv_c).view(B, nq, H, kv_lora_rank)
             return o.masked_fill_((lens == 0)[:, None, None, None], 0.0), lse
