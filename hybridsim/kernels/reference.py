@@ -239,11 +239,11 @@ class ReferenceKernels:
         qpos = lens[:, None] - nq + torch.arange(nq, device=dev)[None, :]  # (B, nq)
         visible = (kpos[None, None, :] <= qpos[:, :, None]) & (kpos[None, None, :] < lens[:, None, None])
         if splits == 1:
-            # torch's softmax and logsumexp, fewer passes over the scores than ``_softmax_lse`` with its
-            # semantics: p = 0 in a row with no finite lse (nothing visible, or a NaN or inf among its
-            # scores); a request of no keys gives o = 0 (its padding read key 0 of its first page)
-            # (lse from the softmax's own largest probability, 1 / its sum: torch's logsumexp would make
-            # the exponentials again in a tensor of their own)
+            # torch's softmax, fewer passes over the scores than ``_softmax_lse``, with its semantics: p = 0
+            # in a row with no finite maximum (nothing visible, or a NaN or inf among its scores; lse is that
+            # maximum); a request of no keys gives o = 0 (its padding read key 0 of its first page). The lse
+            # from the softmax's own largest probability, 1 / its sum (torch's logsumexp would make the
+            # exponentials again in a tensor of their own)
             m = s.masked_fill_(~visible[:, :, None, :], NEG_INF).amax(dim=-1)
             p = torch.softmax(s, dim=-1)
             finite = torch.isfinite(m)
