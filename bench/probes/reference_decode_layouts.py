@@ -17,19 +17,30 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from hybridsim.kernels.reference import ReferenceKernels, _softmax_lse  # noqa: E402
+from hybridsim.kernels.reference import ReferenceKernels  # noqa: E402
 from reference_decode_precision import inputs  # noqa: E402  (the same rows)
 
 K = ReferenceKernels()
 NEG_INF = float("-inf")
 
 
+def ten_pass_softmax_lse(s: torch.Tensor):
+    """``reference._softmax_lse`` as it was before session 35 (subtract, exp, sum, divide in place), the
+    baseline its "lse" variants measure."""
+    m = s.amax(-1, keepdim=True)
+    finite = torch.isfinite(m)
+    s.sub_(torch.where(finite, m, 0.0)).exp_()
+    total = s.sum(-1, keepdim=True)
+    lse = torch.where(finite, m + torch.log(total), m).squeeze(-1)
+    return s.div_(torch.where(finite, total, 1.0)).masked_fill_(~finite, 0.0), lse
+
+
 def variant(q_lat, q_pe, cache, table, lens, n, scale, layout: str, passes: str):
     """The reference's splits == 1 path with the products in ``layout`` ("einsum": as it is; "nn": the
     keys transposed into their own copy, so both products take plain row-major operands) and the
-    softmax in ``passes`` ("lse": as it is, ``_softmax_lse``; "fused": torch.softmax and torch.logsumexp,
-    rows without a finite lse zeroed in the output) and the padding either zeroed ("zero") or the
-    keys' positions clamped to the row's last key (in ``passes`` after a '+')."""
+    softmax in ``passes`` ("lse": ``_softmax_lse`` before session 35, ``ten_pass_softmax_lse``; "fused":
+    torch.softmax and torch.logsumexp, rows without a finite lse zeroed in the output) and the padding
+    either zeroed ("zero") or the keys' positions clamped to the row's last key (in ``passes`` after a '+')."""
     passes, _, pad = passes.partition("+")
     dev = q_lat.device
     B, nq, H, L = q_lat.shape
@@ -65,7 +76,7 @@ def variant(q_lat, q_pe, cache, table, lens, n, scale, layout: str, passes: str)
         o = torch.bmm(p.view(B, nq * H, n), kv).view(B, nq, H, L)
         o.masked_fill_(~torch.isfinite(lse)[..., None], 0.0)
     else:
-        p, lse = _softmax_lse(s)
+        p, lse = ten_pass_softmax_lse(s)
         o = torch.bmm(p.view(B, nq * H, n), kv).view(B, nq, H, L)
     return o, lse
 

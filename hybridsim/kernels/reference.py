@@ -18,15 +18,17 @@ PARTIAL_SCORE_ELEMS = 1 << 26  # attention_partial's callers keep its score matr
 
 
 def _softmax_lse(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Probabilities and the natural-log lse over the last axis of scores ``s`` (-inf where masked;
-    overwritten: it becomes the probabilities). A row masked everywhere gives p = 0 and lse = -inf;
-    a row holding a NaN gives p = 0 and lse = NaN (an unwritten input stays visible downstream)."""
-    m = s.amax(-1, keepdim=True)
+    """Probabilities and the natural-log lse over the last axis of scores ``s`` (-inf where masked). A row
+    masked everywhere gives p = 0 and lse = -inf; a row holding a NaN gives p = 0 and lse = NaN (an unwritten
+    input stays visible downstream), one holding +inf p = 0 and lse = inf. Torch's softmax, with the lse from
+    its largest probability, 1 / its sum (torch's logsumexp would make the exponentials again in a tensor of
+    their own): three passes over the scores where a subtract, exp, sum and divide in place took ten
+    (bench/history/2026-11-28_session35.md)."""
+    m = s.amax(-1)
+    p = torch.softmax(s, dim=-1)
     finite = torch.isfinite(m)
-    s.sub_(torch.where(finite, m, 0.0)).exp_()
-    total = s.sum(-1, keepdim=True)
-    lse = torch.where(finite, m + torch.log(total), m).squeeze(-1)
-    return s.div_(torch.where(finite, total, 1.0)).masked_fill_(~finite, 0.0), lse
+    lse = torch.where(finite, m - torch.log(p.amax(-1)), m)
+    return p.masked_fill_(~finite[..., None], 0.0), lse
 
 
 def takes_causal(provider) -> bool:
@@ -239,18 +241,10 @@ class ReferenceKernels:
         qpos = lens[:, None] - nq + torch.arange(nq, device=dev)[None, :]  # (B, nq)
         visible = (kpos[None, None, :] <= qpos[:, :, None]) & (kpos[None, None, :] < lens[:, None, None])
         if splits == 1:
-            # torch's softmax, fewer passes over the scores than ``_softmax_lse``, with its semantics: p = 0
-            # in a row with no finite maximum (nothing visible, or a NaN or inf among its scores; lse is that
-            # maximum); a request of no keys gives o = 0 (its padding read key 0 of its first page). The lse
-            # from the softmax's own largest probability, 1 / its sum (torch's logsumexp would make the
-            # exponentials again in a tensor of their own)
-            m = s.masked_fill_(~visible[:, :, None, :], NEG_INF).amax(dim=-1)
-            p = torch.softmax(s, dim=-1)
-            finite = torch.isfinite(m)
-            lse = torch.where(finite, m - torch.log(p.amax(dim=-1)), m)
-            p = p.masked_fill_(~finite[..., None], 0.0).view(B, nq * H, n)
+            p, lse = _softmax_lse(s.masked_fill_(~visible[:, :, None, :], NEG_INF))
             del s
-            o = torch.bmm(p, kv_c).view(B, nq, H, kv_lora_rank)
+            o = torch.bmm(p.view(B, nq * H, n), kv_c).view(B, nq, H, kv_lora_rank)
+            # a request of no keys gives o = 0 (its padding read key 0 of its first page, NaN there: 0 x NaN)
             return o.masked_fill_((lens == 0)[:, None, None, None], 0.0), lse
         per = torch.div(lens + splits - 1, splits, rounding_mode="floor").clamp_min(1)  # (B,)
         part = kpos[None, :] // per[:, None]  # (B, n): which split each key falls in
@@ -261,8 +255,8 @@ class ReferenceKernels:
         finite = torch.isfinite(l_part)
         p = torch.exp(sm - torch.where(finite, l_part, 0.0)[..., None]).masked_fill(~finite[..., None], 0.0)
         o_part = torch.einsum("sbqhm,bmd->sbqhd", p, kv_c)
-        out = torch.zeros(B, nq, q_lat.shape[2], kv_lora_rank, dtype=q_lat.dtype, device=dev)
-        lse = torch.full((B, nq, q_lat.shape[2]), NEG_INF, dtype=q_lat.dtype, device=dev)
+        out = torch.zeros(B, nq, H, kv_lora_rank, dtype=q_lat.dtype, device=dev)
+        lse = torch.full((B, nq, H), NEG_INF, dtype=q_lat.dtype, device=dev)
         for sp in range(splits):  # merged in split order
             out, lse = self.merge_states(out, lse, o_part[sp], l_part[sp])
         return out, lse
