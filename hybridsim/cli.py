@@ -164,6 +164,10 @@ def run(
     inject_bug: List[str] = typer.Option([], "--inject-bug", help="switch on a known-wrong variant (repeatable)"),
     list_bugs: bool = typer.Option(False, "--list-bugs", help="list the injectable bugs and exit"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no tables, only errors"),
+    kernel_variants: Optional[Path] = typer.Option(
+        None, "--kernel-variants", help="a kernel variants list (JSON): on a GPU, build the variants it lists for "
+                                        "this configuration before the loop, in parallel; then add the ones this run "
+                                        "used (the file is made if missing)"),
 ) -> None:
     """Simulate a scenario step by step, execute every step and check it against the oracle."""
     if list_bugs:
@@ -184,7 +188,13 @@ def run(
         _check_choice(device, ("auto", "cpu", "cuda"), "--device")
         from .engines import SCHEDULERS
         _check_choice(scheduler, SCHEDULERS, "--scheduler")
-        _check_outputs((record, "--record"), (json_out, "--json"), (plot, "--plot"))
+        _check_outputs((record, "--record"), (json_out, "--json"), (plot, "--plot"),
+                       (kernel_variants, "--kernel-variants"))
+        if kernel_variants is not None:
+            from .device.prebuild import read_lists
+            if str(kernel_variants) == "-":
+                raise InputError("a file, read and then written, not standard output", "--kernel-variants")
+            read_lists(kernel_variants)
         from .output_files import check_folder
         check_folder(csv_dir, "--csv")
         loaded = load_scenario(scenario)
@@ -206,10 +216,11 @@ def run(
                         progress.update(task, completed=stats.finished, total=stats.requests)
                 res = plan_scenario(loaded, record=record, check=check.value if check else None, progress=tick,
                                     bugs=bugs, kernels=kernels, device=device, announce=announce,
-                                    scheduler=scheduler)
+                                    scheduler=scheduler, kernel_variants=kernel_variants)
         else:
             res = plan_scenario(loaded, record=record, check=check.value if check else None, bugs=bugs,
-                                kernels=kernels, device=device, announce=announce, scheduler=scheduler)
+                                kernels=kernels, device=device, announce=announce, scheduler=scheduler,
+                                kernel_variants=kernel_variants)
         if json_out is not None:
             _write_json(json_out, res.as_dict())
         if csv_dir is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from time import perf_counter
 from typing import Callable, Optional
 
 import torch
@@ -119,3 +120,70 @@ def oracle_scan_for(device: torch.device):
         return scan_triton
     from .kernels.probe_scan import scan_reference
     return scan_reference
+
+
+class KernelLists:
+    """A run's kernel variants ahead of its loop (``device/prebuild.py``): the list recorded for its
+    configuration, from the user's ``--kernel-variants`` file or the package's, built in worker
+    processes while the executor is set up; after the loop, what the run loaded added to the
+    user's file. Only where kernels are built: on a GPU."""
+
+    def __init__(self, s: Scenario, kernels: str, device: str, check: str, bugs: set[str],
+                 user_file=None):
+        from .device import prebuild as pb
+
+        self.user_file = user_file
+        self.key = None
+        self.running = None
+        self.done = None  # (every listed variant was in Triton's cache already)
+        self.label = s.name
+        if user_file is not None:
+            pb.read_lists(user_file)  # (a file that is not one: bad input, before any work)
+        dev = resolve_device(device)
+        if torch.device(dev).type != "cuda":
+            return
+        import triton
+
+        major, minor = torch.cuda.get_device_capability(torch.device(dev))
+        if kernels == "auto":
+            kernels = "triton"
+        self.key = pb.entry_key(pb.config_key(s.model_dump(mode="json"), kernels, check, bugs), triton.__version__,
+                                ["cuda", 10 * major + minor, 32])
+        files = ([(user_file, "--kernel-variants")] if user_file is not None else []) + [(pb.SHIPPED, "kernel lists")]
+        entries, source = pb.lookup(self.key, files)
+        t0 = perf_counter()
+        missing = [e for e in entries if not pb.in_cache(e)]  # (a machine that ran this before: nothing to build)
+        cached = len(entries) - len(missing)
+        if missing:
+            self.running = pb.Prebuild(missing, source, cached=cached)
+        elif entries:
+            self.done = pb.PrebuildReport(len(entries), 0, cached=cached, seconds=perf_counter() - t0, source=source)
+
+    def wait(self):
+        """The prebuild's report (None where nothing was listed): call before the loop."""
+        if self.running is None:
+            return self.done
+        report, self.running = self.running.wait(), None
+        return report
+
+    def abandon(self) -> None:
+        """The run stops before its loop: builds not started are dropped, those under way end on their own."""
+        if self.running is not None:
+            self.running.abandon()
+            self.running = None
+
+    def record(self) -> str | None:
+        """Add the variants this process holds to the user's file; the note saying so."""
+        if self.user_file is None:
+            return None
+        if self.key is None:
+            return (f"--kernel-variants: nothing recorded in {self.user_file}: kernel variants are built on a GPU "
+                    "(this run executed on the CPU)")
+        from .device import prebuild as pb
+        from .output_files import write_output
+
+        held = pb.loaded_variants()
+        doc, new = pb.with_variants(pb.read_lists(self.user_file), self.key, self.label, held)
+        write_output(self.user_file, "--kernel-variants", pb.dumps(doc))
+        return (f"--kernel-variants: {len(doc['lists'][self.key]['variants']):,} kernel variants listed for this "
+                f"configuration in {self.user_file} ({new:,} new)")

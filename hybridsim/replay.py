@@ -21,7 +21,7 @@ from .checks import Checks
 from .config import Scenario
 from .errors import InputError
 from .bugs import check_bugs_apply, inapplicable_bugs
-from .execute import make_executor
+from .execute import KernelLists, make_executor
 from .trace import Trace, read_trace
 from .trace_verify import CHECK as VERIFY_CHECK, verify_trace
 from .vllm_recorded import is_vllm_recording
@@ -111,8 +111,16 @@ def replay_trace(path: str | Path, *, check: str = "full", bugs: Optional[set[st
         check_bugs_apply(scenario, bugs)
     elif bugs:
         notes += [f"--inject-bug: {m}: it changes nothing in this trace" for m in inapplicable_bugs(scenario, bugs)]
-    ex = make_executor(scenario, tr.header["groups"], checks, check, bugs or set(), kernels, device, notes,
-                       where=f"{path}:1", announce=announce, digests=True, capacity=_distinct_blocks(tr.steps))
+    lists = KernelLists(scenario, kernels, device, check, bugs or set())  # (on a GPU: the package's list, if any)
+    try:
+        ex = make_executor(scenario, tr.header["groups"], checks, check, bugs or set(), kernels, device, notes,
+                           where=f"{path}:1", announce=announce, digests=True, capacity=_distinct_blocks(tr.steps))
+    except BaseException:
+        lists.abandon()
+        raise
+    prebuilt = lists.wait()
+    if prebuilt is not None:
+        notes.append(prebuilt.note())
     t0 = perf_counter()
     for ln, plan, outcome in tr.steps:
         try:

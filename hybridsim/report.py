@@ -148,17 +148,20 @@ def timings_table(res: RunResult) -> Table:
     for name, total in rows:
         t.add_row(name, f"{total * 1e3:,.1f} ms", f"{total / steps * 1e6:,.1f} µs")
     if res.kernel_builds:
-        t.caption = builds_caption(res.kernel_builds)
+        t.caption = builds_caption(res.kernel_builds, res.kernel_compiles)
     return t
 
 
-def builds_caption(builds: dict[str, int]) -> str:
+def builds_caption(builds: dict[str, int], compiles: int | None = None) -> str:
     """What the whole loop's time includes besides the run's work: kernels Triton built inside it
-    (``device/builds.py``)."""
+    (``device/builds.py``), and how many of its cache's entries it compiled rather than loaded."""
     n = sum(builds.values())
     names = ", ".join(f"{k} ({v})" if v > 1 else k for k, v in builds.items())
-    return (f"the whole loop includes building {n:,} kernel variant{'s' * (n != 1)} (Triton compiles a kernel "
-            f"the first time a launch needs it, or loads it from its cache on a later run): {names}")
+    how = ("Triton compiles a kernel the first time a launch needs it, or loads it from its cache on a later run"
+           if compiles is None else
+           f"{compiles:,} new entries compiled into Triton's cache (variants and their launchers), the rest loaded "
+           f"from it" if compiles else "every one loaded from Triton's cache, none compiled")
+    return f"the whole loop includes building {n:,} kernel variant{'s' * (n != 1)} ({how}): {names}"
 
 
 def _pct_of_floor(r: dict) -> str:

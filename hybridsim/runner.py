@@ -11,7 +11,7 @@ from time import perf_counter
 from typing import Callable, Optional
 
 from .checks import Checks
-from .device.builds import built_variants, grown
+from .device.builds import built_variants, cache_entries, grown
 from .config import LoadedScenario, blocks_problem, peak_tokens
 from .errors import InputError
 from .sched.invariants import NAME as INVARIANTS, InvariantChecker
@@ -54,6 +54,8 @@ class RunResult:
     memory: Optional[dict] = None  # the memory plan (engine/memory.py) and, on a GPU, the measured peak
     whole_block_hit_tokens: Optional[int] = None  # partial-block hits: the same workload's with whole-block units
     kernel_builds: Optional[dict] = None  # executed runs: kernel variants built inside the loop (device/builds.py)
+    kernel_prebuild: Optional[dict] = None  # GPU runs with a listed configuration: variants built before the loop
+    kernel_compiles: Optional[int] = None  # entries the loop added to Triton's disk cache: variants it compiled
 
     @property
     def failed(self) -> bool:
@@ -78,6 +80,8 @@ class RunResult:
             ],
             "kernel_timings": self.kernel_timings,
             **({"kernel_builds": self.kernel_builds} if self.kernel_builds is not None else {}),
+            **({"kernel_prebuild": self.kernel_prebuild} if self.kernel_prebuild is not None else {}),
+            **({"kernel_compiles": self.kernel_compiles} if self.kernel_compiles is not None else {}),
             "memory": self.memory,
             **({"plan": self.planner} if self.planner else {}),
         }
@@ -102,10 +106,12 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
                   progress: Optional[Callable[[RunStats], None]] = None, execute: Optional[bool] = None,
                   bugs: Optional[set[str]] = None, kernels: Optional[str] = None,
                   device: Optional[str] = None, announce: Optional[Callable[[list[str]], None]] = None,
-                  scheduler: Optional[str] = None) -> RunResult:
+                  scheduler: Optional[str] = None, kernel_variants: Optional[Path] = None) -> RunResult:
     """Plan a scenario; with checks on, also execute every step and compare with the oracle.
     ``scheduler``: whose scheduler plans (default the scenario's ``execution.scheduler``): ours, or
-    ``vllm``, the installed vLLM's own (``engines.vllm_live``), checked the same way."""
+    ``vllm``, the installed vLLM's own (``engines.vllm_live``), checked the same way.
+    ``kernel_variants``: a kernel variants file (``device/prebuild.py``): on a GPU the variants it lists
+    for this configuration are built before the loop, and the ones the run held are added to it."""
     s = loaded.scenario
     scheduler = scheduler or s.execution.scheduler
     if scheduler != s.execution.scheduler:  # (a trace's header says whose plan it holds)
@@ -133,11 +139,21 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
         inject(sim.kv, bugs)
     notes: list[str] = []
     executor = None
+    lists = prebuilt = None
     if execute:
-        from .execute import make_executor
-        executor = make_executor(s, sim.groups, checks, check, bugs or set(), kernels or s.execution.kernels,
-                                 device or s.execution.device, notes, where=loaded.where("cache", "num_blocks"),
-                                 announce=announce)
+        from .execute import KernelLists, make_executor
+        lists = KernelLists(s, kernels or s.execution.kernels, device or s.execution.device, check, bugs or set(),
+                            kernel_variants)
+        try:
+            executor = make_executor(s, sim.groups, checks, check, bugs or set(), kernels or s.execution.kernels,
+                                     device or s.execution.device, notes, where=loaded.where("cache", "num_blocks"),
+                                     announce=announce)
+        except BaseException:
+            lists.abandon()
+            raise
+        prebuilt = lists.wait()  # (building while the executor was set up; done before the loop)
+        if prebuilt is not None:
+            notes.append(prebuilt.note())
     if check != "off" and planner is not None:  # (vLLM's plans: what any engine's plans must satisfy)
         from .engines.vllm_live import PLAN_CHECK, PlanChecker
         sim.checker = PlanChecker(sim, checks.get(PLAN_CHECK))
@@ -154,6 +170,7 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
     pool = sim.kv.pool
     usable = pool.num_blocks - 1
     builds_before = built_variants() if executor is not None else None
+    cached_before = cache_entries() if executor is not None else None
     t0 = last = perf_counter()
     try:
         for plan, outcome in sim:
@@ -176,9 +193,9 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
         raise
     wall = perf_counter() - t0
     builds = grown(builds_before, built_variants()) if builds_before is not None else None
+    cached_after = cache_entries() if cached_before is not None else None
     if writer is not None:
         writer.close()
-    sim.stats.notes.extend(notes)
     res = RunResult(s.name, sim.stats, checks, wall, sim.schedule_s, sim.update_s, wl, record, steps=records,
                     executed=executor is not None or check != "off", planner=planner)
     from .units import whole_block_hit_tokens
@@ -189,4 +206,14 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
             res.kernel_timings = executor.kernel_timer.summary()
         res.memory = executor.memory_report()
         res.kernel_builds = builds
+        if builds and cached_after is not None:
+            res.kernel_compiles = len(cached_after - cached_before)
+        res.kernel_prebuild = prebuilt.as_dict() if prebuilt is not None else None
+    if lists is not None:  # (after the kernel table's ceilings, whose probe is a kernel variant too)
+        recorded = lists.record()
+        if recorded:
+            notes.append(recorded)
+    elif kernel_variants is not None:
+        notes.append(f"--kernel-variants: nothing recorded in {kernel_variants}: the run executed no step (checks off)")
+    sim.stats.notes.extend(notes)
     return res

@@ -15,13 +15,15 @@ from hybridsim.runner import plan_scenario
 from .conftest import REPO
 
 
-def _kernel(name: str):
-    """A real ``JITFunction`` (whatever TRITON_INTERPRET says: the decorator would follow it)."""
+def _kernel(name: str, module: str = "hybridsim.kernels._fake"):
+    """A real ``JITFunction`` (whatever TRITON_INTERPRET says: the decorator would follow it),
+    defined in ``module``."""
     from triton.runtime.jit import JITFunction
 
     def body(x):
         pass
     body.__name__ = body.__qualname__ = name
+    body.__module__ = module
     return JITFunction(body)
 
 
@@ -39,6 +41,12 @@ def test_built_variants_count_each_kernels_specialisations(monkeypatch):
     mod.k_none.device_caches = {0: ({"spec a": object()}, None, None, None, None)}
     assert grown(before, built_variants()) == {"_fake.k_none": 1, "_fake.k_two": 1}
     assert grown(before, before) == {}
+    # a kernel imported into another module is one kernel: counted once, under the module that defines it
+    other = types.ModuleType("hybridsim.kernels._fake_user")
+    other.k_two = mod.k_two
+    monkeypatch.setitem(__import__("sys").modules, "hybridsim.kernels._fake_user", other)
+    held = built_variants()
+    assert held["_fake.k_two"] == 3 and not any(k.startswith("_fake_user.") for k in held)
 
 
 def test_a_run_reports_what_its_loop_built():
@@ -54,3 +62,9 @@ def test_a_run_reports_what_its_loop_built():
     text = " ".join(console.export_text().split())
     assert "includes building 3 kernel variants" in text
     assert "probe_scan_triton._probe_scan_kernel (2)" in text and "attention_triton._paged_attention_kernel" in text
+    for compiles, says in ((0, "every one loaded from Triton's cache, none compiled"),
+                           (5, "5 new entries compiled into Triton's cache")):
+        res.kernel_compiles = compiles
+        console = Console(width=200, record=True, color_system=None)
+        console.print(report.timings_table(res))
+        assert says in " ".join(console.export_text().split())

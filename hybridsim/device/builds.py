@@ -10,6 +10,7 @@ variants held in memory before and after a loop says whether the loop's time inc
 
 from __future__ import annotations
 
+import os
 import sys
 
 # modules whose kernels a run may launch: hybridsim's own, and the engine's (``--kernels vllm``)
@@ -30,7 +31,8 @@ def built_variants() -> dict[str, int]:
         if mod is None or not mod_name.startswith(PREFIXES):
             continue
         for obj in list(vars(mod).values()):
-            if isinstance(obj, JITFunction):
+            # (a kernel imported into another module is counted once, under the module that defines it)
+            if isinstance(obj, JITFunction) and obj.fn.__module__ == mod_name:
                 n = sum(len(_kernel_cache(v)) for v in getattr(obj, "device_caches", {}).values())
                 if n:
                     out[f"{mod_name.rsplit('.', 1)[-1]}.{obj.fn.__name__}"] = n
@@ -48,3 +50,17 @@ def _kernel_cache(entry) -> dict:
 def grown(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     """Variants built between two counts, per kernel (kernels that built none left out)."""
     return {k: n - before.get(k, 0) for k, n in sorted(after.items()) if n > before.get(k, 0)}
+
+
+def cache_entries() -> set[str] | None:
+    """The entries of Triton's disk cache (each a compiled kernel variant or launcher): a loop that
+    adds entries compiled them, one that adds none loaded what it built. None where Triton is not
+    loaded or has no such cache (older versions, another cache manager)."""
+    knobs = sys.modules.get("triton.knobs")
+    if knobs is None or getattr(getattr(knobs, "cache", None), "manager_class", None) is not None:
+        return None
+    try:
+        folder = knobs.cache.dir
+        return set(os.listdir(folder)) if os.path.isdir(folder) else set()
+    except Exception:
+        return None

@@ -1,0 +1,372 @@
+"""Kernel variants built before a run's loop, many at once, from a list an earlier run recorded.
+
+Why: Triton builds a kernel variant the first time a launch needs it, inside the loop and one after
+another (``device/builds.py``). Where Triton's disk cache is empty (a fresh machine, a new Triton)
+that is most of a first run: nemotron_h_8b_mooncake took 46.6 s the first time on an H100 against
+10.0 s with the cache warm, 18 variants compiled on one core. Which variants a run needs follows
+from its configuration (geometry, cache, provider, checks), not from its workload, so a run can
+list the variants it loaded (``--kernel-variants FILE``), and a later run of the same configuration
+builds that list up front, one worker process a variant, into Triton's disk cache, where the loop's
+launches then find them. The package ships such lists for its real-scale scenarios
+(``kernel_variants.json``).
+
+A variant is described by what Triton keeps of a build (the compiled kernel's source record:
+signature, constexprs, attributes; its options and target) and rebuilt with ``triton.compile`` from
+that description: the same inputs give the same cache key, so the launch loads it. A variant that no
+longer builds (its kernel changed or went since the list was made) is counted and skipped; the loop
+then builds what it needs, as it does without a list.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import sys
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+from time import perf_counter
+from typing import Any, Iterable, Optional
+
+from ..errors import InputError
+
+FORMAT = "hybridsim kernel variants 1"
+SHIPPED = Path(__file__).with_name("kernel_variants.json")
+PREFIX = "hybridsim."  # only our own kernels: a worker imports a kernel's module by its name
+_NOT_JSON = object()
+
+
+# ----------------------------------------------------------------------------- what a run needs
+
+def config_key(scenario: dict, kernels: str, check: str, bugs: Iterable[str] = ()) -> str:
+    """What decides a run's kernel variants: the scenario's model, cache, scheduler, speculative
+    decoding and faults (not its name, seed, workload or step limit), the provider, the check level
+    and the injected bugs."""
+    config = {k: v for k, v in scenario.items() if k not in ("name", "seed", "workload", "execution")}
+    blob = json.dumps({"config": config, "kernels": kernels, "check": check, "bugs": sorted(bugs)},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def entry_key(config: str, triton_version: str, target: list) -> str:
+    """A list's key in a file: the configuration, Triton's version and the card's target."""
+    return f"{config} triton-{triton_version} {'-'.join(str(t) for t in target)}"
+
+
+# ----------------------------------------------------------------------------- describing a variant
+
+def _encode(value: Any) -> Any:
+    """A constexpr as JSON, or _NOT_JSON where it has no faithful form (a layout object, a function)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    name = type(value).__name__
+    if name == "dtype" and type(value).__module__.startswith("triton"):
+        return {"dtype": str(value)}
+    if name == "constexpr" and hasattr(value, "value"):
+        inner = _encode(value.value)
+        return _NOT_JSON if inner is _NOT_JSON else {"constexpr": inner}
+    return _NOT_JSON
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, dict) and "dtype" in value:
+        import triton.language as tl
+        return tl.dtype(value["dtype"])
+    if isinstance(value, dict) and "constexpr" in value:
+        import triton.language as tl
+        return tl.constexpr(_decode(value["constexpr"]))
+    return value
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def _option_names(target) -> list[str]:
+    """The build options a variant's metadata repeats (its other entries are results: its name, hash,
+    shared memory), less ``extern_libs``: a path on the recording machine, and Triton fills in its own
+    libdevice where none is given (its cache key hashes the file, not the path)."""
+    import dataclasses
+    from triton.compiler.compiler import make_backend
+
+    opts = make_backend(target).parse_options({})
+    return [f.name for f in dataclasses.fields(opts) if f.name != "extern_libs"]
+
+
+def describe(kernel_name: str, compiled) -> Optional[dict]:
+    """One built variant as a JSON-ready description (``kernel_name``: 'module:qualname'), or None
+    where Triton kept no source record or a constexpr has no JSON form."""
+    src, md = getattr(compiled, "src", None), getattr(compiled, "metadata", None)
+    if src is None or md is None or not hasattr(src, "signature") or not hasattr(md, "_asdict"):
+        return None
+    constants = []
+    for k, v in sorted(src.constants.items()):
+        enc = _encode(v)
+        if enc is _NOT_JSON:
+            return None
+        constants.append([list(k), enc])
+    meta = md._asdict()
+    target = meta.pop("target", None)
+    if target is None:
+        return None
+    options = {k: meta[k] for k in _option_names(target) if k in meta and _jsonable(meta[k])}
+    entry = {"kernel": kernel_name, "gluon": type(src).__name__ == "GluonASTSource",
+             "signature": dict(src.signature), "constants": constants,
+             "attrs": [[list(k), v] for k, v in sorted(src.attrs.items())], "options": options,
+             "target": [target.backend, target.arch, target.warp_size]}
+    return entry if _jsonable(entry) else None
+
+
+def loaded_variants() -> list[dict]:
+    """Every variant of hybridsim's kernels this process holds (built or loaded), described."""
+    from .builds import _kernel_cache
+
+    jit = sys.modules.get("triton.runtime.jit")
+    if jit is None:
+        return []
+    out, seen = [], set()
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or not mod_name.startswith(PREFIX):
+            continue
+        for obj in list(vars(mod).values()):
+            if not isinstance(obj, jit.JITFunction) or obj.fn.__module__ != mod_name:
+                continue  # (a kernel imported into another module is listed under its own)
+            name = f"{mod_name}:{obj.fn.__qualname__}"
+            for caches in getattr(obj, "device_caches", {}).values():
+                for compiled in _kernel_cache(caches).values():
+                    d = describe(name, compiled)
+                    if d is not None:
+                        tag = json.dumps(d, sort_keys=True)
+                        if tag not in seen:
+                            seen.add(tag)
+                            out.append(d)
+    return out
+
+
+# ----------------------------------------------------------------------------- building one (a worker)
+
+def _tuples(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def build(entry: dict) -> tuple[Optional[str], float]:
+    """Build one described variant into Triton's disk cache (no GPU needed: the target is given).
+    Returns None or why it could not be built, and the seconds it took (the worker's imports included)."""
+    t0 = perf_counter()
+    why = _build(entry)
+    return why, perf_counter() - t0
+
+
+def _source(entry: dict):
+    """What ``triton.compile`` takes for a described variant: its source record, target and options."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    module, _, qualname = entry["kernel"].partition(":")
+    fn: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        fn = getattr(fn, part)
+    source = ASTSource
+    if entry.get("gluon"):
+        from triton.experimental.gluon._runtime import GluonASTSource
+        source = GluonASTSource
+    signature = {k: _tuples(v) for k, v in entry["signature"].items()}
+    constants = {tuple(k): _decode(v) for k, v in entry["constants"]}
+    attrs = {tuple(k): v for k, v in entry["attrs"]}
+    options = {k: _tuples(v) for k, v in entry["options"].items()}
+    return source(fn, signature, constants, attrs), GPUTarget(*entry["target"]), options
+
+
+def _build(entry: dict) -> Optional[str]:
+    try:
+        import triton
+
+        src, target, options = _source(entry)
+        compiled = triton.compile(src, target=target, options=options)
+    except Exception as e:  # (a list older than the code: the loop builds what it needs)
+        return f"{entry.get('kernel', '?')}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    _build_launcher(compiled)
+    return None
+
+
+def in_cache(entry: dict) -> bool:
+    """Whether Triton's disk cache already holds this variant (as ``triton.compile`` looks for it:
+    the same key, its metadata file present). False where that cannot be told: then it is built,
+    which finds it at once if it was there."""
+    try:
+        from triton._C.libtriton import get_cache_invalidating_env_vars
+        from triton.compiler.compiler import make_backend
+        from triton.runtime.cache import get_cache_key, get_cache_manager
+
+        src, target, options = _source(entry)
+        backend = make_backend(target)
+        opts = backend.parse_options(dict(options, **src.parse_options()))
+        key = get_cache_key(src, backend, opts, get_cache_invalidating_env_vars())
+        name = f"{src.name[:150]}.json"
+        group = get_cache_manager(hashlib.sha256(key.encode("utf-8")).hexdigest()).get_group(name) or {}
+        return group.get(name) is not None
+    except Exception:
+        return False
+
+
+def _build_launcher(compiled) -> None:
+    """The variant's host-side launcher too (C, compiled once a signature into the same cache): a
+    launch builds it the first time otherwise. Best effort: it needs the CUDA driver library, and
+    the loop builds it where this could not."""
+    try:
+        from triton.backends.nvidia.driver import CudaLauncher, CudaUtils
+        CudaLauncher(compiled.src, compiled.metadata)
+        CudaUtils()  # (the driver's own helpers, built once a machine: a run's first launch builds them otherwise)
+    except Exception:
+        pass
+
+
+# ----------------------------------------------------------------------------- building many
+
+@dataclass
+class PrebuildReport:
+    listed: int
+    built: int
+    failed: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    workers: int = 0
+    source: str = ""
+    slowest: list = field(default_factory=list)  # [(kernel, seconds)], longest first: what bounds ``seconds``
+    cached: int = 0  # listed variants Triton's cache held already (not built again)
+
+    def note(self) -> str:
+        if not self.built and not self.failed:
+            return (f"the {self.listed:,} kernel variants listed for this configuration were in Triton's cache "
+                    f"already (the list: {self.source})")
+        s = (f"built {self.built:,} of {self.listed:,} kernel variants ahead of the loop in {self.seconds:.1f} s "
+             f"({self.workers} worker process{'es' * (self.workers != 1)}"
+             + (f"; {self.cached:,} were in Triton's cache" if self.cached else "") + f"; the list: {self.source})")
+        if self.failed:
+            s += (f"; {len(self.failed):,} could not be built (the kernels changed since the list was made; the loop "
+                  f"builds what it needs): {self.failed[0]}")
+        return s
+
+    def as_dict(self) -> dict:
+        return {"listed": self.listed, "built": self.built, "cached": self.cached, "failed": self.failed,
+                "seconds": round(self.seconds, 3),
+                "workers": self.workers, "source": self.source,
+                "slowest": [[k, round(t, 2)] for k, t in self.slowest]}
+
+
+def _cores() -> int:
+    """Cores this process may run on (a container's share, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _context(modules: list[str]):
+    """Worker processes that start without the parent's CUDA context: forked from a fresh server
+    process that imported the kernels' modules once (torch among them, seconds a process), so
+    each worker starts with them; spawned where there is no fork server."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return get_context("spawn")
+    ctx = get_context("forkserver")
+    ctx.set_forkserver_preload(["triton", "triton.compiler", *modules])  # (read when the server starts)
+    return ctx
+
+
+class Prebuild:
+    """Variants building in worker processes while the caller goes on; ``wait`` before the loop."""
+
+    def __init__(self, entries: list[dict], source: str, workers: Optional[int] = None, cached: int = 0):
+        self.entries = entries
+        self.source = source
+        self.cached = cached
+        self.workers = max(1, min(len(entries), workers or _cores()))
+        self.t0 = perf_counter()
+        modules = sorted({e["kernel"].partition(":")[0] for e in entries if isinstance(e.get("kernel"), str)})
+        self.pool = ProcessPoolExecutor(self.workers, mp_context=_context(modules))
+        self.futures: list[Future] = [self.pool.submit(build, e) for e in entries]
+
+    def abandon(self) -> None:
+        """The run stops before its loop: queued builds dropped, running ones stopped (an exit would
+        otherwise wait for them)."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for proc in list((getattr(self.pool, "_processes", None) or {}).values()):
+            proc.terminate()
+
+    def wait(self) -> PrebuildReport:
+        failed, took = [], []
+        for e, f in zip(self.entries, self.futures):
+            try:
+                why, seconds = f.result()
+                took.append((e["kernel"], seconds))
+            except Exception as err:  # (a worker that died: its variants are the loop's to build)
+                why = f"a worker process failed: {type(err).__name__}: {err}"
+            if why:
+                failed.append(why)
+        self.pool.shutdown()
+        return PrebuildReport(len(self.entries) + self.cached, len(self.entries) - len(failed), failed,
+                              perf_counter() - self.t0, self.workers, self.source,
+                              sorted(took, key=lambda kt: -kt[1])[:5], self.cached)
+
+
+# ----------------------------------------------------------------------------- lists on disk
+
+def read_lists(path: Path, flag: str = "--kernel-variants") -> dict:
+    """A kernel variants file's lists ({} where the file does not exist yet). A file that is not
+    one is bad input, named with the flag that gave it."""
+    from ..errors import read_text
+
+    if not path.exists():
+        return {}
+    where = f"{flag}: {path}"
+    try:
+        data = json.loads(read_text(path))
+    except InputError as e:
+        raise InputError(e.message, where) from None
+    except json.JSONDecodeError as e:
+        raise InputError(f"not a kernel variants file: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})",
+                         where) from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("lists"), dict):
+        raise InputError(f"not a kernel variants file (it needs \"format\": {FORMAT!r} and \"lists\")", where)
+    for key, lst in data["lists"].items():
+        if not isinstance(lst, dict) or not isinstance(lst.get("variants"), list) or not all(
+                isinstance(v, dict) and isinstance(v.get("kernel"), str) for v in lst["variants"]):
+            raise InputError(f"list {key!r} is not a list of described kernel variants", where)
+    return data["lists"]
+
+
+def lookup(key: str, files: Iterable[tuple[Path, str]]) -> tuple[list[dict], str]:
+    """The variants listed for ``key`` in the first file that has it, and which file that was."""
+    for path, flag in files:
+        lst = read_lists(path, flag).get(key)
+        if lst is not None:
+            return lst["variants"], str(path)
+    return [], ""
+
+
+def dumps(doc: dict) -> str:
+    """A kernel variants file's text: one variant a line (a list's change reads as lines in a diff)."""
+    lists = []
+    for key, lst in doc["lists"].items():
+        rows = ",\n".join("   " + json.dumps(v) for v in lst["variants"])  # (a signature keeps its order)
+        lists.append(f"  {json.dumps(key)}: {{\"label\": {json.dumps(lst['label'])}, \"variants\": [\n{rows}\n  ]}}")
+    return "{\"format\": " + json.dumps(doc["format"]) + ", \"lists\": {\n" + ",\n".join(lists) + "\n}}\n"
+
+
+def with_variants(lists: dict, key: str, label: str, variants: list[dict]) -> tuple[dict, int]:
+    """A kernel variants file's document with ``variants`` added to the list for ``key`` (other lists
+    kept, each variant once), and how many were new."""
+    lists = dict(lists)
+    lst = dict(lists.get(key) or {"variants": []})
+    have = {json.dumps(v, sort_keys=True) for v in lst["variants"]}
+    new = [v for v in variants if json.dumps(v, sort_keys=True) not in have]
+    lists[key] = {"label": label, "variants": list(lst["variants"]) + new}
+    return {"format": FORMAT, "lists": dict(sorted(lists.items()))}, len(new)
