@@ -15,7 +15,11 @@ if [ -f .gpu-carry/vllm_py.tgz ]; then  # vLLM's Python files (bench/pack_vllm_f
   mkdir -p /tmp/vl && tar -xzf .gpu-carry/vllm_py.tgz -C /tmp/vl && export PYTHONPATH=$PYTHONPATH:/tmp/vl
 fi
 python3 -c "import torch,triton;print(torch.cuda.get_device_name(0), torch.__version__, triton.__version__)"
-run() { timeout "$1" python3 -m hybridsim.cli run "scenarios/$2.yaml" --kernels triton --device cuda "${@:3}"; }
+# every run lists the kernel variants it used here (device/prebuild.py), starting from the package's lists:
+# copy it over hybridsim/device/kernel_variants.json when kernels changed
+cp hybridsim/device/kernel_variants.json "$OUT/kernel_variants.json"
+run() { timeout "$1" python3 -m hybridsim.cli run "scenarios/$2.yaml" --kernels triton --device cuda \
+          --kernel-variants "$OUT/kernel_variants.json" "${@:3}"; }
 if [[ $WHAT == *tests* ]]; then
   python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_probe.py tests/test_kernels_triton.py tests/test_paged_attention.py tests/test_ceilings.py \
     tests/test_gpu_run.py tests/test_block_copy.py tests/test_partial_exec.py tests/test_dense_attention_f64.py tests/test_latent_attention_f64.py \

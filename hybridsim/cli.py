@@ -166,8 +166,8 @@ def run(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no tables, only errors"),
     kernel_variants: Optional[Path] = typer.Option(
         None, "--kernel-variants", help="a kernel variants list (JSON): on a GPU, build the variants it lists for "
-                                        "this configuration before the loop, in parallel; then add the ones this run "
-                                        "used (the file is made if missing)"),
+                                        "this configuration before the loop, in parallel; then list there the ones "
+                                        "this run used (the file is made if missing)"),
 ) -> None:
     """Simulate a scenario step by step, execute every step and check it against the oracle."""
     if list_bugs:

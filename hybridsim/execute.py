@@ -183,7 +183,7 @@ class KernelLists:
         from .output_files import write_output
 
         held = pb.loaded_variants()
-        doc, new = pb.with_variants(pb.read_lists(self.user_file), self.key, self.label, held)
+        doc, new, gone = pb.with_variants(pb.read_lists(self.user_file), self.key, self.label, held)
         write_output(self.user_file, "--kernel-variants", pb.dumps(doc))
-        return (f"--kernel-variants: {len(doc['lists'][self.key]['variants']):,} kernel variants listed for this "
-                f"configuration in {self.user_file} ({new:,} new)")
+        return (f"--kernel-variants: {len(held):,} kernel variants listed for this configuration in {self.user_file}, "
+                f"the ones this run used ({new:,} new" + (f", {gone:,} no longer used dropped" if gone else "") + ")")

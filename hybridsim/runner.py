@@ -213,6 +213,10 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
         recorded = lists.record()
         if recorded:
             notes.append(recorded)
+        elif res.kernel_compiles and prebuilt is None:
+            notes.append(f"the loop compiled {res.kernel_compiles:,} kernel cache entries (variants and launchers); no "
+                         "list of them exists for this configuration: `--kernel-variants FILE` records one, and a run "
+                         "of this configuration given it builds them before its loop, in parallel, on a fresh machine")
     elif kernel_variants is not None:
         notes.append(f"--kernel-variants: nothing recorded in {kernel_variants}: the run executed no step (checks off)")
     sim.stats.notes.extend(notes)

@@ -129,18 +129,18 @@ def test_config_key_follows_the_configuration_not_the_workload():
     assert pb.config_key({**s, "cache": {**s["cache"], "block_size": 32}}, "triton", "full") != key
 
 
-def test_lists_merge_and_read_back(tmp_path):
+def test_a_list_is_what_the_last_recorded_run_used(tmp_path):
     path = tmp_path / "kv.json"
     assert pb.read_lists(path) == {}
-    a, b = {"kernel": "m:a", "x": 1}, {"kernel": "m:b", "x": 2}
-    doc, new = pb.with_variants({}, "k1", "one", [a, b])
-    assert new == 2
-    path.write_text(json.dumps(doc))
-    doc, new = pb.with_variants(pb.read_lists(path), "k1", "one", [b, {"kernel": "m:c"}])
-    assert new == 1 and [v["kernel"] for v in doc["lists"]["k1"]["variants"]] == ["m:a", "m:b", "m:c"]
-    doc, new = pb.with_variants(doc["lists"], "k2", "two", [a])
-    path.write_text(json.dumps(doc))
-    assert set(pb.read_lists(path)) == {"k1", "k2"}
+    a, b, c = {"kernel": "m:a", "x": 1}, {"kernel": "m:b", "x": 2}, {"kernel": "m:c"}
+    doc, new, gone = pb.with_variants({}, "k1", "one", [a, b])
+    assert (new, gone) == (2, 0)
+    path.write_text(pb.dumps(doc))
+    doc, new, gone = pb.with_variants(pb.read_lists(path), "k1", "one", [b, c])  # (a changed: its old variant unused)
+    assert (new, gone) == (1, 1) and doc["lists"]["k1"]["variants"] == [b, c]
+    doc, new, gone = pb.with_variants(doc["lists"], "k2", "two", [a])
+    path.write_text(pb.dumps(doc))
+    assert pb.read_lists(path) == {"k1": {"label": "one", "variants": [b, c]}, "k2": {"label": "two", "variants": [a]}}
     assert pb.lookup("k2", [(tmp_path / "missing.json", "x"), (path, "y")]) == ([a], str(path))
     assert pb.lookup("k3", [(path, "y")]) == ([], "")
 

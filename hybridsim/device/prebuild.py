@@ -350,12 +350,13 @@ def dumps(doc: dict) -> str:
     return "{\"format\": " + json.dumps(doc["format"]) + ", \"lists\": {\n" + ",\n".join(lists) + "\n}}\n"
 
 
-def with_variants(lists: dict, key: str, label: str, variants: list[dict]) -> tuple[dict, int]:
-    """A kernel variants file's document with ``variants`` added to the list for ``key`` (other lists
-    kept, each variant once), and how many were new."""
-    lists = dict(lists)
-    lst = dict(lists.get(key) or {"variants": []})
-    have = {json.dumps(v, sort_keys=True) for v in lst["variants"]}
-    new = [v for v in variants if json.dumps(v, sort_keys=True) not in have]
-    lists[key] = {"label": label, "variants": list(lst["variants"]) + new}
-    return {"format": FORMAT, "lists": dict(sorted(lists.items()))}, len(new)
+def with_variants(lists: dict, key: str, label: str, variants: list[dict]) -> tuple[dict, int, int]:
+    """A kernel variants file's document whose list for ``key`` is ``variants`` (other lists kept), with
+    how many of them the old list lacked and how many of its variants are gone. The list is what the
+    last recorded run used, not a union of every run's: a variant the code no longer builds does not
+    stay in it, to be built before every later run for nothing."""
+    old = {json.dumps(v, sort_keys=True) for v in (lists.get(key) or {}).get("variants", [])}
+    now = {json.dumps(v, sort_keys=True) for v in variants}
+    merged = dict(lists)
+    merged[key] = {"label": label, "variants": list(variants)}
+    return {"format": FORMAT, "lists": dict(sorted(merged.items()))}, len(now - old), len(old - now)
