@@ -125,8 +125,8 @@ def oracle_scan_for(device: torch.device):
 class KernelLists:
     """A run's kernel variants ahead of its loop (``device/prebuild.py``): the list recorded for its
     configuration, from the user's ``--kernel-variants`` file or the package's, built in worker
-    threads while the executor is set up; after the loop, what the run loaded added to the
-    user's file. Only where kernels are built: on a GPU."""
+    threads while the executor is set up; after the loop, the user's file's list for it set to
+    what the run used. Only where kernels are built: on a GPU."""
 
     def __init__(self, s: Scenario, kernels: str, device: str, check: str, bugs: set[str],
                  user_file=None):
@@ -142,7 +142,10 @@ class KernelLists:
         dev = resolve_device(device)
         if torch.device(dev).type != "cuda":
             return
-        import triton
+        try:
+            import triton
+        except ImportError:  # (no Triton: nothing is built, ahead or inside the loop)
+            return
 
         major, minor = torch.cuda.get_device_capability(torch.device(dev))
         if kernels == "auto":
@@ -173,7 +176,8 @@ class KernelLists:
             self.running = None
 
     def record(self) -> str | None:
-        """Add the variants this process holds to the user's file; the note saying so."""
+        """The user's file's list for this configuration set to the variants this process holds; the
+        note saying so."""
         if self.user_file is None:
             return None
         if self.key is None:

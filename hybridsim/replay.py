@@ -119,7 +119,7 @@ def replay_trace(path: str | Path, *, check: str = "full", bugs: Optional[set[st
         lists.abandon()
         raise
     prebuilt = lists.wait()
-    if prebuilt is not None:
+    if prebuilt is not None and prebuilt.note():
         notes.append(prebuilt.note())
     t0 = perf_counter()
     for ln, plan, outcome in tr.steps:

@@ -111,7 +111,7 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
     ``scheduler``: whose scheduler plans (default the scenario's ``execution.scheduler``): ours, or
     ``vllm``, the installed vLLM's own (``engines.vllm_live``), checked the same way.
     ``kernel_variants``: a kernel variants file (``device/prebuild.py``): on a GPU the variants it lists
-    for this configuration are built before the loop, and the ones the run held are added to it."""
+    for this configuration are built before the loop, and its list for it becomes the ones the run used."""
     s = loaded.scenario
     scheduler = scheduler or s.execution.scheduler
     if scheduler != s.execution.scheduler:  # (a trace's header says whose plan it holds)
@@ -152,7 +152,7 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
             lists.abandon()
             raise
         prebuilt = lists.wait()  # (building while the executor was set up; done before the loop)
-        if prebuilt is not None:
+        if prebuilt is not None and prebuilt.note():
             notes.append(prebuilt.note())
     if check != "off" and planner is not None:  # (vLLM's plans: what any engine's plans must satisfy)
         from .engines.vllm_live import PLAN_CHECK, PlanChecker
