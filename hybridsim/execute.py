@@ -137,8 +137,8 @@ class KernelLists:
         self.running = None
         self.done = None  # (every listed variant was in Triton's cache already)
         self.label = s.name
-        if user_file is not None:
-            pb.read_lists(user_file)  # (a file that is not one: bad input, before any work)
+        # (read once, here: a file that is not a list is bad input before any work)
+        user_lists = pb.read_lists(user_file) if user_file is not None else None
         dev = resolve_device(device)
         if torch.device(dev).type != "cuda":
             return
@@ -152,8 +152,8 @@ class KernelLists:
             kernels = "triton"
         self.key = pb.entry_key(pb.config_key(s.model_dump(mode="json"), kernels, check, bugs), triton.__version__,
                                 ["cuda", 10 * major + minor, 32])
-        files = ([(user_file, "--kernel-variants")] if user_file is not None else []) + [(pb.SHIPPED, "kernel lists")]
-        entries, source = pb.lookup(self.key, files)
+        sources = [(user_lists, str(user_file))] if user_lists is not None else []
+        entries, source = pb.lookup(self.key, sources + [(pb.read_lists(pb.SHIPPED, "kernel lists"), str(pb.SHIPPED))])
         t0 = perf_counter()
         missing = [e for e in entries if not pb.in_cache(e)]  # (a machine that ran this before: nothing to build)
         cached = len(entries) - len(missing)
@@ -168,6 +168,21 @@ class KernelLists:
             return self.done
         report, self.running = self.running.wait(), None
         return report
+
+    def beside(self, make: Callable[[], Executor], notes: list[str]):
+        """``make()`` (the executor) while the listed variants build, then wait for them: the executor
+        and the prebuild's report (its note added to ``notes`` where it has one). Where ``make`` fails,
+        the builds not started are dropped."""
+        try:
+            ex = make()
+        except BaseException:
+            self.abandon()
+            raise
+        report = self.wait()
+        note = report.note() if report is not None else None
+        if note:
+            notes.append(note)
+        return ex, report
 
     def abandon(self) -> None:
         """The run stops before its loop: builds not started are dropped, those under way end on their own."""

@@ -112,15 +112,9 @@ def replay_trace(path: str | Path, *, check: str = "full", bugs: Optional[set[st
     elif bugs:
         notes += [f"--inject-bug: {m}: it changes nothing in this trace" for m in inapplicable_bugs(scenario, bugs)]
     lists = KernelLists(scenario, kernels, device, check, bugs or set())  # (on a GPU: the package's list, if any)
-    try:
-        ex = make_executor(scenario, tr.header["groups"], checks, check, bugs or set(), kernels, device, notes,
-                           where=f"{path}:1", announce=announce, digests=True, capacity=_distinct_blocks(tr.steps))
-    except BaseException:
-        lists.abandon()
-        raise
-    prebuilt = lists.wait()
-    if prebuilt is not None and prebuilt.note():
-        notes.append(prebuilt.note())
+    ex, _ = lists.beside(lambda: make_executor(scenario, tr.header["groups"], checks, check, bugs or set(), kernels,
+                                               device, notes, where=f"{path}:1", announce=announce, digests=True,
+                                               capacity=_distinct_blocks(tr.steps)), notes)
     t0 = perf_counter()
     for ln, plan, outcome in tr.steps:
         try:

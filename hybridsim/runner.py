@@ -144,16 +144,10 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
         from .execute import KernelLists, make_executor
         lists = KernelLists(s, kernels or s.execution.kernels, device or s.execution.device, check, bugs or set(),
                             kernel_variants)
-        try:
-            executor = make_executor(s, sim.groups, checks, check, bugs or set(), kernels or s.execution.kernels,
-                                     device or s.execution.device, notes, where=loaded.where("cache", "num_blocks"),
-                                     announce=announce)
-        except BaseException:
-            lists.abandon()
-            raise
-        prebuilt = lists.wait()  # (building while the executor was set up; done before the loop)
-        if prebuilt is not None and prebuilt.note():
-            notes.append(prebuilt.note())
+        executor, prebuilt = lists.beside(
+            lambda: make_executor(s, sim.groups, checks, check, bugs or set(), kernels or s.execution.kernels,
+                                  device or s.execution.device, notes, where=loaded.where("cache", "num_blocks"),
+                                  announce=announce), notes)
     if check != "off" and planner is not None:  # (vLLM's plans: what any engine's plans must satisfy)
         from .engines.vllm_live import PLAN_CHECK, PlanChecker
         sim.checker = PlanChecker(sim, checks.get(PLAN_CHECK))

@@ -77,8 +77,9 @@ def test_a_list_is_what_the_last_recorded_run_used(tmp_path):
     doc, new, gone = pb.with_variants(doc["lists"], "k2", "two", [a])
     path.write_text(pb.dumps(doc))
     assert pb.read_lists(path) == {"k1": {"label": "one", "variants": [b, c]}, "k2": {"label": "two", "variants": [a]}}
-    assert pb.lookup("k2", [(tmp_path / "missing.json", "x"), (path, "y")]) == ([a], str(path))
-    assert pb.lookup("k3", [(path, "y")]) == ([], "")
+    sources = [(pb.read_lists(tmp_path / "missing.json"), "missing"), (pb.read_lists(path), str(path))]
+    assert pb.lookup("k2", sources) == ([a], str(path))
+    assert pb.lookup("k3", sources) == ([], "")
 
 
 @pytest.mark.parametrize("text, says", [

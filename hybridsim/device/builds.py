@@ -17,26 +17,31 @@ import sys
 PREFIXES = ("hybridsim.", "vllm.")
 
 
-def built_variants() -> dict[str, int]:
-    """Variants in memory now, per loaded Triton or Gluon kernel ('module.name'): each one was built
-    (compiled, or loaded from Triton's cache) by this process. Empty where Triton is not loaded (no
-    kernel was built, and a run with the reference kernels need not pay its import, a third of a
-    second); kernels under Triton's interpreter build nothing."""
+def held_variants(prefixes: tuple[str, ...] = PREFIXES):
+    """(module name, kernel, its built variants) for every loaded Triton or Gluon kernel defined in a
+    module under ``prefixes`` that holds any: what this process built (compiled, or loaded from
+    Triton's cache). A kernel imported into another module is listed once, under the module that
+    defines it. Nothing where Triton is not loaded."""
     jit = sys.modules.get("triton.runtime.jit")
     if jit is None:
-        return {}
-    JITFunction = jit.JITFunction
-    out: dict[str, int] = {}
+        return
     for mod_name, mod in list(sys.modules.items()):
-        if mod is None or not mod_name.startswith(PREFIXES):
+        if mod is None or not mod_name.startswith(prefixes):
             continue
         for obj in list(vars(mod).values()):
-            # (a kernel imported into another module is counted once, under the module that defines it)
-            if isinstance(obj, JITFunction) and obj.fn.__module__ == mod_name:
-                n = sum(len(_kernel_cache(v)) for v in getattr(obj, "device_caches", {}).values())
-                if n:
-                    out[f"{mod_name.rsplit('.', 1)[-1]}.{obj.fn.__name__}"] = n
-    return out
+            if isinstance(obj, jit.JITFunction) and obj.fn.__module__ == mod_name:
+                built = [k for caches in getattr(obj, "device_caches", {}).values()
+                         for k in _kernel_cache(caches).values()]
+                if built:
+                    yield mod_name, obj, built
+
+
+def built_variants() -> dict[str, int]:
+    """Variants in memory now, per loaded Triton or Gluon kernel ('module.name'). Empty where Triton
+    is not loaded (no kernel was built, and a run with the reference kernels need not pay its import,
+    a third of a second); kernels under Triton's interpreter build nothing."""
+    return {f"{mod_name.rsplit('.', 1)[-1]}.{obj.fn.__name__}": len(built)
+            for mod_name, obj, built in held_variants()}
 
 
 def _kernel_cache(entry) -> dict:

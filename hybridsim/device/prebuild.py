@@ -19,6 +19,7 @@ then builds what it needs, as it does without a list.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import json
@@ -88,7 +89,8 @@ def _jsonable(value: Any) -> bool:
         return False
 
 
-def _option_names(target) -> list[str]:
+@functools.lru_cache(maxsize=None)
+def _option_names(target) -> tuple[str, ...]:
     """The build options a variant's metadata repeats (its other entries are results: its name, hash,
     shared memory), less ``extern_libs``: a path on the recording machine, and Triton fills in its own
     libdevice where none is given (its cache key hashes the file, not the path)."""
@@ -96,7 +98,7 @@ def _option_names(target) -> list[str]:
     from triton.compiler.compiler import make_backend
 
     opts = make_backend(target).parse_options({})
-    return [f.name for f in dataclasses.fields(opts) if f.name != "extern_libs"]
+    return tuple(f.name for f in dataclasses.fields(opts) if f.name != "extern_libs")
 
 
 def describe(kernel_name: str, compiled) -> Optional[dict]:
@@ -125,27 +127,15 @@ def describe(kernel_name: str, compiled) -> Optional[dict]:
 
 def loaded_variants() -> list[dict]:
     """Every variant of hybridsim's kernels this process holds (built or loaded), described."""
-    from .builds import _kernel_cache
+    from .builds import held_variants
 
-    jit = sys.modules.get("triton.runtime.jit")
-    if jit is None:
-        return []
     out, seen = [], set()
-    for mod_name, mod in list(sys.modules.items()):
-        if mod is None or not mod_name.startswith(PREFIX):
-            continue
-        for obj in list(vars(mod).values()):
-            if not isinstance(obj, jit.JITFunction) or obj.fn.__module__ != mod_name:
-                continue  # (a kernel imported into another module is listed under its own)
-            name = f"{mod_name}:{obj.fn.__qualname__}"
-            for caches in getattr(obj, "device_caches", {}).values():
-                for compiled in _kernel_cache(caches).values():
-                    d = describe(name, compiled)
-                    if d is not None:
-                        tag = json.dumps(d, sort_keys=True)
-                        if tag not in seen:
-                            seen.add(tag)
-                            out.append(d)
+    for mod_name, obj, built in held_variants((PREFIX,)):
+        for compiled in built:
+            d = describe(f"{mod_name}:{obj.fn.__qualname__}", compiled)
+            if d is not None and (tag := json.dumps(d, sort_keys=True)) not in seen:
+                seen.add(tag)
+                out.append(d)
     return out
 
 
@@ -332,12 +322,13 @@ def read_lists(path: Path, flag: str = "--kernel-variants") -> dict:
     return data["lists"]
 
 
-def lookup(key: str, files: Iterable[tuple[Path, str]]) -> tuple[list[dict], str]:
-    """The variants listed for ``key`` in the first file that has it, and which file that was."""
-    for path, flag in files:
-        lst = read_lists(path, flag).get(key)
+def lookup(key: str, sources: Iterable[tuple[dict, str]]) -> tuple[list[dict], str]:
+    """The variants listed for ``key`` in the first of ``sources`` (lists as ``read_lists`` gives them,
+    and where they came from) that has it, and which one that was."""
+    for lists, where in sources:
+        lst = lists.get(key)
         if lst is not None:
-            return lst["variants"], str(path)
+            return lst["variants"], where
     return [], ""
 
 
