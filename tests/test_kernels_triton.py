@@ -201,12 +201,12 @@ def test_gpu_mla_decode_deepseek_shapes_bf16(nq, page, splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["gluon", "triton"])
+@pytest.mark.parametrize("impl", ["gluon", "seesaw", "triton"])
 @pytest.mark.parametrize("nq,H,lens,splits", [(1, 128, [4096, 1000, 2, 333, 0], 0), (2, 128, [700, 65, 3], 3),
                                               (4, 128, [130, 64, 4097], 0), (1, 40, [1000, 1, 77], 2),
                                               (1, 128, [4096, 100, 0], 8)])
 def test_gpu_mla_decode_both_split_kernels(impl, nq, H, lens, splits):
-    """The Gluon (Hopper) and Triton split kernels, each forced, at page 64: partial last tiles over
+    """The Gluon (Hopper: the split kernel and the two-warp-group one) and Triton split kernels, each forced, at page 64: partial last tiles over
     NaN rows, a request with no key (0 and -inf), splits past short requests, spec-decode queries,
     40 heads (a 64-row tile reaching into the next request's queries and past the last one), and
     8 splits (the Gluon kernel merges 2 in its last program, more in the combine kernel)."""
@@ -215,8 +215,8 @@ def test_gpu_mla_decode_both_split_kernels(impl, nq, H, lens, splits):
     gen = torch.Generator().manual_seed(nq * 31 + H + len(lens))
     q_lat, q_pe, cache, table = _mla_case(len(lens), nq, H, 512, 64, 64, [max(1, n) for n in lens],
                                           torch.bfloat16, gen)
-    if impl == "gluon" and not gluon_applies(cache, 512, 64, 64):
-        pytest.skip("the Gluon kernel needs a Hopper GPU")
+    if impl != "triton" and not gluon_applies(cache, 512, 64, 64):
+        pytest.skip("the Gluon kernels need a Hopper GPU")
     o, lse = TRI.mla_decode(q_lat, q_pe, cache, table, torch.tensor(lens), 512, 0.1352338, num_splits=splits,
                             impl=impl)
     _assert_mla_page64_rows(o, lse, q_lat, q_pe, cache, table, lens)
@@ -290,6 +290,7 @@ STEP_INTS = {
     ("attention_triton", "combine_splits_kernel"): {"n_rows", "num_splits"},
     ("attention_triton", "_reshape_and_cache_kernel"): {"n"},
     ("mla_gluon", "_mla_gluon_split_kernel"): {"n_qrows", "max_blocks", "keys_per_split", "num_splits"},
+    ("mla_seesaw", "_mla_seesaw_kernel"): {"n_qrows", "max_blocks", "keys_per_split"},
     ("dense_attention_f64", "_project_keys_kernel"): {"pair0"},
     ("dense_attention_f64", "_workspace_attention_kernel"): {"pair0"},
     ("triton_kernels", "_scatter_rows_kernel"): {"n"},
@@ -303,7 +304,7 @@ STEP_INTS = {
 def test_kernels_do_not_specialise_what_changes_every_step(module, name):
     import importlib
     mod = importlib.import_module(f"hybridsim.kernels.{module}")
-    if module == "mla_gluon" and not mod.HAVE_GLUON:
+    if module in ("mla_gluon", "mla_seesaw") and not mod.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
     kern = getattr(mod, name)
     if hasattr(kern, "params"):  # compiled (and Gluon, under the interpreter too)

@@ -16,6 +16,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .attention_triton import (_pow2, _sm_count, combine_splits_kernel, launch_reshape_and_cache,
                                plan_paged_attention, run_paged_attention)
 from .mla_gluon import gluon_applies, launch_gluon_split
+from .mla_seesaw import launch_seesaw, seesaw_applies
 from .partial_attention import partial_attention
 from .probe_scan_triton import scan_triton
 from .reference import ReferenceKernels
@@ -442,7 +443,8 @@ class TritonKernels(ReferenceKernels):
         queries itself and merges two splits itself (more go through the combine launch).
         ``impl``: "auto" uses the Gluon split kernel where it applies (Hopper, bf16/fp16,
         512 + 64, pages a multiple of 64; see mla_gluon.py) and the Triton one elsewhere;
-        "gluon" / "triton" force one (benchmarks, tests).
+        "gluon" / "triton" force one (benchmarks, tests); "seesaw" the two-warp-group Gluon kernel
+        (``mla_seesaw.py``, Hopper).
         """
         B, nq, H, L = q_lat.shape
         R = q_pe.shape[-1]
@@ -452,8 +454,9 @@ class TritonKernels(ReferenceKernels):
         low = cache.dtype in (torch.bfloat16, torch.float16)
         block_m = block_m or (64 if low else min(64, _pow2(M)))
         block_n = block_n or (64 if low else 32)
-        if impl == "gluon" and not gluon_applies(cache, L, R, block_n):
-            raise ValueError("mla_decode: the Gluon kernel needs a Hopper GPU, a 16-bit cache, L = 512, R = 64 "
+        if impl in ("gluon", "seesaw") and not (seesaw_applies if impl == "seesaw" else gluon_applies)(
+                cache, L, R, block_n):
+            raise ValueError(f"mla_decode: the {impl} kernel needs a Hopper GPU, a 16-bit cache, L = 512, R = 64 "
                              "and pages a multiple of 64")
         use_gluon = impl == "gluon" or (impl == "auto" and block_m == 64 and gluon_applies(cache, L, R, block_n))
         num_warps = num_warps or (8 if low else 4)
@@ -476,7 +479,10 @@ class TritonKernels(ReferenceKernels):
         table = block_table.to(dev, torch.int64).contiguous()
         lens = seq_lens.to(dev, torch.int64)
         scale_log2 = float(scale) * 1.4426950408889634
-        if use_gluon:  # it casts the queries itself, and merges two splits itself
+        if impl == "seesaw":  # it casts the queries itself; splits merge in the combine launch
+            launch_seesaw(q_lat.reshape(B, M, L).contiguous(), q_pe.reshape(B, M, R).contiguous(), cache, table,
+                          lens, o_part, lse_part, M, H, nq, per, scale_log2, num_splits, block_n=block_n)
+        elif use_gluon:  # it casts the queries itself, and merges two splits itself
             two = num_splits == 2
             o = self._out((B, M, L), torch.float32, dev) if two else o_part[0]
             lse = self._out((B, M), torch.float32, dev) if two else lse_part[0]
