@@ -375,7 +375,7 @@ def main():
     ap.add_argument("--mla-configs", default="64,64,8,2;64,32,8,4;64,64,4,2",
                     help="block_m,block_n,num_warps,num_stages;...")
     ap.add_argument("--mla-splits", default="1,2,4,8")
-    ap.add_argument("--mla-impls", default="auto", help="split kernels to sweep: auto,gluon,triton")
+    ap.add_argument("--mla-impls", default="auto", help="split kernels to sweep: auto,gluon,seesaw,triton")
     ap.add_argument("--gqa-configs", default="64,4,2;64,4,3;32,4,3;128,8,2;64,8,3",
                     help="block_n,num_warps,num_stages;...")
     ap.add_argument("--gqa-splits", default="1,4,8,16")
