@@ -69,14 +69,8 @@ if HAVE_GLUON:
         col_r: gl.constexpr = gl.SliceLayout(0, row_layout)
         dt: gl.constexpr = kv_desc.dtype
 
-        mt = gl.program_id(0)
-        sp = gl.program_id(1)
-        b = gl.program_id(2).to(gl.int64)
-        seq_len = gl.load(seq_lens + b).to(gl.int32)
-        k_start = sp * keys_per_split
-        k_end = gl.minimum(k_start + keys_per_split, seq_len)
-        n_tiles = gl.cdiv(gl.maximum(k_end - k_start, 0), BLOCK_N)
-        table = block_table + b * max_blocks
+        mt, sp, b, seq_len, k_start, k_end, n_tiles, table = _program_keys(seq_lens, block_table, max_blocks,
+                                                                           keys_per_split, BLOCK_N)
         pair = counters + 4 * (b * gl.num_programs(0) + mt)  # this row tile's counters (two splits)
 
         # ---- shared memory: queries once, a ring of latent tiles, P, barriers
@@ -213,6 +207,19 @@ if HAVE_GLUON:
                                   orow, rmask, cols, L, HALF, row_layout)
         else:  # one split (o_part[0] is the result) or many (the combine kernel merges them)
             _store_rows(o_part, lse_part, prow, rmask, cols, out_lo, out_hi, own_lse, L, HALF, row_layout)
+
+    @gluon.jit
+    def _program_keys(seq_lens, block_table, max_blocks, keys_per_split, BLOCK_N: gl.constexpr):
+        """This program's row tile, split and request, the request's length, the keys of its split
+        [k_start, k_end), their number of tiles and the request's block-table row."""
+        mt = gl.program_id(0)
+        sp = gl.program_id(1)
+        b = gl.program_id(2).to(gl.int64)
+        seq_len = gl.load(seq_lens + b).to(gl.int32)
+        k_start = sp * keys_per_split
+        k_end = gl.minimum(k_start + keys_per_split, seq_len)
+        n_tiles = gl.cdiv(gl.maximum(k_end - k_start, 0), BLOCK_N)
+        return mt, sp, b, seq_len, k_start, k_end, n_tiles, block_table + b * max_blocks
 
     @gluon.jit
     def _merge_pair_halves(pair, on_start, halves, sp, out_lo, out_hi, own_lse, o_part, lse_part, o_out, lse_out,
@@ -413,6 +420,17 @@ def _counters(dev, n: int):
     return buf
 
 
+def latent_descriptors(cache, L: int, R: int, block_n: int):
+    """Tensor descriptors of a paged latent cache (pages, page, L + R) for the copy engine: tiles of
+    block_n rows of one half of the latent columns, and of the rope columns."""
+    dt = gl.bfloat16 if str(cache.dtype) == "torch.bfloat16" else gl.float16
+    flat = cache.view(-1, L + R)
+    shared = gl.NVMMASharedLayout.get_default_for
+    half = L // 2
+    return (GluonDescriptor.from_tensor(flat, [block_n, half], shared([block_n, half], dt)),
+            GluonDescriptor.from_tensor(flat, [block_n, R], shared([block_n, R], dt)))
+
+
 def launch_gluon_split(q_lat, q_pe, cache, block_table, seq_lens, o_part, lse_part, o_out, lse_out, M, H, nq,
                        per, qk_scale_log2, num_splits, block_m=64, block_n=64, num_stages=2) -> None:
     """Launch the split kernel. q_lat (B, M, L) and q_pe (B, M, R), contiguous, any float dtype
@@ -420,14 +438,10 @@ def launch_gluon_split(q_lat, q_pe, cache, block_table, seq_lens, o_part, lse_pa
     program of each row tile to finish merges both into o_out (B, M, L) / lse_out (B, M); with
     more, the caller merges o_part / lse_part (the combine kernel)."""
     B = q_lat.shape[0]
-    L, R = q_lat.shape[-1], q_pe.shape[-1]
+    L = q_lat.shape[-1]
     half = L // 2
     page = cache.shape[1]
-    dt = gl.bfloat16 if str(cache.dtype) == "torch.bfloat16" else gl.float16
-    flat = cache.view(-1, L + R)
-    shared = gl.NVMMASharedLayout.get_default_for
-    kv_desc = GluonDescriptor.from_tensor(flat, [block_n, half], shared([block_n, half], dt))
-    kr_desc = GluonDescriptor.from_tensor(flat, [block_n, R], shared([block_n, R], dt))
+    kv_desc, kr_desc = latent_descriptors(cache, L, q_pe.shape[-1], block_n)
     mtiles = (M + block_m - 1) // block_m
     counters = _counters(cache.device, 4 * B * mtiles)
     halves = 0

@@ -44,7 +44,8 @@ try:  # Gluon ships with Triton >= 3.5
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                   warpgroup_mma, warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    from .mla_gluon import _program_keys
     HAVE_GLUON = True
 except Exception:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
@@ -270,22 +271,6 @@ if HAVE_GLUON:
         _write_half(acc, l_i, m_i, stage, o_part, lse_part, prow0, n_rows, ROLE * HALF, ROLE == 0,
                     L, BLOCK_M, HALF, o_layout, row_s)
 
-    @gluon.jit
-    def _group0(q_lo, q_hi, q_r, kv_lo, kv_hi, k_r, full, empty, x0, x1, m0_buf, rs0_buf, m1_buf, rs1_buf, o_part,
-                lse_part, prow0, n_rows, qrow0, H, seq_len, nq, k_start, k_end, n_tiles, qk_scale_log2,
-                L: gl.constexpr, HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-        _group(0, q_lo, q_hi, q_r, kv_lo, kv_hi, k_r, full, empty, x0, x1, m0_buf, rs0_buf, m1_buf, rs1_buf, o_part,
-               lse_part, prow0, n_rows, qrow0, H, seq_len, nq, k_start, k_end, n_tiles, qk_scale_log2,
-               L, HALF, BLOCK_M, BLOCK_N)
-
-    @gluon.jit
-    def _group1(q_lo, q_hi, q_r, kv_lo, kv_hi, k_r, full, empty, x0, x1, m0_buf, rs0_buf, m1_buf, rs1_buf, o_part,
-                lse_part, prow0, n_rows, qrow0, H, seq_len, nq, k_start, k_end, n_tiles, qk_scale_log2,
-                L: gl.constexpr, HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-        _group(1, q_lo, q_hi, q_r, kv_lo, kv_hi, k_r, full, empty, x0, x1, m0_buf, rs0_buf, m1_buf, rs1_buf, o_part,
-               lse_part, prow0, n_rows, qrow0, H, seq_len, nq, k_start, k_end, n_tiles, qk_scale_log2,
-               L, HALF, BLOCK_M, BLOCK_N)
-
     @gluon.jit(do_not_specialize=["n_qrows", "max_blocks", "keys_per_split"])
     def _mla_seesaw_kernel(q_lat, q_pe, kv_desc, kr_desc, block_table, seq_lens, o_part, lse_part,
                            n_qrows, M, H, nq, max_blocks, keys_per_split, qk_scale_log2,
@@ -300,14 +285,8 @@ if HAVE_GLUON:
         vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         dt: gl.constexpr = kv_desc.dtype
 
-        mt = gl.program_id(0)
-        sp = gl.program_id(1)
-        b = gl.program_id(2).to(gl.int64)
-        seq_len = gl.load(seq_lens + b).to(gl.int32)
-        k_start = sp * keys_per_split
-        k_end = gl.minimum(k_start + keys_per_split, seq_len)
-        n_tiles = gl.cdiv(gl.maximum(k_end - k_start, 0), BLOCK_N)
-        table = block_table + b * max_blocks
+        mt, sp, b, seq_len, k_start, k_end, n_tiles, table = _program_keys(seq_lens, block_table, max_blocks,
+                                                                           keys_per_split, BLOCK_N)
 
         q_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], dt)
         qr_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, R], dt)
@@ -351,10 +330,10 @@ if HAVE_GLUON:
         n_rows = gl.minimum(M - mt * BLOCK_M, BLOCK_M)
         qrow0 = mt * BLOCK_M
         gl.warp_specialize([
-            (_group0, (q_lo, q_hi, q_r, kv_lo, kv_hi, k_r, full, empty, x0, x1, m0_buf, rs0_buf, m1_buf, rs1_buf,
+            (_group, (0, q_lo, q_hi, q_r, kv_lo, kv_hi, k_r, full, empty, x0, x1, m0_buf, rs0_buf, m1_buf, rs1_buf,
                        o_part, lse_part, prow0, n_rows, qrow0, H, seq_len, nq, k_start, k_end, n_tiles, qk_scale_log2,
                        L, HALF, BLOCK_M, BLOCK_N)),
-            (_group1, (q_lo, q_hi, q_r, kv_lo, kv_hi, k_r, full, empty, x0, x1, m0_buf, rs0_buf, m1_buf, rs1_buf,
+            (_group, (1, q_lo, q_hi, q_r, kv_lo, kv_hi, k_r, full, empty, x0, x1, m0_buf, rs0_buf, m1_buf, rs1_buf,
                        o_part, lse_part, prow0, n_rows, qrow0, H, seq_len, nq, k_start, k_end, n_tiles, qk_scale_log2,
                        L, HALF, BLOCK_M, BLOCK_N)),
             (_loader, (kv_desc, kr_desc, table, kv_lo, kv_hi, k_r, full, empty, k_start, n_tiles, PAGE, HALF, L,
@@ -375,14 +354,12 @@ def launch_seesaw(q_lat, q_pe, cache, block_table, seq_lens, o_part, lse_part, M
     """Launch the seesaw kernel: q_lat (B, M, L) and q_pe (B, M, R) contiguous, any float dtype
     (cast inside); partial results o_part (splits, B, M, L) / lse_part (splits, B, M), o_part[0]
     the result with one split (more: the caller merges them)."""
+    from .mla_gluon import latent_descriptors
+
     B = q_lat.shape[0]
     L, R = q_lat.shape[-1], q_pe.shape[-1]
     half = L // 2
-    dt = gl.bfloat16 if str(cache.dtype) == "torch.bfloat16" else gl.float16
-    flat = cache.view(-1, L + R)
-    shared = gl.NVMMASharedLayout.get_default_for
-    kv_desc = GluonDescriptor.from_tensor(flat, [block_n, half], shared([block_n, half], dt))
-    kr_desc = GluonDescriptor.from_tensor(flat, [block_n, R], shared([block_n, R], dt))
+    kv_desc, kr_desc = latent_descriptors(cache, L, R, block_n)
     mtiles = (M + block_m - 1) // block_m
     _mla_seesaw_kernel[(mtiles, num_splits, B)](
         q_lat, q_pe, kv_desc, kr_desc, block_table, seq_lens, o_part, lse_part, B * M, M, H, nq,
