@@ -315,3 +315,38 @@ def test_kernels_do_not_specialise_what_changes_every_step(module, name):
         names = set(kern.arg_names)
     assert STEP_INTS[module, name] <= names  # (a renamed argument must not pass unnoticed)
     assert STEP_INTS[module, name] <= kept, sorted(STEP_INTS[module, name] - kept)
+
+
+@pytest.mark.parametrize("which", ["split", "seesaw"])
+def test_gluon_launchers_pass_every_kernel_argument(monkeypatch, which):
+    """The Gluon launchers run only on Hopper. Here their host side runs on the CPU with the kernel
+    replaced by a recorder: every argument must bind to one of the kernel's parameters and every
+    parameter must get one (a name the launcher lost fails here, not first on a GPU)."""
+    from hybridsim.kernels import mla_gluon, mla_seesaw
+
+    if not mla_gluon.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    mod, name = (mla_gluon, "_mla_gluon_split_kernel") if which == "split" else (mla_seesaw, "_mla_seesaw_kernel")
+    params = getattr(mod, name).arg_names
+    seen = {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.update(grid=grid, args=args, kwargs=kwargs)
+
+    monkeypatch.setattr(mod, name, Recorder())
+    monkeypatch.setattr(mla_gluon, "_sm_count", lambda device: 132)
+    B, H, L, R, page = 2, 128, 512, 64, 64
+    cache = torch.zeros(5, page, L + R, dtype=torch.bfloat16)
+    table = torch.tensor([[1, 2], [3, 4]])
+    lens = torch.tensor([100, 70])
+    q_lat, q_pe = torch.zeros(B, H, L), torch.zeros(B, H, R)
+    o_part, lse_part = torch.zeros(2, B, H, L), torch.zeros(2, B, H)
+    if which == "split":
+        mla_gluon.launch_gluon_split(q_lat, q_pe, cache, table, lens, o_part, lse_part, o_part[0], lse_part[0], H, H,
+                                     1, 64, 0.1, 2)
+    else:
+        mla_seesaw.launch_seesaw(q_lat, q_pe, cache, table, lens, o_part, lse_part, H, H, 1, 64, 0.1, 2)
+    assert seen["grid"] == (2, 2, B)
+    named = [k for k in seen["kwargs"] if k not in ("num_warps", "num_stages", "maxnreg")]
+    assert list(params[:len(seen["args"])]) + named == list(params)

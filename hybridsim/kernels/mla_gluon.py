@@ -438,10 +438,10 @@ def launch_gluon_split(q_lat, q_pe, cache, block_table, seq_lens, o_part, lse_pa
     program of each row tile to finish merges both into o_out (B, M, L) / lse_out (B, M); with
     more, the caller merges o_part / lse_part (the combine kernel)."""
     B = q_lat.shape[0]
-    L = q_lat.shape[-1]
+    L, R = q_lat.shape[-1], q_pe.shape[-1]
     half = L // 2
     page = cache.shape[1]
-    kv_desc, kr_desc = latent_descriptors(cache, L, q_pe.shape[-1], block_n)
+    kv_desc, kr_desc = latent_descriptors(cache, L, R, block_n)
     mtiles = (M + block_m - 1) // block_m
     counters = _counters(cache.device, 4 * B * mtiles)
     halves = 0
