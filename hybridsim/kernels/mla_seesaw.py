@@ -31,7 +31,7 @@ the combine launch.
 
 Measured (H200, bench/RESULTS.md): with every request's pages in L2 the seesaw reaches 492-513
 TFLOP/s against the split kernel's 417-441; over distinct pages (as decode reads them) both run
-at 410-425 TFLOP/s, DRAM at about 40% of its rate and each latent tile read from it about once
+at 397-425 TFLOP/s, DRAM at about 40% of its rate and each latent tile read from it about once
 (ncu): what bounds them there is the two-tile ring (a tile's copy can start only when the stage
 is free, about a pair of tiles before it is needed), which shared memory allows no deeper. The
 split kernel stays the default (it also merges two splits itself); ``impl="seesaw"`` selects this.
