@@ -1,4 +1,5 @@
-"""The C allocator's settings for a replay's host memory (glibc only; elsewhere nothing changes).
+"""The host process: the cores it may use, and the C allocator's settings for a replay's host memory
+(glibc only; elsewhere nothing changes).
 
 A checked CPU replay frees and allocates the same few large tensors every step. With glibc's default
 settings, every tensor over 128 KiB is a fresh ``mmap`` (zeroed pages, one page fault per 4 KiB), and
@@ -25,6 +26,14 @@ TRIM_THRESHOLD = 256 << 20
 TOP_PAD = 64 << 20
 
 _done = False
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (a container's or a ``taskset``'s share, not the host's count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
 
 
 def tune_malloc() -> bool:

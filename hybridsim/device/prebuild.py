@@ -23,7 +23,6 @@ import functools
 import hashlib
 import importlib
 import json
-import os
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from time import perf_counter
 from typing import Any, Iterable, Optional
 
 from ..errors import InputError
+from ..hostmem import usable_cores
 
 FORMAT = "hybridsim kernel variants 1"
 SHIPPED = Path(__file__).with_name("kernel_variants.json")
@@ -249,14 +249,6 @@ class PrebuildReport:
                 "slowest": [[k, round(t, 2)] for k, t in self.slowest]}
 
 
-def _cores() -> int:
-    """Cores this process may run on (a container's share, not the host's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 class Prebuild:
     """Variants building in worker threads while the caller goes on; ``wait`` before the loop.
 
@@ -270,7 +262,7 @@ class Prebuild:
         self.entries = entries
         self.source = source
         self.cached = cached
-        self.workers = max(1, min(len(entries), workers or _cores()))
+        self.workers = max(1, min(len(entries), workers or usable_cores()))
         self.t0 = perf_counter()
         self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="hybridsim-prebuild")
         self.futures: list[Future] = [self.pool.submit(build, e) for e in entries]

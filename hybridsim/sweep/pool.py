@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection, wait
 from time import perf_counter
 from typing import Callable, Iterable, Iterator, Optional
 
-from ..hostmem import tune_malloc
+from ..hostmem import tune_malloc, usable_cores
 from .jobs import DIED, Job, Outcome, guarded, set_threads, signals_held
 
 # torch, the planner and the executor (what a cell and a golden trace run; sweep/cell.py itself is
@@ -35,12 +35,7 @@ PRELOAD = ["hybridsim.runner", "hybridsim.execute", "hybridsim.golden", "hybrids
            "hybridsim.sweep.preload"]
 
 
-def default_workers() -> int:
-    """The cores this process may use."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - not Linux
-        return max(1, os.cpu_count() or 1)
+default_workers = usable_cores  # (the cores this process may use; tests replace it here)
 
 
 def _child(job: Job, conn: Connection, threads: Optional[int], more: Connection) -> None:
