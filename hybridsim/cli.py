@@ -190,11 +190,8 @@ def run(
         _check_choice(scheduler, SCHEDULERS, "--scheduler")
         _check_outputs((record, "--record"), (json_out, "--json"), (plot, "--plot"),
                        (kernel_variants, "--kernel-variants"))
-        if kernel_variants is not None:
-            from .device.prebuild import read_lists
-            if str(kernel_variants) == "-":
-                raise InputError("a file, read and then written, not standard output", "--kernel-variants")
-            read_lists(kernel_variants)
+        if kernel_variants is not None and str(kernel_variants) == "-":  # (its contents: plan_scenario reads them)
+            raise InputError("a file, read and then written, not standard output", "--kernel-variants")
         from .output_files import check_folder
         check_folder(csv_dir, "--csv")
         loaded = load_scenario(scenario)

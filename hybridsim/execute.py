@@ -129,7 +129,9 @@ class KernelLists:
     what the run used. Only where kernels are built: on a GPU."""
 
     def __init__(self, s: Scenario, kernels: str, device: str, check: str, bugs: set[str],
-                 user_file=None):
+                 user_file=None, user_lists: Optional[dict] = None):
+        """``user_lists``: the user's file as ``prebuild.read_lists`` read it (the caller reads it before
+        any work: a file that is not a list is bad input even where nothing executes)."""
         from .device import prebuild as pb
 
         self.user_file = user_file
@@ -137,8 +139,6 @@ class KernelLists:
         self.running = None
         self.done = None  # (every listed variant was in Triton's cache already)
         self.label = s.name
-        # (read once, here: a file that is not a list is bad input before any work)
-        user_lists = pb.read_lists(user_file) if user_file is not None else None
         dev = resolve_device(device)
         if torch.device(dev).type != "cuda":
             return

@@ -113,6 +113,10 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
     ``kernel_variants``: a kernel variants file (``device/prebuild.py``): on a GPU the variants it lists
     for this configuration are built before the loop, and its list for it becomes the ones the run used."""
     s = loaded.scenario
+    user_lists = None
+    if kernel_variants is not None:  # (bad input before any work, executed or not)
+        from .device.prebuild import read_lists
+        user_lists = read_lists(kernel_variants)
     scheduler = scheduler or s.execution.scheduler
     if scheduler != s.execution.scheduler:  # (a trace's header says whose plan it holds)
         s = loaded.scenario = s.model_copy(update={"execution": s.execution.model_copy(update={"scheduler": scheduler})})
@@ -143,7 +147,7 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
     if execute:
         from .execute import KernelLists, make_executor
         lists = KernelLists(s, kernels or s.execution.kernels, device or s.execution.device, check, bugs or set(),
-                            kernel_variants)
+                            kernel_variants, user_lists)
         executor, prebuilt = lists.beside(
             lambda: make_executor(s, sim.groups, checks, check, bugs or set(), kernels or s.execution.kernels,
                                   device or s.execution.device, notes, where=loaded.where("cache", "num_blocks"),
