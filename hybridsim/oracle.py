@@ -44,9 +44,6 @@ from .layers.mla import LATENT_SHIFT, ROPE_SHIFT, MLAProbe, MLAStack
 # at twice plus 2**14 pairs (2.2 batches a step), 1.19 times at these (6.0 batches a step).
 PAD_WORK = 1.25
 SMALL_BATCH = 1 << 14
-# The most the MLA oracle's rounded weights (its values' products on int8: ``DenseOracle``) may move an output,
-# as a share of the check's tolerance (over the values' spread, max |v - o|, a bound proven, not estimated).
-WEIGHTS_SHARE = 1e-3
 
 
 @dataclass
@@ -160,15 +157,11 @@ class DenseOracle:
     MLA: a long prefill chunk's per-head keys are projected once (exactly: int32 from int8 products,
     or float32) and one kernel attends over them (``_expected_latent``): its scores exact from int8
     digits and its softmax and values in float64 where the tables' bounds allow
-    (``kernels/digit_attention_f64.py``, its ``digits_fit``), else all in float64. With
-    ``weights_within`` (the executor: ``WEIGHTS_SHARE`` of the check's tolerance) such a row's weights
-    are rounded to integers of 2**-30 (or 2**-38 for longer rows) and their products with the values'
-    digits taken exactly on int8 too, where the rounding's proven bound, n 2**-31 over n keys (or
-    n 2**-39) of the values' spread, is within it (``weight_digits``)."""
+    (``kernels/digit_attention_f64.py``, its ``digits_fit``), else all in float64."""
 
     def __init__(self, stack, device: torch.device, budget_elems: int = 1 << 27, work_bound: bool | None = None,
                  memo_bytes: int = 0, fused: bool | None = None, absorbed_kernel: bool = False,
-                 digit_scores: bool | None = None, weights_within: float = 0.0):
+                 digit_scores: bool | None = None):
         self.stack = stack
         self.device = device
         # batching for a machine where the work, not the calls, is the cost (default: a CPU)
@@ -182,9 +175,6 @@ class DenseOracle:
         self.absorbed_kernel = absorbed_kernel  # (MLA, fused: see _expected_latent)
         # (MLA, fused: expanded rows' scores exact from int8 digits where the tables' bounds allow; False: float64)
         self.digit_scores = self.mla and fused and digit_scores is not False and _digits_fit(stack)
-        # (MLA, digit scores: how far rounding the weights may move an output, over its values' spread, for the
-        # values' products to be taken exactly on int8 (``digit_attention``'s value digits); 0: in float64)
-        self.weights_within = weights_within if self.digit_scores and stack.geo.v_head_dim % 16 == 0 else 0.0
         self.stack32 = stack.cast(torch.float32) if fused and not self.mla else None  # the GQA kernel's tables
 
     def forget(self, key) -> None:
@@ -396,7 +386,7 @@ class DenseOracle:
         the queries' digits and the keys' kv_c parts and k_pe digits, each from token ids in one kernel, then
         per group of heads k_nope's digits and the values as int32 integers in two (``kernels/digit_keys.py``:
         int8 products, exact), and one attention kernel."""
-        from .kernels.digit_attention_f64 import WEIGHT_DIGITS, digit_attention, query_digits
+        from .kernels.digit_attention_f64 import digit_attention, query_digits
         from .kernels.digit_keys import expand_digits, key_parts
         st = self.stack
         g = st.geo
@@ -404,30 +394,18 @@ class DenseOracle:
         H = st.heads
         per_head = n * (g.qk_nope_head_dim + g.v_head_dim)  # 4-byte elements of a head's keys and values, at most
         group = max(1, min(H, self.budget // per_head))
-        digits = self.weight_digits(n)
         for layer in range(st.layers):
             qd = query_digits(*st.query_tables(), tok_d, pos_d, n, layer, first=c)  # (k, H, 2 N + 3 R), from token ids
             parts, kr = key_parts(*st.key_tables(), g.qk_rope_head_dim, tok_d, pos_d, n, layer)
             w_k, w_v = st.expansion_weights(layer)
             for h0 in range(0, H, group):
                 heads = slice(h0, min(H, h0 + group))
-                # exact integers, (n, heads, 3 N) and (n, heads, V), or the values' digits (n, heads, 3 V)
-                kd, vv = expand_digits(parts, w_k, w_v, heads, value_digits=bool(digits))
+                kd, vv = expand_digits(parts, w_k, w_v, heads)  # exact integers, (n, heads, 3 N) and (n, heads, V)
                 digit_attention(qd[:, heads], kd, kr, vv, [0], [k], [0], [c], st.scale,
                                 st.query_unit * st.nope_key_unit, st.rope_unit * st.rope_unit, out=o[layer, :, heads],
-                                unit_value=st.value_unit, weight_digits=digits or WEIGHT_DIGITS)
+                                unit_value=st.value_unit)
                 del kd, vv
             del qd, parts, kr
-
-    def weight_digits(self, n_keys: int) -> int:
-        """How many digits an expanded row over ``n_keys`` keys rounds its weights to, for its values' products
-        on int8: the fewest (4 or 5) whose proven error (``weight_error_bound``) is within ``weights_within``;
-        0: its values' products in float64."""
-        from .kernels.digit_attention_f64 import weight_error_bound
-        for d in (4, 5):
-            if self.weights_within and weight_error_bound(n_keys, d) <= self.weights_within:
-                return d
-        return 0
 
 
 def _digits_fit(stack: MLAStack) -> bool:
@@ -547,12 +525,11 @@ MLA_ORACLE_ELEMS = 1 << 28  # float64 elements of one MLA oracle batch: scores a
 
 def MLAOracle(probes: list[MLAProbe], device: torch.device, budget_elems: int = MLA_ORACLE_ELEMS,
               work_bound: bool | None = None, fused: bool | None = None, absorbed_kernel: bool = False,
-              digit_scores: bool | None = None, weights_within: float = 0.0) -> DenseOracle:
+              digit_scores: bool | None = None) -> DenseOracle:
     """Dense float64 attention over the committed tokens of every MLA layer (``digit_scores`` False: the
-    fused path's expanded rows take float64 scores even where exact int8 digits would do; ``weights_within``:
-    see ``DenseOracle``)."""
+    fused path's expanded rows take float64 scores even where exact int8 digits would do)."""
     return DenseOracle(MLAStack(probes, device), device, budget_elems, work_bound, fused=fused,
-                       absorbed_kernel=absorbed_kernel, digit_scores=digit_scores, weights_within=weights_within)
+                       absorbed_kernel=absorbed_kernel, digit_scores=digit_scores)
 
 
 def GQAOracle(probes: list[GQAProbe], device: torch.device, budget_elems: int = 1 << 26,

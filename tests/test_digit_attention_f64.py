@@ -105,37 +105,6 @@ def test_digit_attention_kernel_on_the_gpu():
     rows = ((1, 0), (2, 1000), (2, 37), (3, 700), (64, 0), (200, 300), (9, 2000))
     _check_kernel("cuda", 5, 128, 64, 128, rows)
     _check_kernel("cuda", 5, 128, 64, 128, rows, int_values=True)
-    for digits in (4, 5):
-        _check_value_digits("cuda", 5, 128, 64, 128, rows, digits)
-
-
-def _check_value_digits(device: str, H: int, DN: int, DR: int, DV: int, rows, digits: int) -> None:
-    """Values as their digits (the weights rounded, the products exact on int8): the kernel equals its
-    definition (the same blocks and rounding) to float64 rounding, and the exact softmax within the
-    rounding's proven bound (``weight_error_bound``)."""
-    (qd, kd, kr, _), meta, units, (q, k) = _packed(11, H, DN, DR, DV, rows, device)
-    g = torch.Generator().manual_seed(5)
-    vi = torch.randint(LOW3, da.DIGIT_MAX + 1, (kd.shape[0], H, DV), generator=g).double()
-    vd = da.split_digits_reference(vi.reshape(-1, DV), 1.0, da.V_DIGITS).view(kd.shape[0], H, -1).to(device)
-    unit_v = 2.0 ** -20
-    want = da.digit_attention_reference(qd, kd, kr, vd, *meta, 0.31, *units, unit_value=unit_v,
-                                        weight_digits=digits)
-    out = torch.full(want.shape, float("nan"), dtype=torch.float64, device=device)
-    got = da.digit_attention(qd, kd, kr, vd, *meta, 0.31, *units, out=out, unit_value=unit_v, weight_digits=digits)
-    written = torch.isfinite(want)
-    assert written.any() and torch.equal(torch.isfinite(got), written)
-    torch.testing.assert_close(got[written], want[written], rtol=1e-12, atol=1e-12)
-    exact = latent_attention(q[None], k[None], (vi * unit_v).to(device)[None], *meta, 0.31)[0]
-    spread = (vi * unit_v).abs().max().item() * 2
-    err = (got[written] - exact[written]).abs().max().item()
-    bound = da.weight_error_bound(max(p0 + ql for _, ql, _, p0 in zip(*meta)), digits) * spread
-    assert 0 < err <= bound, (err, bound)  # (rounded: not the float64 weights' output)
-
-
-@INTERPRETER
-@pytest.mark.parametrize("digits", [4, 5])
-def test_digit_values_kernel_equals_its_definition(digits):
-    _check_value_digits("cpu", 3, 64, 32, 32, ((1, 0), (17, 5), (3, 100), (20, 0), (2, 33)), digits)
 
 
 GEO = MLAGeometry(layers=2, heads=2, kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=24)
@@ -153,40 +122,6 @@ def _oracle_rows(monkeypatch, digit_scores, budget: int = 1 << 28, probes=None, 
     g = np.random.default_rng(4)
     rows = [(g.integers(0, 60_000, size=c + k).astype(np.int64), c, k) for c, k in [(0, 40), (30, 27), (20, 2)]]
     return oracle, rows, oracle.expected(rows), launches, probes
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_oracle_rounds_weights_only_within_its_share(monkeypatch, device):
-    """With ``weights_within`` the expanded rows take the values' digits and rounded weights: 4 digits where
-    their bound allows, 5 where only theirs does, float64 values where neither; every output within the
-    proven bound of the definition's (and not equal to it: the rounding is real), float64's to 1e-12."""
-    geo = MLAGeometry(layers=2, heads=2, kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32)
-    probes = [MLAProbe(geo, layer, seed=3) for layer in range(2)]
-    seen = []
-    real = da.digit_attention
-    monkeypatch.setattr(da, "digit_attention", lambda qd, kd, kr, v, *a, **kw: seen.append(
-        (v.dtype, kw["weight_digits"])) or real(qd, kd, kr, v, *a, **kw))
-    g = np.random.default_rng(4)
-    rows = [(g.integers(0, 60_000, size=c + k).astype(np.int64), c, k) for c, k in [(0, 40), (30, 27)]]
-    for within, want_digits in ((da.weight_error_bound(57, 4), 4), (da.weight_error_bound(57, 5), 5), (1e-14, 0)):
-        seen.clear()
-        oracle = MLAOracle(probes, torch.device(device), 1 << 28, fused=True, weights_within=within)
-        monkeypatch.setattr(oracle.stack, "expands", lambda b, q, n, bounded=True: q > 8)
-        assert [oracle.weight_digits(n) for n in (40, 57, 58)] == [want_digits, want_digits,
-                                                                   {4: 5, 5: 0, 0: 0}[want_digits]]
-        got = oracle.expected(rows)
-        assert {(d, w if d == torch.int8 else None) for d, w in seen} == (
-            {(torch.int8, want_digits)} if want_digits else {(torch.int32, None)})
-        for (toks, c, k), out in zip(rows, got):
-            for layer, p in enumerate(probes):
-                want = dense_reference(p, torch.from_numpy(toks), torch.arange(c, c + k))
-                if not want_digits:
-                    torch.testing.assert_close(out[layer].cpu(), want, rtol=1e-12, atol=1e-12)
-                    continue
-                _, v = p.up_project(p.latent64(torch.from_numpy(toks), torch.arange(c + k)))
-                spread = 2 * v.double().abs().max().item()
-                err = (out[layer].cpu() - want).abs().max().item()
-                assert 0 < err <= da.weight_error_bound(c + k, want_digits) * spread
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -252,25 +187,21 @@ from triton.compiler import ASTSource
 from hybridsim.kernels import digit_attention_f64 as da
 
 BQ, BN, warps, stages = da.TILE
+const = dict(DN=128, DR=64, DV=128, DVC=32, NV=4, BQ=BQ, BN=BN)  # DeepSeek-V3's expanded rows
+desc = dict(qd=f"tensordesc<i8[{BQ}, 1, 128]>", qdr=f"tensordesc<i8[{BQ}, 1, 64]>", kd=f"tensordesc<i8[{BN}, 1, 128]>",
+            kr=f"tensordesc<i8[{BN}, 1, 64]>", v=f"tensordesc<i32[{BN}, 1, 32]>")
+kern = da._digit_attention_kernel
+sig = {}
+for name in kern.arg_names:
+    sig[name] = ("constexpr" if name in const else desc[name] if name in desc else "*fp64" if name in ("o", "consts")
+                 else "i64" if name.startswith("so_") else "*i64")
+src = ASTSource(fn=kern, signature=sig, constexprs={(kern.arg_names.index(k),): v for k, v in const.items()})
+out = build(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": warps, "num_stages": stages})
+ptx = out.asm["ptx"]
 int8 = r"mma[.]sync[.]aligned[.]m16n8k32[.]row[.]col[.](satfinite[.])?s32[.]s8[.]s8"
 f64 = r"mma[.]sync[.]aligned[.]m8n8k4[.]row[.]col[.]f64"
-kern = da._digit_attention_kernel
-counts = []
-for pd in (0, da.WEIGHT_DIGITS):  # the values in float64, then as digits with the weights rounded
-    const = dict(DN=128, DR=64, DV=128, DVC=32, NV=4, BQ=BQ, BN=BN, PD=pd)  # DeepSeek-V3's expanded rows
-    desc = dict(qd=f"tensordesc<i8[{BQ}, 1, 128]>", qdr=f"tensordesc<i8[{BQ}, 1, 64]>",
-                kd=f"tensordesc<i8[{BN}, 1, 128]>", kr=f"tensordesc<i8[{BN}, 1, 64]>",
-                v=f"tensordesc<i8[{BN}, 1, 32]>" if pd else f"tensordesc<i32[{BN}, 1, 32]>")
-    sig = {}
-    for name in kern.arg_names:
-        sig[name] = ("constexpr" if name in const else desc[name] if name in desc else "*fp64" if name in ("o", "consts")
-                     else "i64" if name.startswith("so_") else "*i64")
-    src = ASTSource(fn=kern, signature=sig, constexprs={(kern.arg_names.index(k),): v for k, v in const.items()})
-    out = build(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": warps, "num_stages": stages})
-    ptx = out.asm["ptx"]
-    counts += [out.metadata.shared, len(re.findall(int8, ptx)), len(re.findall(f64, ptx)),
-               len(re.findall(r"cp[.]async[.]bulk[.]tensor", ptx))]
-print(*counts)
+print(out.metadata.shared, len(re.findall(int8, ptx)), len(re.findall(f64, ptx)),
+      len(re.findall(r"cp[.]async[.]bulk[.]tensor", ptx)))
 # the queries' digits from token ids: their runtime integers as arguments (layer 1 included)
 qk = da._query_digits_kernel
 const = dict(HID=64, T1=4093, T2=509, N=128, R=64, BT=32)
@@ -289,7 +220,7 @@ build(ASTSource(fn=kp, signature=sig, constexprs={(kp.arg_names.index(k),): v fo
 ek = dk._expand_digits_kernel
 BM, BN, BK, warps, stages = dk.EXPAND_TILE
 for nope in (True, False):
-    const = dict(LR=512, D=128, DIGITS=nope, BM=BM, BN=BN, BK=BK)
+    const = dict(LR=512, D=128, NOPE=nope, BM=BM, BN=BN, BK=BK)
     desc = dict(parts=f"tensordesc<i8[1, {BM}, {BK}]>", w=f"tensordesc<i8[1, {BN}, {BK}]>",
                 out=f"tensordesc<i8[{BM}, 1, {BN}]>" if nope else f"tensordesc<i32[{BM}, 1, {BN}]>")
     sig = {n: "constexpr" if n in const else desc.get(n, "i32") for n in ek.arg_names}
@@ -305,10 +236,8 @@ def test_digit_attention_compiles_for_hopper_at_deepseek_shapes():
     float64 ones, its tiles moved by the copy engine (TMA); and the queries' and keys' digits, the keys'
     expansion on the int8 warpgroup products.
     A process of its own: this module runs Triton's interpreter."""
-    shared, int8, f64, tma, shared_d, int8_d, f64_d, tma_d = map(int, compile_for_hopper(_COMPILE_FOR_HOPPER).split())
+    shared, int8, f64, tma = map(int, compile_for_hopper(_COMPILE_FOR_HOPPER).split())
     assert shared <= 227 * 1024 and int8 > 0 and f64 > 0 and tma > 0
-    # the values as digits: their products on the int8 tensor cores too, none in float64
-    assert shared_d <= 227 * 1024 and int8_d > int8 and f64_d == 0 and tma_d > 0
 
 
 @pytest.mark.parametrize("device", DEVICES)

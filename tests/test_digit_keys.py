@@ -88,23 +88,13 @@ def test_expansion_equals_its_definition_at_full_range(device):
     w_k[0, 1] = -4
     w_v = torch.randint(-4, 5, (H, V, Lr), generator=gen).to(torch.int8)
     w_k, w_v = w_k.to(device), w_v.to(device)
-    w_v[1, 0] = 4  # key 0's value in head 1, column 0 (and -4 in column 1): as large as a value gets
-    w_v[1, 1] = -4
     for heads in (slice(None), slice(2, 3)):
         kd, v = dk.expand_digits(parts, w_k, w_v, heads)
         want_kd, want_v = dk.expand_digits_reference(parts.cpu(), w_k.cpu(), w_v.cpu(), heads)
         assert torch.equal(kd.cpu(), want_kd) and torch.equal(v.cpu(), want_v)
-        # the values as their digits (for the int8 values' products): the same integers, split (32 of
-        # them a head: a digits row a multiple of 16 bytes, as the copy engine takes it)
-        w_v32 = w_v[:, :32].contiguous()
-        kd2, vd = dk.expand_digits(parts, w_k, w_v32, heads, value_digits=True)
-        assert vd.dtype == torch.int8 and vd.shape == (n, v.shape[1], 3 * 32) and torch.equal(kd2, kd)
-        assert torch.equal(vd.cpu(), dk.expand_digits_reference(parts.cpu(), w_k.cpu(), w_v32.cpu(), heads, True)[1])
-        assert torch.equal(join_digits(vd.cpu(), 1.0, 3), v[..., :32].cpu().double())
         if heads == slice(None):  # the edges went through: key 0's first two k_nope columns in head 0
             top = join_digits(kd[0, 0].cpu(), 1.0, 3)[:2]
             assert top.tolist() == [4 * 4159 * Lr, -4 * 4159 * Lr]
-            assert join_digits(vd[0, 1].cpu(), 1.0, 3)[:2].tolist() == [4 * 4159 * Lr, -4 * 4159 * Lr]
 
 
 @pytest.mark.parametrize("device", DEVICES)

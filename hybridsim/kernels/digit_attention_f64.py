@@ -44,27 +44,11 @@ def digit_capacity(count: int) -> int:
 
 DIGIT_MAX = digit_capacity(3)
 Q_NOPE_DIGITS, K_DIGITS = 2, 3
-# the values' digits, and the weights' where the values' products are taken on the int8 tensor cores
-V_DIGITS, WEIGHT_DIGITS = 3, 4
-
-
-def weight_bits(digits: int) -> int:
-    """The weights' resolution (2**-bits) with ``digits`` balanced base-256 digits: the largest weight, 1,
-    is 2**bits, within what the digits hold (2**30 in four, 2**38 in five)."""
-    return 8 * digits - 2
-
-
-def weight_error_bound(n_keys: int, digits: int) -> float:
-    """How far (at most) rounding the weights moves an output, as a fraction of its values' spread
-    max |v - o|: each of n weights within 2**-(bits+1) of the softmax's, over a sum of weights of at least
-    1 (the largest weight is 1 exactly)."""
-    return n_keys * 2.0 ** -(weight_bits(digits) + 1)
 # (queries a program takes, keys a block, warps, pipeline stages), the fastest of six on an H200 for
 # bench_oracle's DeepSeek-V3 prefill chunks: 86.3 ms; 16 x 32 keys 109.2, 16 x 128 109.6 (1 stage) and
 # 112.2 (2), 8 warps 147.2 (bench/RESULTS.md). 32 or 64 queries spill registers (the float64 values'
 # products and their accumulators).
 TILE = (16, 64, 4, 2)
-VALUE_CHUNK = 32  # value columns a product takes, at least (a quarter of them if that is more)
 
 
 def digit_widths_fit(nope: int, rope: int, value: int) -> bool:
@@ -176,13 +160,10 @@ def join_digits(d: torch.Tensor, unit: float, count: int) -> torch.Tensor:
 
 
 def digit_attention_reference(qd, kd, kr, v, q_start, q_len, k_start, pos0, scale: float,
-                              unit_nope: float, unit_rope: float, unit_value: float = 1.0,
-                              weight_digits: int = WEIGHT_DIGITS) -> torch.Tensor:
+                              unit_nope: float, unit_rope: float, unit_value: float = 1.0) -> torch.Tensor:
     """``digit_attention`` in torch: the digits joined into float64 queries and keys (the unit of
     q_nope . k_nope is ``unit_nope``: q's digits carry 1 and k's ``unit_nope``; the same for rope),
-    then ``latent_attention_reference``, or, for values given as digits (int8), ``rounded_attention_reference``
-    (the kernel's blocks of keys and its weights' rounding). Returns o (tokens, heads, DV), NaN where no row
-    writes."""
+    then ``latent_attention_reference``. Returns o (tokens, heads, DV), NaN where no row writes."""
     DN = kd.shape[-1] // K_DIGITS
     DR = kr.shape[-1] // K_DIGITS
     H = qd.shape[1]
@@ -190,40 +171,8 @@ def digit_attention_reference(qd, kd, kr, v, q_start, q_len, k_start, pos0, scal
                    join_digits(qd[..., Q_NOPE_DIGITS * DN:], 1.0, K_DIGITS)], dim=-1)
     k = torch.cat([join_digits(kd, unit_nope, K_DIGITS),
                    join_digits(kr, unit_rope, K_DIGITS)[:, None, :].expand(-1, H, -1)], dim=-1)
-    if v.dtype == torch.int8:
-        v = join_digits(v, unit_value, V_DIGITS)
-        return rounded_attention_reference(q, k, v, q_start, q_len, k_start, pos0, scale, weight_digits, TILE[1])
     v = v.double() * unit_value
     return latent_attention_reference(q[None], k[None], v[None], q_start, q_len, k_start, pos0, scale)[0]
-
-
-def rounded_attention_reference(q, k, v, q_start, q_len, k_start, pos0, scale: float, digits: int,
-                                block: int) -> torch.Tensor:
-    """Causal attention in float64 as ``digit_attention`` takes it with values' digits: keys in blocks of
-    ``block`` from the row's first, a running maximum, and each block's weights exp(s - max) rounded to
-    integers of 2**-bits (``weight_bits``: half up) before their sums and products. q (tokens, heads, D),
-    k (keys, heads, D), v (keys, heads, DV) float64. Returns o (tokens, heads, DV), NaN where no row writes."""
-    H = q.shape[1]
-    one = 2.0 ** weight_bits(digits)
-    o = torch.full((q.shape[0], H, v.shape[-1]), float("nan"), dtype=torch.float64, device=q.device)
-    for qs, ql, ks, p0 in zip(q_start, q_len, k_start, pos0):
-        n = p0 + ql
-        s = torch.einsum("qhd,nhd->hqn", q[qs:qs + ql].double(), k[ks:ks + n].double()) * scale
-        qpos = torch.arange(p0, n, device=q.device)
-        s = s.masked_fill(torch.arange(n, device=q.device)[None, :] > qpos[:, None], float("-inf"))
-        m = torch.full((H, ql), float("-inf"), dtype=torch.float64, device=q.device)
-        l = torch.zeros((H, ql), dtype=torch.float64, device=q.device)
-        acc = torch.zeros((H, ql, v.shape[-1]), dtype=torch.float64, device=q.device)
-        for b0 in range(0, n, block):
-            sb = s[..., b0:b0 + block]
-            m_new = torch.maximum(m, sb.amax(-1))
-            alpha = torch.exp(m - m_new)
-            w = torch.floor(torch.exp(sb - m_new[..., None]) * one + 0.5) / one
-            l = l * alpha + w.sum(-1)
-            acc = acc * alpha[..., None] + torch.einsum("hqn,nhd->hqd", w, v[ks + b0:ks + min(n, b0 + block)])
-            m = m_new
-        o[qs:qs + ql] = (acc / l[..., None]).transpose(0, 1)
-    return o
 
 
 @triton.jit
@@ -234,61 +183,9 @@ def _tile(desc, r0, h, c0, rows: tl.constexpr, cols: tl.constexpr):
 
 
 @triton.jit
-def _rounded_weights(s, m_i, l_i, PD: tl.constexpr):
-    """``softmax_block`` with the block's weights rounded to integers X of 2**-W (W = 8 PD - 2; the largest
-    weight, 1, is 2**W exactly), returned as X's balanced base-256 digits (int8; the fifth is 0 where PD is
-    4). The running sum adds the rounded weights, so the output is exactly the mean of the values under
-    weights each within 2**-(W+1) of the softmax's (before later blocks rescale them, which only shrinks it)."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(s - m_new[:, None])
-    W: tl.constexpr = 8 * PD - 2
-    if PD <= 4:
-        x = (p * (2.0 ** W) + 0.5).to(tl.int32)  # (at most 2**30)
-    else:
-        x = (p * (2.0 ** W) + 0.5).to(tl.int64)
-    l_new = l_i * alpha + tl.sum(x.to(tl.float64), 1) * (2.0 ** -W)  # (exact: integers below 2**53)
-    d0, x = _next_digit(x)
-    d1, x = _next_digit(x)
-    d2, x = _next_digit(x)
-    d3, x = _next_digit(x)  # what is left: 0 (PD = 4) or the fifth digit, below 2**38 / 2**32 + 1
-    return m_new, alpha, d0.to(tl.int8), d1.to(tl.int8), d2.to(tl.int8), d3.to(tl.int8), x.to(tl.int8), l_new
-
-
-@triton.jit
-def _weighted_values(w0, w1, w2, w3, w4, v, k_0, head, c0, DV: tl.constexpr, BN: tl.constexpr, DVC: tl.constexpr,
-                     PD: tl.constexpr):
-    """Value columns c0..c0+DVC of the block's keys weighted by the rounded weights' digits (``_rounded_weights``),
-    in float64. v holds each value's three balanced base-256 digits (digit-major: columns j DV..). Every digit
-    pair's product is an exact int32 on the tensor cores (a sum of BN = 64 products of at most 2**14), the pairs
-    of one power summed there, two neighbouring powers joined in int32 (the higher times 256: below 2**30),
-    the joined ones in float64, rounded once."""
-    v0 = _tile(v, k_0, head, c0, BN, DVC)
-    v1 = _tile(v, k_0, head, DV + c0, BN, DVC)
-    v2 = _tile(v, k_0, head, 2 * DV + c0, BN, DVC)
-    j01 = tl.dot(w1, v0, tl.dot(w0, v1, out_dtype=tl.int32), out_dtype=tl.int32) * 256  # powers 1 and 0
-    j01 = tl.dot(w0, v0, j01, out_dtype=tl.int32)
-    j23 = tl.dot(w3, v0, tl.dot(w2, v1, tl.dot(w1, v2, out_dtype=tl.int32), out_dtype=tl.int32),
-                 out_dtype=tl.int32) * 256  # powers 3 and 2
-    j23 = tl.dot(w2, v0, tl.dot(w1, v1, tl.dot(w0, v2, j23, out_dtype=tl.int32), out_dtype=tl.int32),
-                 out_dtype=tl.int32)
-    if PD == 4:
-        j45 = tl.dot(w3, v2, out_dtype=tl.int32) * 256  # powers 5 and 4
-        j45 = tl.dot(w3, v1, tl.dot(w2, v2, j45, out_dtype=tl.int32), out_dtype=tl.int32)
-        hi = j45.to(tl.float64)
-    else:
-        j45 = tl.dot(w4, v1, tl.dot(w3, v2, out_dtype=tl.int32), out_dtype=tl.int32) * 256
-        j45 = tl.dot(w4, v0, tl.dot(w3, v1, tl.dot(w2, v2, j45, out_dtype=tl.int32), out_dtype=tl.int32),
-                     out_dtype=tl.int32)
-        hi = tl.dot(w4, v2, out_dtype=tl.int32).to(tl.float64) * 65536.0 + j45.to(tl.float64)  # power 6
-    W: tl.constexpr = 8 * PD - 2
-    return ((hi * 65536.0 + j23.to(tl.float64)) * 65536.0 + j01.to(tl.float64)) * (2.0 ** -W)
-
-
-@triton.jit
 def _digit_attention_kernel(qd, qdr, kd, kr, v, o, tile_row, tile_q0, q_start, q_len, k_start, pos0, so_t, so_h, consts,
                             DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr, DVC: tl.constexpr,
-                            NV: tl.constexpr, BQ: tl.constexpr, BN: tl.constexpr, PD: tl.constexpr):
+                            NV: tl.constexpr, BQ: tl.constexpr, BN: tl.constexpr):
     """One program: BQ queries of one row and head program_id(1). qd, kd, kr and v are tensor
     descriptors (3-D: rows, heads, columns; kr's head axis has one head), qdr the queries' again in
     tiles of the rope part's width (a descriptor has one tile shape). Gathering loads measured worse:
@@ -343,27 +240,14 @@ def _digit_attention_kernel(qd, qdr, kd, kr, v, o, tile_row, tile_q0, q_start, q
         s_r = (r_hi.to(tl.float64) * 256.0 + r_mid.to(tl.float64)) * 65536.0 + r_lo.to(tl.float64)
         s = (s_n * u_n + s_r * u_r) * scale
         s = tl.where(n[None, :] <= qpos[:, None], s, float("-inf"))  # key 0 is seen by all: m stays finite
-        if PD == 0:  # the weights and values' products in float64
-            m_new, alpha, p, l_i = softmax_block(s, m_i, l_i)
-            acc0 = acc0 * alpha[:, None] + tl.dot(p, _tile(v, k_0, head, 0, BN, DVC).to(tl.float64))
-            if NV > 1:
-                acc1 = acc1 * alpha[:, None] + tl.dot(p, _tile(v, k_0, head, DVC, BN, DVC).to(tl.float64))
-            if NV > 2:
-                acc2 = acc2 * alpha[:, None] + tl.dot(p, _tile(v, k_0, head, 2 * DVC, BN, DVC).to(tl.float64))
-            if NV > 3:
-                acc3 = acc3 * alpha[:, None] + tl.dot(p, _tile(v, k_0, head, 3 * DVC, BN, DVC).to(tl.float64))
-        else:  # the weights rounded to integers of 2**-W, their products with the values' digits exact (int8)
-            m_new, alpha, w0, w1, w2, w3, w4, l_i = _rounded_weights(s, m_i, l_i, PD)
-            acc0 = acc0 * alpha[:, None] + _weighted_values(w0, w1, w2, w3, w4, v, k_0, head, 0, DV, BN, DVC, PD)
-            if NV > 1:
-                acc1 = acc1 * alpha[:, None] + _weighted_values(w0, w1, w2, w3, w4, v, k_0, head, DVC, DV, BN, DVC,
-                                                                PD)
-            if NV > 2:
-                acc2 = acc2 * alpha[:, None] + _weighted_values(w0, w1, w2, w3, w4, v, k_0, head, 2 * DVC, DV, BN,
-                                                                DVC, PD)
-            if NV > 3:
-                acc3 = acc3 * alpha[:, None] + _weighted_values(w0, w1, w2, w3, w4, v, k_0, head, 3 * DVC, DV, BN,
-                                                                DVC, PD)
+        m_new, alpha, p, l_i = softmax_block(s, m_i, l_i)
+        acc0 = acc0 * alpha[:, None] + tl.dot(p, _tile(v, k_0, head, 0, BN, DVC).to(tl.float64))
+        if NV > 1:
+            acc1 = acc1 * alpha[:, None] + tl.dot(p, _tile(v, k_0, head, DVC, BN, DVC).to(tl.float64))
+        if NV > 2:
+            acc2 = acc2 * alpha[:, None] + tl.dot(p, _tile(v, k_0, head, 2 * DVC, BN, DVC).to(tl.float64))
+        if NV > 3:
+            acc3 = acc3 * alpha[:, None] + tl.dot(p, _tile(v, k_0, head, 3 * DVC, BN, DVC).to(tl.float64))
         m_i = m_new
     o_rows = (qs + tl.minimum(qi, ql - 1)).to(tl.int64) * so_t + head.to(tl.int64) * so_h
     store_chunks(o, o_rows, valid, acc0, acc1, acc2, acc3, l_i / u_v, DV, DVC, NV)  # (u_v a power of two: exact)
@@ -371,29 +255,23 @@ def _digit_attention_kernel(qd, qdr, kd, kr, v, o, tile_row, tile_q0, q_start, q
 
 def digit_attention(qd: torch.Tensor, kd: torch.Tensor, kr: torch.Tensor, v: torch.Tensor, q_start: list[int],
                     q_len: list[int], k_start: list[int], pos0: list[int], scale: float, unit_nope: float,
-                    unit_rope: float, out: torch.Tensor | None = None, unit_value: float = 1.0,
-                    weight_digits: int = WEIGHT_DIGITS) -> torch.Tensor:
+                    unit_rope: float, out: torch.Tensor | None = None, unit_value: float = 1.0) -> torch.Tensor:
     """``digit_attention_reference`` in one launch (Triton: a GPU, or the interpreter). qd (tokens,
     heads, 2*DN + 3*DR), kd (keys, heads, 3*DN), kr (keys, 3*DR) int8, v (keys, heads, DV) float32,
-    float64 or int32 (values ``unit_value`` times v, a power of two), or int8 (keys, heads, 3 DV): the
-    values' three balanced base-256 digits, digit-major, whose products with the weights rounded to
-    ``weight_digits`` digits (``weight_bits``) are taken exactly on the int8 tensor cores. Each with its
-    last axis contiguous and the others' strides multiples of 16 bytes (the copy engine's tiles); DN and
-    DR powers of two (at least 32). The heaviest tiles (most keys) start first. ``out`` (tokens, heads,
+    float64 or int32 (values ``unit_value`` times v, a power of two), each with its last axis
+    contiguous and the others' strides multiples of 16 bytes (the copy engine's tiles); DN and DR
+    powers of two (at least 32). The heaviest tiles (most keys) start first. ``out`` (tokens, heads,
     DV) float64: where to write."""
-    assert qd.dtype == kd.dtype == kr.dtype == torch.int8
-    assert v.dtype in (torch.float32, torch.float64, torch.int32, torch.int8)
-    pd = weight_digits if v.dtype == torch.int8 else 0
-    assert pd in (0, 4, 5), "digit_attention: 4 or 5 weight digits"
+    assert qd.dtype == kd.dtype == kr.dtype == torch.int8 and v.dtype in (torch.float32, torch.float64, torch.int32)
     for x in (qd, kd, kr, v):  # (the copy engine's tiles: unit last stride, the others and the start 16-byte aligned)
         assert x.stride(-1) == 1 and x.data_ptr() % 16 == 0, "digit_attention: layout"
         assert all(st * x.element_size() % 16 == 0 for st in x.stride()[:-1]), "digit_attention: layout"
     nq, H, _ = qd.shape
     DN, DR = kd.shape[-1] // K_DIGITS, kr.shape[-1] // K_DIGITS
     assert qd.shape[-1] == Q_NOPE_DIGITS * DN + K_DIGITS * DR and kd.shape[1] == v.shape[1] == H
-    DV = v.shape[-1] // V_DIGITS if pd else v.shape[-1]
+    DV = v.shape[-1]
     BQ, BN, warps, stages = TILE
-    DVC = max(16, triton.next_power_of_2(triton.cdiv(DV, 4)), VALUE_CHUNK)
+    DVC = max(16, triton.next_power_of_2(triton.cdiv(DV, 4)))
     o = torch.empty((nq, H, DV), dtype=torch.float64, device=qd.device) if out is None else out
     tiles = sorted(((p0 + min(i0 + BQ, ql), r, i0) for r, (ql, p0) in enumerate(zip(q_len, pos0))
                     for i0 in range(0, ql, BQ)), reverse=True)
@@ -407,6 +285,5 @@ def digit_attention(qd: torch.Tensor, kd: torch.Tensor, kr: torch.Tensor, v: tor
         (qd, BQ, DN), (qd, BQ, DR), (kd, BN, DN), (kr[:, None], BN, DR), (v, BN, DVC))]
     _digit_attention_kernel[(len(tiles), H)](
         *descs, o, ids[0], ids[1], meta[0], meta[1], meta[2], meta[3], o.stride(0), o.stride(1), consts,
-        DN=DN, DR=DR, DV=DV, DVC=DVC, NV=triton.cdiv(DV, DVC), BQ=BQ, BN=BN, PD=pd, num_warps=warps,
-        num_stages=stages)
+        DN=DN, DR=DR, DV=DV, DVC=DVC, NV=triton.cdiv(DV, DVC), BQ=BQ, BN=BN, num_warps=warps, num_stages=stages)
     return o
