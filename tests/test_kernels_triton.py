@@ -193,8 +193,7 @@ def test_gpu_mla_decode_deepseek_shapes_bf16(nq, page, splits):
     q_lat, q_pe, cache, table = _mla_case(4, nq, 128, 512, 64, page, lens, torch.bfloat16, gen)
     o, lse = TRI.mla_decode(q_lat, q_pe, cache, table, torch.tensor(lens), 512, 0.1352338,
                                     num_splits=splits)
-    for b, n in enumerate(lens):
-        ro, rl = REF.mla_decode_one(q_lat[b].cpu(), q_pe[b].cpu(), cache.cpu().float(), table[b].cpu(), n, 512, 0.1352338)
+    for b, (ro, rl) in enumerate(_mla_references(q_lat, q_pe, cache, table, lens)):
         rel = float((o[b].cpu() - ro).abs().max() / ro.abs().max())
         assert rel < 2e-2 and cos_diff(o[b].cpu(), ro) < 1e-4, rel
         assert float((lse[b].cpu() - rl).abs().max()) < 2e-2
@@ -219,19 +218,27 @@ def test_gpu_mla_decode_both_split_kernels(impl, nq, H, lens, splits):
         pytest.skip("the Gluon kernels need a Hopper GPU")
     o, lse = TRI.mla_decode(q_lat, q_pe, cache, table, torch.tensor(lens), 512, 0.1352338, num_splits=splits,
                             impl=impl)
-    _assert_mla_page64_rows(o, lse, q_lat, q_pe, cache, table, lens)
+    _assert_mla_page64_rows(o, lse, _mla_references(q_lat, q_pe, cache, table, lens), lens)
 
 
-def _assert_mla_page64_rows(o, lse, q_lat, q_pe, cache, table, lens):
-    """Each request against the reference: an empty one gives 0 and -inf, the others no NaN,
-    2e-2 relative and a cosine difference under 1e-4, and lse to 2e-2 relative (bf16 queries and
+def _mla_references(q_lat, q_pe, cache, table, lens, scale: float = 0.1352338) -> list:
+    """Each request's reference (o, lse) on the CPU in float32 (None for an empty request), the cache copied
+    over once: a copy per request took most of a GPU test's time (a 72-request case's cache is 335 MB)."""
+    cache32 = cache.cpu().float()
+    return [None if n == 0 else REF.mla_decode_one(q_lat[b].cpu(), q_pe[b].cpu(), cache32, table[b].cpu(), n,
+                                                   cache.shape[-1] - q_pe.shape[-1], scale)
+            for b, n in enumerate(lens)]
+
+
+def _assert_mla_page64_rows(o, lse, refs, lens):
+    """Each request against its reference (``_mla_references``): an empty one gives 0 and -inf, the others
+    no NaN, 2e-2 relative and a cosine difference under 1e-4, and lse to 2e-2 relative (bf16 queries and
     cache: logits of magnitude ~6 carry ~2e-2 rounding) with the same infinities."""
     for b, n in enumerate(lens):
         if n == 0:
             assert torch.equal(o[b].cpu(), torch.zeros_like(o[b].cpu())) and torch.isneginf(lse[b].cpu()).all()
             continue
-        ro, rl = REF.mla_decode_one(q_lat[b].cpu(), q_pe[b].cpu(), cache.cpu().float(), table[b].cpu(), n, 512,
-                                    0.1352338)
+        ro, rl = refs[b]
         assert not torch.isnan(o[b]).any()
         rel = float((o[b].cpu() - ro).abs().max() / ro.abs().max())
         assert rel < 2e-2 and cos_diff(o[b].cpu(), ro) < 1e-4, (b, rel)
@@ -257,11 +264,12 @@ def test_gpu_mla_gluon_two_split_merge(monkeypatch, halves, H, lens):
     if not mla_gluon.gluon_applies(cache, 512, 64, 64):
         pytest.skip("the Gluon kernel needs a Hopper GPU")
     monkeypatch.setattr(mla_gluon, "MERGE_HALVES", halves)
+    refs = _mla_references(q_lat, q_pe, cache, table, lens)
     for _ in range(2):
         o, lse = TRI.mla_decode(q_lat, q_pe, cache, table, torch.tensor(lens), 512, 0.1352338, num_splits=2,
                                 impl="gluon")
         assert int(mla_gluon._counters(cache.device, 1).abs().sum()) == 0
-        _assert_mla_page64_rows(o, lse, q_lat, q_pe, cache, table, lens)
+        _assert_mla_page64_rows(o, lse, refs, lens)
 
 
 @pytest.mark.gpu
