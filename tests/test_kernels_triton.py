@@ -157,6 +157,40 @@ def test_mla_decode_matches_reference(nq, H, page, lens, tma):
         assert torch.allclose(lse[b].cpu(), rl, atol=1e-5)
 
 
+@pytest.mark.parametrize("splits", [1, 3, 16, 17, 40])
+@pytest.mark.parametrize("L", [24, 128, 512, 640])
+def test_combine_splits_equals_its_definition(splits, L):
+    """The split merge against its definition in float64: weights exp(lse_s - max lse), -inf splits weighing
+    nothing, a row empty in every split giving 0 and -inf; split counts under, at and past the splits a
+    program reads at once (several groups: the running maximum across them), widths that are no power of
+    two, one of them two column blocks a row; outputs poisoned first."""
+    from hybridsim.kernels.attention_triton import COMBINE_SPLITS, combine_splits
+
+    gen = torch.Generator().manual_seed(splits * 7 + L)
+    n = 6
+    o_part = torch.randn(splits, n, L, generator=gen)
+    lse = torch.randn(splits, n, generator=gen) * 8
+    lse[:, 1] = float("-inf")  # row 1: empty in every split
+    lse[::2, 2] = float("-inf")  # row 2: every other split empty
+    if splits > COMBINE_SPLITS:
+        lse[:COMBINE_SPLITS, 3] = float("-inf")  # row 3: the first group of splits empty
+        lse[-1, 4] = 60.0  # row 4: the largest in the last group (the running maximum rises late)
+    o_part[lse == float("-inf")] = float("nan")  # (an empty split's partial is never read as a number)
+    o_part = torch.where(torch.isnan(o_part), torch.zeros(()), o_part)
+    out = torch.full((n, L), float("nan")).to(DEV)
+    lse_out = torch.full((n,), float("nan")).to(DEV)
+    combine_splits(o_part.to(DEV), lse.to(DEV), out, lse_out, n, splits, L)
+    m = lse.double().amax(0)
+    m_safe = torch.where(torch.isinf(m), torch.zeros(()).double(), m)
+    w = torch.exp(lse.double() - m_safe)
+    wsum = w.sum(0)
+    want = (w[..., None] * o_part.double()).sum(0) / torch.where(wsum == 0, 1.0, wsum)[:, None]
+    want_lse = torch.where(wsum == 0, float("-inf"), m_safe + torch.log(torch.where(wsum == 0, 1.0, wsum)))
+    torch.testing.assert_close(out.cpu().double(), want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(out[1].cpu(), torch.zeros(L)) and torch.isneginf(lse_out[1].cpu())
+    torch.testing.assert_close(lse_out.cpu().double(), want_lse, rtol=1e-6, atol=1e-5)
+
+
 def test_mla_decode_split_count_does_not_matter():
     gen = torch.Generator().manual_seed(9)
     q_lat, q_pe, cache, table = _mla_case(2, 2, 4, 64, 16, 16, [90, 45], torch.float32, gen)

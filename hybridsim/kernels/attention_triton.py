@@ -25,28 +25,56 @@ from .paged_attention import key_limit
 # inside a measured run). Strides stay specialised: their alignment feeds vector loads.
 @triton.jit(do_not_specialize=["n_rows", "num_splits"])
 def combine_splits_kernel(o_part, lse_part, out, lse_out, n_rows, num_splits, L: tl.constexpr,
-                          BLOCK_L: tl.constexpr, ROWS: tl.constexpr):
-    """Merge the splits' partials of ROWS rows in one pass: weights exp(lse_s - max);
-    splits with lse -inf weigh 0; a row empty in every split gives 0 and -inf."""
-    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
-    rm = r < n_rows
-    c = tl.arange(0, BLOCK_L)
-    cm = rm[:, None] & (c < L)[None, :]
-    m = tl.full([ROWS], float("-inf"), tl.float32)
-    for s in range(num_splits):
-        m = tl.maximum(m, tl.load(lse_part + s * n_rows + r, mask=rm, other=float("-inf")))
+                          BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Merge the splits' partials of row program_id(0), its columns program_id(1) * BLOCK_L..: weights
+    exp(lse_s - max); splits with lse -inf weigh 0; a row empty in every split gives 0 and -inf.
+    BLOCK_S splits are read at once (a running maximum across groups of them): a loop over the splits
+    one at a time waited for each one's read in turn, most of a small batch's merge (session 38)."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+    cm = c < L
+    s = tl.arange(0, BLOCK_S)
+    m = tl.full([], float("-inf"), tl.float32)
+    acc = tl.zeros([BLOCK_L], tl.float32)
+    wsum = tl.zeros([], tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        sr = (s0 + s).to(tl.int64) * n_rows + r
+        sm = s0 + s < num_splits
+        lse = tl.load(lse_part + sr, mask=sm, other=float("-inf"))
+        if L % BLOCK_L == 0:  # (no column mask: the loads go 16 bytes at a time)
+            o = tl.load(o_part + sr[:, None] * L + c[None, :], mask=sm[:, None], other=0.0)
+        else:
+            o = tl.load(o_part + sr[:, None] * L + c[None, :], mask=sm[:, None] & cm[None, :], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)  # (0 while every split so far was empty)
+        w = tl.exp(lse - m_safe)
+        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+        wsum = wsum * alpha + tl.sum(w, 0)
+        m = m_new
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    acc = tl.zeros([ROWS, BLOCK_L], tl.float32)
-    wsum = tl.zeros([ROWS], tl.float32)
-    for s in range(num_splits):
-        w = tl.exp(tl.load(lse_part + s * n_rows + r, mask=rm, other=float("-inf")) - m_safe)
-        o = tl.load(o_part + (s * n_rows + r)[:, None] * L + c[None, :], mask=cm, other=0.0)
-        acc += w[:, None] * o
-        wsum += w
     empty = wsum == 0.0
     inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, wsum))
-    tl.store(out + r[:, None] * L + c[None, :], acc * inv[:, None], mask=cm)
-    tl.store(lse_out + r, tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, wsum))), mask=rm)
+    tl.store(out + r * L + c, acc * inv, mask=cm)
+    if tl.program_id(1) == 0:
+        tl.store(lse_out + r, tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, wsum))))
+
+
+# A merge program takes a whole row (up to 512 columns) and reads 8 splits at once (32 registers a thread):
+# on an H200 (session 38, bench/probes/mla_small_batch.py) MLA decode at B = 1, 2, 4 took 14.96 / 15.40 /
+# 15.90 us at ctx 1k and 19.80 / 22.12 / 24.97 at 4k, against 16.55 / 16.99 / 17.65 and 25.14 / 25.27 /
+# 26.66 with the splits read one after another; 16 splits x 128 columns a program was slower from B = 2 on
+# (four times the programs).
+COMBINE_SPLITS = 8
+COMBINE_COLUMNS = 512
+
+
+def combine_splits(o_part, lse_part, out, lse_out, n_rows: int, num_splits: int, L: int) -> None:
+    """``combine_splits_kernel`` over n_rows rows of L columns: o_part (splits, n_rows, L), lse_part (splits,
+    n_rows) -> out (n_rows, L), lse_out (n_rows,)."""
+    block_l = min(COMBINE_COLUMNS, _pow2(L))
+    combine_splits_kernel[(n_rows, triton.cdiv(L, block_l))](o_part, lse_part, out, lse_out, n_rows, num_splits, L=L,
+                                                             BLOCK_L=block_l, BLOCK_S=COMBINE_SPLITS, num_warps=4)
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -254,7 +282,5 @@ def run_paged_attention(plan: PagedPlan, q, k_cache, v_cache, block_table, scale
         PAST_END_BUG=plan.past_end_bug, NUM_STAGES=num_stages or (2 if low else 1), num_warps=num_warps or 4)
     if split:
         lse = new_out((T, H), torch.float32)
-        rows = 4
-        combine_splits_kernel[(triton.cdiv(T * H, rows),)](target, lse_part, out, lse, T * H, plan.num_splits, L=D,
-                                                           BLOCK_L=_pow2(D), ROWS=rows, num_warps=4)
+        combine_splits(target, lse_part, out, lse, T * H, plan.num_splits, D)
     return out

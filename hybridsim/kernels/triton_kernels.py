@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .attention_triton import (_pow2, _sm_count, combine_splits_kernel, launch_reshape_and_cache,
+from .attention_triton import (_pow2, _sm_count, combine_splits, launch_reshape_and_cache,
                                plan_paged_attention, run_paged_attention)
 from .mla_gluon import gluon_applies, launch_gluon_split
 from .mla_seesaw import launch_seesaw, seesaw_applies
@@ -514,9 +514,7 @@ class TritonKernels(ReferenceKernels):
             return o_part[0].view(B, nq, H, L), lse_part[0].view(B, nq, H)
         o = self._out((B, M, L), torch.float32, dev)
         lse = self._out((B, M), torch.float32, dev)
-        rows = 4
-        combine_splits_kernel[(triton.cdiv(B * M, rows),)](o_part, lse_part, o, lse, B * M, num_splits, L=L,
-                                                         BLOCK_L=_pow2(L), ROWS=rows, num_warps=4)
+        combine_splits(o_part, lse_part, o, lse, B * M, num_splits, L)
         return o.view(B, nq, H, L), lse.view(B, nq, H)
 
 
