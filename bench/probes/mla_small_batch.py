@@ -15,7 +15,6 @@ part out (results are wrong, the time is what is measured):
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 
@@ -33,6 +32,7 @@ import hybridsim.kernels.triton_kernels as tk  # noqa: E402
 from hybridsim.kernels.triton_kernels import TritonKernels  # noqa: E402
 from bench_kernels import graph_bench, launch_floor  # noqa: E402
 from probes.mla_decode_memory import case  # noqa: E402
+from probes.patched import patched  # noqa: E402
 
 PATCHES = {
     "noq": [("qa = gl.load(q_lat + gl.expand_dims(qrows, 1) * L + gl.expand_dims(c_h, 0), mask=qmask, other=0.0)",
@@ -80,17 +80,7 @@ def serial_combine(o_part, lse_part, out, lse_out, n_rows, num_splits, L):
 
 def variant(name: str):
     """The split kernel with ``name``'s parts left out, compiled from a patched copy of its module."""
-    src = open(mg.__file__).read().replace("from ..", "from hybridsim.").replace("from .", "from hybridsim.kernels.")
-    for old, new in PATCHES[name]:
-        assert old in src, f"mla_gluon changed: update the {name} patch"
-        src = src.replace(old, new)
-    path = f"/tmp/mla_small_batch_{name}.py"
-    with open(path, "w") as f:
-        f.write(src)
-    spec = importlib.util.spec_from_file_location(f"mla_small_batch_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod._mla_gluon_split_kernel
+    return patched(mg, f"mla_small_batch_{name}", PATCHES[name])._mla_gluon_split_kernel
 
 
 def main() -> None:

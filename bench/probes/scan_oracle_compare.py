@@ -23,27 +23,17 @@ The patches anchor on the kernels' source text and stop with an AssertionError w
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import runpy
 import sys
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(__file__))
 
 import hybridsim.kernels.probe_scan_chunked as pc  # noqa: E402
 import hybridsim.kernels.probe_scan_triton as pt  # noqa: E402
-
-
-def _load(name: str, source: str, attr: str):
-    """``attr`` of ``source`` compiled as a module of its own (Triton reads a kernel's source from its file)."""
-    path = f"/tmp/scan_oracle_compare_{name}.py"
-    with open(path, "w") as f:
-        f.write(source)
-    spec = importlib.util.spec_from_file_location(f"scan_oracle_compare_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return getattr(mod, attr)
+from patched import load_source, module_source, patched  # noqa: E402
 
 
 def _between(src: str, a: str, b: str) -> str:
@@ -51,8 +41,7 @@ def _between(src: str, a: str, b: str) -> str:
 
 
 def chunked_variants() -> dict:
-    src = open(pc.__file__).read().replace("from .probe_scan_triton import",
-                                           "from hybridsim.kernels.probe_scan_triton import")
+    src = module_source(pc)
     compare = _between(src, "        if COMPARE:\n            inr = jm", "        h = (A_end * h")
     fold = _between(src, "    if COMPARE:\n        cnt = tl.sum", "def token_parts")
     load = """            inr = jm & (j >= yf) & (j < yf + yc)
@@ -96,41 +85,30 @@ def chunked_variants() -> dict:
         "red": src.replace(compare, head + "            tl.atomic_add(y_ref + yo_ref, -y, mask=inr[:, None], "
                            "sem='relaxed')\n").replace(fold, "\n\n"),
     }
-    return {name: _load(f"chunked_{name}", s, "_chunked_scan_kernel") for name, s in out.items()}
+    return {name: load_source(f"scan_oracle_compare_{name}", s)._chunked_scan_kernel for name, s in out.items()}
 
 
 def token_variants() -> dict:
-    src = open(pt.__file__).read().replace("from ..", "from hybridsim.").replace("from .", "from hybridsim.kernels.")
     start = "                                                      WRITE_Y, COMPARE)\n    for j in range(0, n):"
     state = """                if tp >= 0:
                     _cmp_state(cmp_temporal + cslot * ct_ss + tp * ct_sp, h, tile, tm, st, KM1 * DIM)
 """
-    assert start in src and state in src, "probe_scan_triton changed: update the patches"
-    s = src.replace(start, """                                                      WRITE_Y, COMPARE)
+    prefetch = patched(pt, "scan_oracle_compare_prefetch", [
+        (start, """                                                      WRITE_Y, COMPARE)
     ci0 = ci
     pre = tl.zeros([BP, BN], dtype=tl.float32)
     if COMPARE:
         cs0 = tl.load(cmp_slot + lay).to(tl.int64)
         tp0 = tl.load(cmp_tpage + ci * L64 + lay, mask=ct >= 0, other=-1).to(tl.int64)
         pre = tl.load(cmp_temporal + cs0 * ct_ss + tl.maximum(tp0, 0) * ct_sp + tile, mask=tm & (tp0 >= 0), other=0.0)
-    for j in range(0, n):""").replace(state, """                if tp >= 0:
+    for j in range(0, n):"""),
+        (state, """                if tp >= 0:
                     if ci == ci0:
-                        _cmp_state_got(pre, h, tile, tm, st, KM1 * DIM)
+                        _cmp_state_values(pre, h, tile, tm, st, KM1 * DIM)
                     else:
                         _cmp_state(cmp_temporal + cslot * ct_ss + tp * ct_sp, h, tile, tm, st, KM1 * DIM)
-""").replace("@triton.jit\ndef _cmp_window(", """@triton.jit
-def _cmp_state_got(got, h, tile, tm, st, base):
-    hf = h.to(tl.float32)
-    bad = (got != hf) & tm
-    cnt = tl.sum(bad.to(tl.int64), axis=1)
-    d = tl.max(tl.where(bad, tl.where(got == got, tl.abs(got - hf), 2147483648.0), 0.0), axis=1)
-    first = tl.min(tl.where(bad, tile, 2147483647), axis=1)
-    _fold(st, cnt > 0, cnt, d.to(tl.int64), base + first.to(tl.int64))
-
-
-@triton.jit
-def _cmp_window(""")
-    return {"prefetch": _load("token_prefetch", s, "_probe_scan_kernel")}
+""")])
+    return {"prefetch": prefetch._probe_scan_kernel}
 
 
 def main() -> None:

@@ -111,9 +111,14 @@ def _cmp_row(src, ch, m, want, elem_base, st):
 def _cmp_state(src, h, tile, tm, st, base):
     """Compare a state tile (residues) with page values at src + tile (where tm); fold mismatches
     into stats: count, max |diff| (a NaN, never written, counts 2**31), first element (base + tile;
-    int32: a page's elements number below 2**31). Reduced along the tile's rows first (within a
+    int32: a page's elements number below 2**31)."""
+    _cmp_state_values(tl.load(src + tile, mask=tm, other=0.0), h, tile, tm, st, base)
+
+
+@triton.jit
+def _cmp_state_values(got, h, tile, tm, st, base):
+    """``_cmp_state`` of page values already read (``got``). Reduced along the tile's rows first (within a
     warp), then folded per row."""
-    got = tl.load(src + tile, mask=tm, other=0.0)
     hf = h.to(tl.float32)
     bad = (got != hf) & tm
     cnt = tl.sum(bad.to(tl.int64), axis=1)
