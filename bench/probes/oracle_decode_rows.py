@@ -4,7 +4,9 @@ lengths, and each step's rows checked by the oracle on the GPU: torch's padded f
 against the float64 latent kernel (``absorbed_kernel``). Prints ms a step, the rows' float64 floor at a given
 rate (``bench_oracle``'s count: absorbing the queries and unabsorbing the outputs included), and the two paths' agreement (history/2026-11-28_session34.md).
 
-    python3 bench/probes/oracle_decode_rows.py [--steps 60:90] [--f64-rate 57.5e12]
+    python3 bench/probes/oracle_decode_rows.py [--steps 60:90] [--f64-rate 57.5e12] [--profile 5]
+
+``--profile N``: also the device kernels of N steps of each path, by their summed time (torch.profiler).
 """
 from __future__ import annotations
 
@@ -47,10 +49,22 @@ def decode_rows(first: int, last: int) -> dict[int, list[tuple[int, int]]]:
     return steps
 
 
+def profile(oracle, steps: list) -> None:
+    """The device kernels of these steps, by summed time (the ten largest)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    with torch_profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for r in steps:
+            oracle.expected(r)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=70)
+    print(f"    device kernels over {len(steps)} steps:\n" + "\n".join("      " + ln for ln in table.splitlines()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", default="60:90")
     ap.add_argument("--f64-rate", type=float, default=57.5e12, help="the card's float64 matrix rate (bench_oracle)")
+    ap.add_argument("--profile", type=int, default=0, help="steps whose device kernels are listed, each path")
     a = ap.parse_args()
     first, last = map(int, a.steps.split(":"))
     steps = decode_rows(first, last)
@@ -78,6 +92,8 @@ def main() -> None:
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         outs[kernel] = o
+        if a.profile:
+            profile(oracle, list(rows.values())[:a.profile])
         print(f"  {'latent kernel' if kernel else 'torch batches'}: {1e3 * np.mean(times):.2f} ms a step "
               f"(min {1e3 * min(times):.2f}, max {1e3 * max(times):.2f})", flush=True)
     err = max(float(((x - y).abs() / y.abs().clamp(min=1e-3)).max()) for x, y in zip(outs[True], outs[False]))
