@@ -175,8 +175,6 @@ class DenseOracle:
         self.absorbed_kernel = absorbed_kernel  # (MLA, fused: see _expected_latent)
         # (MLA, fused: expanded rows' scores exact from int8 digits where the tables' bounds allow; False: float64)
         self.digit_scores = self.mla and fused and digit_scores is not False and _digits_fit(stack)
-        # (MLA, fused: absorbed rows' (decodes') scores exact from int8 digits where the bounds allow)
-        self.absorbed_digits = self.mla and fused and digit_scores is not False and _absorbed_digits_fit(stack)
         self.stack32 = stack.cast(torch.float32) if fused and not self.mla else None  # the GQA kernel's tables
 
     def forget(self, key) -> None:
@@ -252,24 +250,17 @@ class DenseOracle:
 
     def _attend(self, tok: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
         """``stack.attend`` over padded rows; on a GPU an MLA stack's latents from one kernel
-        (``kernels/probe_latents.py``: the same values), with their digits where ``absorbed_digits``."""
+        (``kernels/probe_latents.py``: the same values)."""
         if not (self.mla and tok.is_cuda):
             return self.stack.attend(tok, qpos)
         n = tok.shape[1]
-        pos = torch.arange(n, device=tok.device)
-        if self.absorbed_digits:
-            lat, digits = self._latents(tok, pos, n, digits=True)
-            return self.stack.attend(tok, qpos, lat=lat, key_digits=digits)
-        return self.stack.attend(tok, qpos, lat=self._latents(tok, pos, n))
+        return self.stack.attend(tok, qpos, lat=self._latents(tok, torch.arange(n, device=tok.device), n))
 
-    def _latents(self, tok: torch.Tensor, pos: torch.Tensor, n_pos: int, dtype: torch.dtype = torch.float64,
-                 digits: bool = False):
-        """The MLA stack's ``latents_at`` (every layer) from one kernel (``kernels/probe_latents.py``); with
-        ``digits``, the pair (latents, their integers' digits)."""
+    def _latents(self, tok: torch.Tensor, pos: torch.Tensor, n_pos: int, dtype: torch.dtype = torch.float64):
+        """The MLA stack's ``latents_at`` (every layer) from one kernel (``kernels/probe_latents.py``)."""
         from .kernels.probe_latents import latent_rows
         st = self.stack
-        return latent_rows(st.key1, st.key2, st.geo.qk_rope_head_dim, tok, pos, n_pos, LATENT_SHIFT, ROPE_SHIFT, dtype,
-                           digits=digits)
+        return latent_rows(st.key1, st.key2, st.geo.qk_rope_head_dim, tok, pos, n_pos, LATENT_SHIFT, ROPE_SHIFT, dtype)
 
     def _expected_fused(self, rows: list[tuple[np.ndarray, int, int]]) -> list[torch.Tensor]:
         """Rows in groups whose float64 outputs fit the budget (the kernels keep no queries in memory)."""
@@ -304,8 +295,7 @@ class DenseOracle:
         (``kernels/digit_attention_f64.py``; on an H200 the step's prefill chunks of ``bench_oracle``
         took 86.3 ms against 107.4 with float64 scores) where ``digit_scores``, else float64 ones
         (``kernels/latent_attention_f64.py``). Absorbed rows (decodes) take the torch path's padded
-        batches, their scores exact from int8 digits where ``absorbed_digits`` (``kernels/latent_digit_scores.py``):
-        on an H200 the same
+        batches: on an H200 the same
         kernel over the latent (``absorbed_kernel``) took 48.9 ms where torch took 40.9 for
         ``bench_oracle``'s DeepSeek-V3 step (its 576-wide queries do not fit in registers). With
         ``absorbed_kernel`` they go in groups whose queries, latent outputs and outputs fit the
@@ -427,14 +417,6 @@ def _digits_fit(stack: MLAStack) -> bool:
             and expand_widths_fit(g.kv_lora_rank))
 
 
-def _absorbed_digits_fit(stack: MLAStack) -> bool:
-    """Whether the MLA stack's absorbed scores can be taken exactly from int8 digits
-    (``kernels/latent_digit_scores``)."""
-    from .kernels.latent_digit_scores import absorbed_digits_fit
-    g = stack.geo
-    return absorbed_digits_fit(stack.integer_bounds, g.kv_lora_rank, g.qk_rope_head_dim)
-
-
 def _joined(parts: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
     """A row's pieces (first query, outputs (layers, queries, ...)) in query order along dim 1; a row in
     one piece as it is (a long chunk's outputs are a gigabyte: no copy)."""
@@ -545,7 +527,7 @@ def MLAOracle(probes: list[MLAProbe], device: torch.device, budget_elems: int = 
               work_bound: bool | None = None, fused: bool | None = None, absorbed_kernel: bool = False,
               digit_scores: bool | None = None) -> DenseOracle:
     """Dense float64 attention over the committed tokens of every MLA layer (``digit_scores`` False: the
-    fused path's expanded and absorbed rows take float64 scores even where exact int8 digits would do)."""
+    fused path's expanded rows take float64 scores even where exact int8 digits would do)."""
     return DenseOracle(MLAStack(probes, device), device, budget_elems, work_bound, fused=fused,
                        absorbed_kernel=absorbed_kernel, digit_scores=digit_scores)
 

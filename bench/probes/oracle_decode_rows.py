@@ -1,17 +1,12 @@
 """The MLA oracle's decode rows at deepseek_v3_mooncake's own shapes: the scenario is planned (``hybridsim run
 --check off --record``, no execution), the decode rows of steps A..B-1 taken with random token ids of their
-lengths, and each step's rows checked by the oracle on the GPU, three ways: torch's padded batches with their
-scores exact from int8 digits (the default since session 39: ``kernels/latent_digit_scores.py``), the same
-batches with float64 scores (``digit_scores=False``), and the float64 latent kernel (``absorbed_kernel``).
-Prints ms a step, the rows' float64 floor at a given rate (``bench_oracle``'s count: absorbing the queries and
-unabsorbing the outputs included), and each path's agreement with the first (history/2026-11-28_session34.md,
-history/2026-11-28_session39.md).
+lengths, and each step's rows checked by the oracle on the GPU: torch's padded float64 batches (the default)
+against the float64 latent kernel (``absorbed_kernel``). Prints ms a step, the rows' float64 floor at a given
+rate (``bench_oracle``'s count: absorbing the queries and unabsorbing the outputs included), and the two paths' agreement (history/2026-11-28_session34.md).
 
     python3 bench/probes/oracle_decode_rows.py [--steps 60:90] [--f64-rate 57.5e12] [--profile 5]
-        [--tiles "64,64,128,8;64,32,128,4"]
 
 ``--profile N``: also the device kernels of N steps of each path, by their summed time (torch.profiler).
-``--tiles``: the digit scores' kernel again at each of these tiles (rows, keys, columns a step, warps).
 """
 from __future__ import annotations
 
@@ -70,7 +65,6 @@ def main() -> None:
     ap.add_argument("--steps", default="60:90")
     ap.add_argument("--f64-rate", type=float, default=57.5e12, help="the card's float64 matrix rate (bench_oracle)")
     ap.add_argument("--profile", type=int, default=0, help="steps whose device kernels are listed, each path")
-    ap.add_argument("--tiles", default="", help="digit score tiles to time besides the default, ';'-separated")
     a = ap.parse_args()
     first, last = map(int, a.steps.split(":"))
     steps = decode_rows(first, last)
@@ -85,17 +79,9 @@ def main() -> None:
     print(f"steps {first}..{last - 1}: {sum(map(len, steps.values())) / len(steps):.1f} decode rows a step, "
           f"{flops / 1e9:.0f} GFLOP a step in each row's cheaper association (bench_oracle's count): "
           f"{flops / a.f64_rate * 1e3:.2f} ms at {a.f64_rate / 1e12:.1f} TFLOP/s")
-    from hybridsim.kernels import latent_digit_scores as lds
-    default_tile = lds.TILE
-    paths = [("torch batches, digit scores", dict(), default_tile),
-             ("torch batches, float64 scores", dict(digit_scores=False), default_tile),
-             ("float64 latent kernel", dict(absorbed_kernel=True, digit_scores=False), default_tile)]
-    paths += [(f"torch batches, digit scores, tile {t}", dict(), tuple(map(int, t.split(","))))
-              for t in a.tiles.split(";") if t]
-    outs = []
-    for label, kw, tile in paths:
-        lds.TILE = tile
-        oracle = MLAOracle(probes, dev, fused=True, **kw)
+    outs = {}
+    for kernel in (False, True):
+        oracle = MLAOracle(probes, dev, fused=True, absorbed_kernel=kernel)
         for _ in range(2):  # (builds and warms)
             oracle.expected(next(iter(rows.values())))
         times = []
@@ -105,14 +91,14 @@ def main() -> None:
             o = oracle.expected(r)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-        outs.append(o)
-        err = max(float(((x - y).abs() / y.abs().clamp(min=1e-3)).max()) for x, y in zip(o, outs[0]))
-        print(f"  {label}: {1e3 * np.mean(times):.2f} ms a step (min {1e3 * min(times):.2f}, max "
-              f"{1e3 * max(times):.2f}); the last step's outputs against the first path's: max rel diff {err:.1e}",
-              flush=True)
-        if a.profile and tile == default_tile:
+        outs[kernel] = o
+        if a.profile:
             profile(oracle, list(rows.values())[:a.profile])
-    lds.TILE = default_tile
+        print(f"  {'latent kernel' if kernel else 'torch batches'}: {1e3 * np.mean(times):.2f} ms a step "
+              f"(min {1e3 * min(times):.2f}, max {1e3 * max(times):.2f})", flush=True)
+    err = max(float(((x - y).abs() / y.abs().clamp(min=1e-3)).max()) for x, y in zip(outs[True], outs[False]))
+    print(f"  the last step's outputs, kernel against torch: max rel diff {err:.1e}")
+
 
 if __name__ == "__main__":
     main()

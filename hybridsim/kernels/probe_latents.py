@@ -15,7 +15,6 @@ import triton
 import triton.language as tl
 
 from .dense_attention_f64 import _rope
-from .digit_attention_f64 import _next_digit
 
 
 @triton.jit
@@ -45,20 +44,11 @@ def rotated_rope(key1, key2, row1, row2, pos_at, im, cc, ss, LR: tl.constexpr, R
     return r_lo, r_hi, m
 
 
-@triton.jit
-def _store_digits(dst, x, cols, m, count: tl.constexpr, stride: tl.constexpr):
-    """The ``count`` balanced base-256 digits of the integers x (int32), digit c at dst + c * stride + cols."""
-    for c in tl.static_range(count):
-        d, x = _next_digit(x)
-        tl.store(dst + c * stride + cols, d.to(tl.int8), mask=m)
-
-
 @triton.jit(do_not_specialize=["n_tok", "P"])
-def _latent_rows_kernel(tok, pos, key1, key2, cc, ss, out, dig, n_tok, P, LR: tl.constexpr, R: tl.constexpr,
+def _latent_rows_kernel(tok, pos, key1, key2, cc, ss, out, n_tok, P, LR: tl.constexpr, R: tl.constexpr,
                         T1: tl.constexpr, T2: tl.constexpr, KV_SCALE: tl.constexpr, ROPE_SCALE: tl.constexpr,
-                        BT: tl.constexpr, BL: tl.constexpr, RH: tl.constexpr, DIGITS: tl.constexpr):
-    """Tokens program_id(0) * BT.. of layer program_id(1): token i at position pos[i % P]. ``DIGITS``: also
-    their integers' digits into ``dig`` (layers, tokens, 2 LR + 3 R) int8: kv_c's two, then k_pe's three."""
+                        BT: tl.constexpr, BL: tl.constexpr, RH: tl.constexpr):
+    """Tokens program_id(0) * BT.. of layer program_id(1): token i at position pos[i % P]."""
     i = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
     layer = tl.program_id(1).to(tl.int64)
     im = i < n_tok
@@ -67,50 +57,33 @@ def _latent_rows_kernel(tok, pos, key1, key2, cc, ss, out, dig, n_tok, P, LR: tl
     for c0 in tl.static_range(0, LR, BL):
         d = c0 + tl.arange(0, BL)
         m = im[:, None] & (d < LR)[None, :]
-        if DIGITS:
-            kv = rows_sum(key1, key2, row1, row2, 0, d, m)
-            tl.store(o + d[None, :], (kv * KV_SCALE).to(out.dtype.element_ty), mask=m)
-            _store_digits(dig + (layer * n_tok + i)[:, None] * (2 * LR + 3 * R), kv.to(tl.int32), d[None, :], m, 2, LR)
-        else:
-            tl.store(o + d[None, :], (rows_sum(key1, key2, row1, row2, 0, d, m) * KV_SCALE).to(out.dtype.element_ty),
-                     mask=m)
+        tl.store(o + d[None, :], (rows_sum(key1, key2, row1, row2, 0, d, m) * KV_SCALE).to(out.dtype.element_ty), mask=m)
     r_lo, r_hi, m = rotated_rope(key1, key2, row1, row2, pos + i % P, im, cc, ss, LR, R, RH)
     dr = tl.arange(0, RH)
     tl.store(o + LR + dr[None, :], (r_lo * ROPE_SCALE).to(out.dtype.element_ty), mask=m)
     tl.store(o + LR + R // 2 + dr[None, :], (r_hi * ROPE_SCALE).to(out.dtype.element_ty), mask=m)
-    if DIGITS:
-        od = dig + (layer * n_tok + i)[:, None] * (2 * LR + 3 * R) + 2 * LR
-        _store_digits(od, r_lo.to(tl.int32), dr[None, :], m, 3, R)
-        _store_digits(od + R // 2, r_hi.to(tl.int32), dr[None, :], m, 3, R)
 
 
 def latent_rows(key1: torch.Tensor, key2: torch.Tensor, rope: int, tok: torch.Tensor, pos: torch.Tensor, n_pos: int,
-                kv_shift: int, rope_shift: int, dtype: torch.dtype = torch.float64, digits: bool = False):
+                kv_shift: int, rope_shift: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Every layer's entries of tokens ``tok`` (any shape) at positions ``pos`` (1-D, P of them: token i of
     the flattened tok at pos[i % P], so (b, n) tokens take pos = arange(n)), each below n_pos: (layers,
     *tok.shape, kv_lora + rope) in ``dtype`` (float64 or float32), from the per-token latent tables key1,
     key2 (layers, table rows, kv_lora + rope) (``MLAStack``'s: integers, their last ``rope`` columns
     k_pe's): kv_c times 2**-kv_shift, k_pe rotated (integer tables, times 1024) times 2**-rope_shift, the
-    values ``MLAStack.latents_at`` gives. A GPU, or the interpreter.
-
-    ``digits``: also (the pair's second) the same entries' integers (kv_c over 2**-kv_shift, k_pe over
-    2**-rope_shift) as balanced base-256 int8 digits, (layers, *tok.shape, 2 kv_lora + 3 rope), digit-major:
-    kv_c's two, then k_pe's three (``kernels/latent_digit_scores.py``; its ``absorbed_digits_fit`` has proved
-    they hold them)."""
+    values ``MLAStack.latents_at`` gives. A GPU, or the interpreter."""
     from ..layers.exact import rotation_tables
     L, T1, width = key1.shape
     assert key1.dtype == key2.dtype and dtype in (torch.float32, torch.float64) and pos.dim() == 1
     n = tok.numel()
-    LR = width - rope
     out = torch.empty((L, *tok.shape, width), dtype=dtype, device=tok.device)
-    dig = torch.empty((L, *tok.shape, 2 * LR + 3 * rope) if digits else (1,), dtype=torch.int8, device=tok.device)
-    if n > 0:
-        assert n % pos.numel() == 0, "latent_rows: positions must repeat along the tokens' last axes"
-        cc, ss = rotation_tables(rope, n_pos, tok.device, key1.dtype)
-        BT = 16
-        _latent_rows_kernel[(triton.cdiv(n, BT), L)](
-            tok.reshape(-1), pos, key1, key2, cc, ss, out, dig, n, pos.numel(), LR=LR, R=rope, T1=T1,
-            T2=key2.shape[1], KV_SCALE=2.0 ** -kv_shift, ROPE_SCALE=2.0 ** -rope_shift, BT=BT,
-            BL=min(triton.next_power_of_2(LR), 128), RH=triton.next_power_of_2(rope // 2), DIGITS=digits,
-            num_warps=4)
-    return (out, dig) if digits else out
+    if n == 0:
+        return out
+    assert n % pos.numel() == 0, "latent_rows: positions must repeat along the tokens' last axes"
+    cc, ss = rotation_tables(rope, n_pos, tok.device, key1.dtype)
+    BT = 16
+    _latent_rows_kernel[(triton.cdiv(n, BT), L)](
+        tok.reshape(-1), pos, key1, key2, cc, ss, out, n, pos.numel(), LR=width - rope, R=rope, T1=T1,
+        T2=key2.shape[1], KV_SCALE=2.0 ** -kv_shift, ROPE_SCALE=2.0 ** -rope_shift, BT=BT,
+        BL=min(triton.next_power_of_2(width - rope), 128), RH=triton.next_power_of_2(rope // 2), num_warps=4)
+    return out

@@ -320,9 +320,7 @@ class MLAStack:
     def integer_bounds(self) -> dict[str, float]:
         """The largest magnitude any token's q_nope, q_pe, k_nope and k_pe can take, as integers of their
         units (``query_unit``, ``rope_unit``, ``nope_key_unit``), over every layer: what an exact integer
-        form of the scores must hold (``kernels/digit_attention_f64.digits_fit``); and the absorbed form's
-        q_lat = q_nope W_UK (of ``nope_key_unit``) and kv_c (of ``query_unit``)
-        (``kernels/latent_digit_scores.absorbed_digits_fit``). From the tables: a hidden
+        form of the scores must hold (``kernels/digit_attention_f64.digits_fit``). From the tables: a hidden
         state's entries are at most max|emb1| + max|emb2|, a rotated value at most max(|x1|, |x2|)
         (|cos| + |sin|) over the cos/sin table, k_nope's integer at most kv_c's bound times a column's sum
         of |W_UK| (over its unit)."""
@@ -335,9 +333,8 @@ class MLAStack:
         kv_c = self.key1[..., :Lr].abs().amax((1, 2)) + self.key2[..., :Lr].abs().amax((1, 2))
         k_pe = (self.key1[..., Lr:].abs().amax((1, 2)) + self.key2[..., Lr:].abs().amax((1, 2))) * trig
         k_nope = kv_c * (self.w_uk.abs().sum(-1) / _pow2_scale(Lr)).amax((1, 2))
-        q_lat = q_nope * (self.w_uk.abs().sum(2) / _pow2_scale(Lr)).amax((1, 2))  # q_nope W_UK, of nope_key_unit
         return {name: float(b.max()) for name, b in (("q_nope", q_nope), ("q_pe", q_pe), ("k_nope", k_nope),
-                                                     ("k_pe", k_pe), ("q_lat", q_lat), ("kv_c", kv_c))}
+                                                     ("k_pe", k_pe))}
 
     def expands(self, b: int, q: int, n: int, bounded: bool = True) -> bool:
         """Whether attending q queries over n keys costs fewer operations with every key up-projected
@@ -354,16 +351,13 @@ class MLAStack:
         return factor * expanded < absorbed and (not bounded or b * n * H * (N + V) <= EXPANDED_ELEMS)
 
     def attend(self, tok: torch.Tensor, qpos: torch.Tensor, expand: bool | None = None,
-               lat: torch.Tensor | None = None, key_digits: torch.Tensor | None = None) -> torch.Tensor:
+               lat: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention in float64 for b padded rows: tok (b, n) committed tokens, query
         positions qpos (b, q) (each below its row's length). Returns (layers, b, q, H, v).
         Two associations, equal in real arithmetic: keys up-projected (q_nope . kv_c W_UK and
         p . kv_c W_UV) or queries absorbed ((q_nope W_UK) . kv_c, then W_UV after the sum); the
         cheaper one for the batch's shape is taken unless ``expand`` says which. ``lat``: the tokens'
-        ``latents`` (float64), if the caller has made them (a GPU kernel: ``kernels/probe_latents.py``).
-        ``key_digits``: with ``lat``, its integers' digits (``latent_rows(digits=True)``): absorbed scores
-        are then exact integers from int8 digits (``kernels/latent_digit_scores.py``, where
-        ``absorbed_digits_fit`` holds), not float64 products."""
+        ``latents`` (float64), if the caller has made them (a GPU kernel: ``kernels/probe_latents.py``)."""
         b, n = tok.shape
         Lr = self.geo.kv_lora_rank
         if lat is None:
@@ -387,17 +381,9 @@ class MLAStack:
                 p = torch.softmax(torch.einsum("bqkd,bnkd->bqkn", q, keys).add_(bias), dim=-1)
                 out.append(torch.einsum("bqkn,bnkv->bqkv", p, torch.einsum("bnr,krv->bnkv", kv[l], self.w_uv[l])))
             return torch.stack(out)
-        q_lat = torch.einsum("lbqkd,lkdr->lbqkr", q_nope, self.w_uk)
-        if key_digits is not None:  # exact integer scores from digits
-            from ..kernels.latent_digit_scores import absorbed_query_digits, latent_digit_scores
-            Ly, q = self.layers, qpos.shape[1]
-            qd = absorbed_query_digits(q_lat, q_pe, self.nope_key_unit, self.rope_unit).view(Ly * b, q * H, -1)
-            s = latent_digit_scores(qd, key_digits.view(Ly * b, n, -1), qpos, H, self.scale,
-                                    self.nope_key_unit * self.query_unit, self.rope_unit * self.rope_unit)
-            p = torch.softmax(s.view(Ly, b, q, H, n), dim=-1)
-        else:  # scores as one product over the whole latent entry: [q_nope W_UK | q_pe] (scaled) . [kv_c | k_pe]
-            q = torch.cat([q_lat, q_pe], dim=-1) * self.scale
-            p = torch.softmax(torch.einsum("lbqkr,lbnr->lbqkn", q, lat).add_(bias), dim=-1)
+        # scores as one product over the whole latent entry: [q_nope W_UK | q_pe] (scaled) . [kv_c | k_pe]
+        q = torch.cat([torch.einsum("lbqkd,lkdr->lbqkr", q_nope, self.w_uk), q_pe], dim=-1) * self.scale
+        p = torch.softmax(torch.einsum("lbqkr,lbnr->lbqkn", q, lat).add_(bias), dim=-1)
         return torch.einsum("lbqkr,lkrv->lbqkv", torch.einsum("lbqkn,lbnr->lbqkr", p, kv), self.w_uv)
 
 
