@@ -50,7 +50,7 @@ def decode_rows(first: int, last: int) -> dict[int, list[tuple[int, int]]]:
 
 
 def profile(oracle, steps: list) -> None:
-    """The device kernels of these steps, by summed time (the ten largest)."""
+    """The device kernels of these steps, by summed time (the twelve largest)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
     with torch_profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         for r in steps:
