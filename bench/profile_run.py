@@ -155,9 +155,13 @@ def main() -> None:
         activities = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
         window = profile(activities=activities + [ProfilerActivity.CPU] if ranges or not activities else activities)
 
+        clock: dict[int, float] = {}
+
         def edges(stats) -> None:
             if stats.steps in (first, last) and torch.cuda.is_available():
                 torch.cuda.synchronize()
+            if stats.steps in (first, last):
+                clock[stats.steps] = perf_counter()
             if stats.steps == first:
                 window.start()
             elif stats.steps == last:
@@ -168,6 +172,10 @@ def main() -> None:
         print(f"device time by kernel, steps {first}..{last - 1} ({last - first} steps):")
         averages = window.key_averages()
         print(averages.table(sort_by="self_cuda_time_total", row_limit=a.top))
+        busy = sum(ev.self_device_time_total for ev in averages) / 1e3  # (kernels and copies, microseconds -> ms)
+        wall = 1e3 * (clock[last] - clock[first])
+        print(f"window: {wall / (last - first):.1f} ms a step on the clock, the device busy {busy / (last - first):.1f} "
+              f"ms a step ({100 * busy / wall:.0f}%; kernels on two streams at once count twice)")
         if ranges:
             print(f"device time of what each annotated call launched (CUDA total), steps {first}..{last - 1}:")
             for ev in averages:

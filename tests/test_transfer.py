@@ -49,3 +49,24 @@ def test_ring_uploads_arrive_intact_across_wraps():
     assert upload(np.zeros(0, dtype=np.int64), dev).shape == (0,)
     large = rng.integers(0, 9, size=transfer.RING_SEGMENT // 4)  # above a segment: pinned on its own
     assert np.array_equal(upload(large, dev).cpu().numpy(), large)
+
+
+@pytest.mark.gpu
+def test_ring_segments_are_reused_only_after_every_stream_read_them():
+    """Uploads queued from a second stream that is held back: when the ring comes back to their
+    segment it waits for that stream too, so what the held-back copies read is still theirs."""
+    dev = torch.device("cuda")
+    side = torch.cuda.Stream()
+    rng = np.random.default_rng(9)
+    sent, got = [], []
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(300_000_000)  # the side stream's copies wait behind this
+        for _ in range(8):
+            a = rng.integers(-2**40, 2**40, size=2048)
+            sent.append(a)
+            got.append(upload(a, dev))
+    for _ in range(transfer.RING_SEGMENTS * transfer.RING_SEGMENT // (8 * 4096) + 8):  # the ring wraps on main
+        upload(rng.integers(0, 9, size=4096), dev)
+    torch.cuda.synchronize()
+    for a, g in zip(sent, got):
+        assert np.array_equal(g.cpu().numpy(), a)

@@ -63,3 +63,37 @@ def test_on_the_gpu_the_lag_changes_no_tally(monkeypatch):
     a, b = _tallies(at_once), _tallies(lagged)
     assert a["attn.output"][1] > 0 and a["kernel.paged_attention"][0] > 0
     assert a == b
+
+
+@pytest.mark.gpu
+def test_reading_a_step_late_does_not_wait_for_the_next_steps_work():
+    """Step 1's results are read at the end of step 2 without waiting for step 2's work: the device
+    is still busy with it when the tally runs (a plain ``.cpu()`` there would have drained it)."""
+    seen = []
+    v = Verdicts(1)
+    v.add(torch.arange(4, device="cuda") * 3, lambda h: seen.append(h.tolist()))
+    v.end_step()
+    torch.cuda._sleep(2_000_000_000)  # step 2's work: about a second of device time
+    busy = []
+    v.add(torch.ones(1, device="cuda"), lambda h: busy.append(torch.cuda.current_stream().query()))
+    v.end_step()
+    assert seen == [[0, 3, 6, 9]]
+    assert not torch.cuda.current_stream().query()  # step 2 still running after step 1 was tallied
+    v.drain()
+    assert busy == [True]  # step 2's own results waited for step 2
+
+
+@pytest.mark.gpu
+def test_a_result_made_on_another_stream_is_read_after_that_stream_wrote_it():
+    seen = []
+    v = Verdicts(1)
+    side = torch.cuda.Stream()
+    out = torch.zeros(3, device="cuda")
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # the side stream writes late; the main stream has nothing queued
+        out.fill_(7.0)
+        v.add(out, lambda h: seen.append(h.tolist()))
+    v.end_step()
+    v.drain()
+    assert seen == [[7.0, 7.0, 7.0]]

@@ -20,26 +20,34 @@ ALIGN = 64
 
 class PinnedRing:
     """Pinned host memory in ``RING_SEGMENTS`` segments, filled in turn. Leaving a segment
-    records an event after the copies that read it; coming back to it waits for that event
-    (long done in practice: three segments of uploads were queued since)."""
+    records an event after the copies that read it, on each stream that queued one; coming
+    back to it waits for those events (long done in practice: three segments of uploads were
+    queued since)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.buf = torch.empty(RING_SEGMENT * RING_SEGMENTS, dtype=torch.uint8, pin_memory=True)
         self.bytes = self.buf.numpy()
-        self.done: list = [None] * RING_SEGMENTS
+        self.done: list[list] = [[] for _ in range(RING_SEGMENTS)]
+        self.streams: dict = {}  # the streams that queued copies from the segment being filled, by handle
         self.seg, self.off = 0, 0
 
     def put(self, a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         n = a.nbytes
         if self.off + n > RING_SEGMENT:
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(self.device))
-            self.done[self.seg] = ev
+            events = []
+            for stream in self.streams.values():
+                ev = torch.cuda.Event()
+                ev.record(stream)
+                events.append(ev)
+            self.done[self.seg] = events
+            self.streams = {}
             self.seg = (self.seg + 1) % RING_SEGMENTS
             self.off = 0
-            if self.done[self.seg] is not None:
-                self.done[self.seg].synchronize()
+            for ev in self.done[self.seg]:
+                ev.synchronize()
+        stream = torch.cuda.current_stream(self.device)
+        self.streams[stream.cuda_stream] = stream
         start = self.seg * RING_SEGMENT + self.off
         self.bytes[start:start + n] = a.reshape(-1).view(np.uint8)
         self.off += -(-n // ALIGN) * ALIGN
@@ -82,6 +90,11 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if np_dtype is None:
         return t.pin_memory().to(device, non_blocking=True)
     return _stage(np.ascontiguousarray(t.numpy()), t.dtype, device)
+
+
+def on_device(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` on ``device``: a host tensor uploaded as ``to_device`` does, a device tensor moved as torch moves it."""
+    return to_device(t, device) if t.device.type == "cpu" else t.to(device)
 
 
 def upload(data, device, dtype: torch.dtype = torch.int64) -> torch.Tensor:

@@ -34,7 +34,7 @@ from .cache import BlockMap, MambaStateCache, PageArena
 from .mamba_state import TRACKERS, Bugs, Copy, RowPlan
 from .metadata import chunk_metadata, chunk_metadata_varlen
 from ..device.verdicts import Verdicts
-from ..device.transfer import to_device, upload
+from ..device.transfer import upload
 
 
 class BadAccess(Exception):
@@ -175,10 +175,11 @@ class MambaExecution:
         for i, row in enumerate(table):
             for c, b in row.items():
                 dense[i, c] = b
-        table_d = to_device(dense, self.device)
-        items_d = to_device(torch.tensor(items, dtype=torch.int64), self.device)
+        # (host tensors: a provider uploads them without waiting; checking providers read them as they are,
+        # where a device copy would have to be read back, making the host wait for the step's work)
         try:
-            self.k.state_copy(self.cache.conv.data, self.cache.temporal.data, table_d, items_d)
+            self.k.state_copy(self.cache.conv.data, self.cache.temporal.data, dense,
+                              torch.tensor(items, dtype=torch.int64))
         except ValueError as e:  # copies that depend on each other: the bookkeeping collided
             raise BadAccess(f"step {step}: {e}") from None
         finally:

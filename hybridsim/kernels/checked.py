@@ -160,8 +160,8 @@ class CheckedKernels:
         touched = sorted({(int(sl), int(t[r, c])) for r, sl, *cols in zip(rows, slots, it[:, 2], it[:, 3], it[:, 4])
                           for c in cols})
         where = {key: i for i, key in enumerate(touched)}
-        sl_idx = torch.tensor([k[0] for k in touched], device=conv.device)
-        pg_idx = torch.tensor([k[1] for k in touched], device=conv.device)
+        sl_idx = upload([k[0] for k in touched], conv.device)
+        pg_idx = upload([k[1] for k in touched], conv.device)
         ref_c = conv[sl_idx, pg_idx].unsqueeze(0).clone()  # (1, pages, ...): one slot of touched pages
         ref_t = temporal[sl_idx, pg_idx].unsqueeze(0).clone()
         # every (slot, page) gets its own page of the small copy; the table names those pages

@@ -1,0 +1,158 @@
+"""What the attention oracle costs a run's wall clock when it runs beside the system on a stream of its own.
+
+    python3 bench/probes/oracle_overlap.py scenarios/deepseek_v3_mooncake.yaml --variants base,side,none [--runs 2]
+
+Variants (each timed over ``--runs`` runs after one untimed warm-up run of the first variant):
+* ``base``: the product as it is.
+* ``side``: the MLA and GQA attention checks on a second CUDA stream: the oracle's expected outputs queued
+  there without waiting for anything the system does (they come from token ids alone), then the stream
+  waits for the system's step and compares; the main stream never waits for the oracle.
+* ``none``: the attention checks skipped and the Mamba oracle's scan too (the state copies still made):
+  the system alone, so a variant's loop minus this one is what its oracle costs the wall clock.
+Not product code: the variants are measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from pathlib import Path
+from time import perf_counter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+import hybridsim.engine.attn_exec as ae  # noqa: E402
+import hybridsim.engine.mamba_exec as me  # noqa: E402
+import hybridsim.engine.mla_exec as mle  # noqa: E402
+from hybridsim.config import load_scenario  # noqa: E402
+from hybridsim.kernels.segments import rel_errors  # noqa: E402
+from hybridsim.engine.compare import error_pairs  # noqa: E402
+from hybridsim.runner import plan_scenario  # noqa: E402
+
+ORIGINAL = {"mla": mle.MLAExecution.check, "attn": ae.AttentionExecution.check, "mamba": me.MambaExecution.after}
+_SIDE: dict = {}
+
+
+def _side(dev) -> torch.cuda.Stream:
+    if dev not in _SIDE:
+        _SIDE[dev] = torch.cuda.Stream(dev)
+    return _SIDE[dev]
+
+
+def _hold(tensors, stream) -> None:
+    for t in tensors:
+        if t is not None and t.is_cuda:
+            t.record_stream(stream)
+
+
+def mla_check_side(self, plan, reqs, fwd, committed):
+    t0 = perf_counter()
+    main, side = torch.cuda.current_stream(self.device), _side(self.device)
+    ready = torch.cuda.Event()
+    ready.record(main)
+    rows = [i for i, k in enumerate(committed) if k > 0]
+    L = len(self.probes)
+    got = [fwd.outs[layer][i][: committed[i]] for i in rows for layer in range(L)] + [d for *_, d, _ in fwd.paths]
+    _hold(got + [p for *_, p in fwd.paths], side)
+    with torch.cuda.stream(side):
+        expected = self.oracle.expected([(reqs[i].tokens.view(), plan.scheduled[i].num_computed_tokens,
+                                          committed[i]) for i in rows])
+        want = [exp[layer] for exp in expected for layer in range(L)] + [p for *_, p in fwd.paths]
+        side.wait_event(ready)
+        if got:
+            paths = [(i, layer) for i, layer, _, _ in fwd.paths]
+            self.verdicts.add(rel_errors(got, want).reshape(-1),
+                              lambda res: self._tally(plan, rows, committed, paths, error_pairs(res.tolist())))
+    self.timings["mla_oracle"] += perf_counter() - t0
+
+
+def attn_check_side(self, plan, reqs, fwd, committed):
+    t0 = perf_counter()
+    main, side = torch.cuda.current_stream(self.device), _side(self.device)
+    ready = torch.cuda.Event()
+    ready.record(main)
+    rows = [i for i, k in enumerate(committed) if k > 0]
+    L = len(self.caches)
+    got = [fwd.outs[layer][int(fwd.starts[i]):int(fwd.starts[i]) + committed[i]] for i in rows for layer in range(L)]
+    _hold(list(fwd.outs) + [fwd.hit_bad], side)
+    with torch.cuda.stream(side):
+        expected = self.oracle.expected([(reqs[i].tokens.view(), plan.scheduled[i].num_computed_tokens,
+                                          committed[i]) for i in rows], [reqs[i].rid for i in rows])
+        want = [exp[layer] for exp in expected for layer in range(L)]
+        side.wait_event(ready)
+        parts = [rel_errors(got, want).reshape(-1)] if got else []
+        if fwd.hit_bad is not None:
+            parts.append(fwd.hit_bad.reshape(-1).double().to(parts[0].device if parts else self.device))
+        for i, s in enumerate(plan.scheduled):
+            self.rejected[s.req_id] = s.num_scheduled_tokens - committed[i]
+        if parts:
+            hits = (fwd.hit_rows, fwd.hit_blocks) if fwd.hit_bad is not None else None
+            self.verdicts.add(torch.cat(parts), lambda res: self._tally(plan, rows, committed, hits, res.tolist()))
+    self.timings["attn_oracle"] += perf_counter() - t0
+
+
+def mamba_after_copies_only(self, plan, outcome, reqs, committed, fwd):
+    """``after`` without the oracle: the post-step state copies only."""
+    post = []
+    for s, r, p in zip(plan.scheduled, reqs, fwd.plans):
+        toks = outcome.sampled.get(s.req_id, ())
+        acc = outcome.accepted.get(s.req_id, len(toks) - 1 if toks else 0)
+        for cp in self.tracker.post(p, acc, bool(toks)):
+            post.append((r, cp))
+    self.apply_copies(post, plan.step)
+
+
+def set_variant(name: str) -> None:
+    mle.MLAExecution.check = ORIGINAL["mla"]
+    ae.AttentionExecution.check = ORIGINAL["attn"]
+    me.MambaExecution.after = ORIGINAL["mamba"]
+    if name == "side":
+        mle.MLAExecution.check = mla_check_side
+        ae.AttentionExecution.check = attn_check_side
+    elif name == "none":
+        mle.MLAExecution.check = lambda *a, **k: None
+        ae.AttentionExecution.check = lambda *a, **k: None
+        me.MambaExecution.after = mamba_after_copies_only
+    elif name != "base":
+        raise SystemExit(f"unknown variant {name!r}")
+
+
+def once(path: str, max_steps):
+    gc.collect()
+    torch.cuda.empty_cache()
+    loaded = load_scenario(path)
+    if max_steps:
+        s = loaded.scenario
+        loaded.scenario = s.model_copy(update={"execution": s.execution.model_copy(update={"max_steps": max_steps})})
+    res = plan_scenario(loaded, kernels="triton", device="cuda")
+    torch.cuda.synchronize()
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("scenario")
+    ap.add_argument("--variants", default="base,side,none")
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--max-steps", type=int, default=None)
+    a = ap.parse_args()
+    variants = a.variants.split(",")
+    set_variant(variants[0])
+    once(a.scenario, a.max_steps)  # (warm-up: kernels built, caches allocated once)
+    for k in range(a.runs):
+        for v in variants:
+            set_variant(v)
+            r = once(a.scenario, a.max_steps)
+            fails = sum(t.failures for t in r.checks.tallies.values())
+            counts = {n: t.count for n, t in r.checks.tallies.items() if n.endswith(".output")}
+            print(f"{v:5s} run {k + 1}: {r.stats.steps} steps, whole loop {r.wall_s:.3f} s = "
+                  f"{1e3 * r.wall_s / r.stats.steps:.1f} ms/step; failures {fails}; {counts}; "
+                  + ", ".join(f"{t['phase']} {1e3 * t['total_s'] / r.stats.steps:.1f}" for t in r.timings)
+                  + " ms/step", flush=True)
+
+
+if __name__ == "__main__":
+    main()
