@@ -24,6 +24,7 @@ if [[ $WHAT == *tests* ]]; then
   python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_probe.py tests/test_kernels_triton.py tests/test_paged_attention.py tests/test_ceilings.py \
     tests/test_gpu_run.py tests/test_block_copy.py tests/test_partial_exec.py tests/test_dense_attention_f64.py tests/test_latent_attention_f64.py \
     tests/test_segments.py tests/test_digit_attention_f64.py tests/test_digit_keys.py tests/test_probe_latents.py tests/test_oracle_batching.py tests/test_prebuild.py \
+    tests/test_verdicts.py tests/test_transfer.py tests/test_checked_kernels.py \
     2>&1 | tail -15 | tee $OUT/gpu_tests.log
 fi
 if [[ $WHAT == *vllm* ]]; then  # the engine's kernels: each op against the reference, then both Mooncake runs
