@@ -97,3 +97,12 @@ def test_a_result_made_on_another_stream_is_read_after_that_stream_wrote_it():
     v.end_step()
     v.drain()
     assert seen == [[7.0, 7.0, 7.0]]
+
+
+def test_the_tallies_time_is_kept_apart_from_the_wait_for_the_device():
+    import time
+    v = Verdicts(1)
+    v.add(torch.tensor([1]), lambda h: time.sleep(0.02))
+    v.end_step()
+    v.drain()
+    assert v.tally_s >= 0.02 and v.wait_s >= 0.0

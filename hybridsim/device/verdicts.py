@@ -28,7 +28,8 @@ class Verdicts:
         self.current: list[Item] = []
         # per step: its results on their way to the host, and the events after their copies
         self.queue: list[tuple[list[tuple[torch.Tensor, Tally]], list[torch.cuda.Event]]] = []
-        self.wait_s = 0.0  # time spent waiting for results and tallying them
+        self.wait_s = 0.0  # time spent waiting for the device to finish a step whose results are due
+        self.tally_s = 0.0  # time spent reading results back and tallying them
 
     def add(self, result: torch.Tensor, tally: Tally) -> None:
         """``tally`` gets ``result`` on the host once it is read back (at once without a lag). A device
@@ -54,14 +55,18 @@ class Verdicts:
 
     def _resolve(self, pending, copy: bool = False) -> None:
         t0 = perf_counter()
+        items, done = pending
         try:
-            items, done = pending
             for event in done:
                 event.synchronize()
+        finally:
+            t1 = perf_counter()
+            self.wait_s += t1 - t0
+        try:
             for result, tally in items:
                 tally(result.cpu() if copy else result)
         finally:
-            self.wait_s += perf_counter() - t0
+            self.tally_s += perf_counter() - t1
 
 
 def _start_copies(items: list[Item]):

@@ -136,7 +136,8 @@ class Executor:
             if part is not None:
                 out.update(part.timings)
         if self.verdicts.lag:
-            out["verdicts"] = self.verdicts.wait_s  # reading a step's results back, one step late
+            out["device wait"] = self.verdicts.wait_s  # the host waiting for the step a lag behind to finish
+            out["verdicts"] = self.verdicts.tally_s  # reading a step's results back, one step late, and tallying
         return out
 
     def finish(self) -> None:
