@@ -159,3 +159,42 @@ def test_a_gpu_run_records_its_variants_and_a_cold_cache_compiles_none_in_the_lo
     assert all(c["failures"] == 0 for c in cold["checks"])
 
 
+
+
+def test_a_launcher_is_loaded_only_after_the_driver_helpers(monkeypatch):
+    """A launcher module keeps the tensor-descriptor type Triton's driver module names when Python first
+    loads it (None before the driver's helpers load) and is never loaded again: built first, it would
+    refuse every descriptor of the run's own launches. So the helpers load before it, and without them
+    no launcher is built (the loop builds it)."""
+    import triton.backends.nvidia.driver as nv
+
+    order = []
+
+    class Utils:
+        def __init__(self):
+            order.append("utils")
+            monkeypatch.setattr(nv, "PyCUtensorMap", object)
+
+    class Launcher:
+        def __init__(self, src, metadata):
+            order.append(("launcher", nv.PyCUtensorMap is not None))
+
+    class Compiled:
+        src, metadata = "src", "metadata"
+
+    monkeypatch.setattr(nv, "CudaUtils", Utils)
+    monkeypatch.setattr(nv, "CudaLauncher", Launcher)
+    monkeypatch.setattr(nv, "PyCUtensorMap", None)
+    pb._build_launcher(Compiled())
+    pb._build_launcher(Compiled())  # (loaded once: not again)
+    assert order == ["utils", ("launcher", True), ("launcher", True)]
+
+    class Broken:
+        def __init__(self):
+            raise OSError("no CUDA driver library")
+
+    order.clear()
+    monkeypatch.setattr(nv, "CudaUtils", Broken)
+    monkeypatch.setattr(nv, "PyCUtensorMap", None)
+    pb._build_launcher(Compiled())
+    assert order == []

@@ -28,8 +28,6 @@ import hybridsim.engine.attn_exec as ae  # noqa: E402
 import hybridsim.engine.mamba_exec as me  # noqa: E402
 import hybridsim.engine.mla_exec as mle  # noqa: E402
 from hybridsim.config import load_scenario  # noqa: E402
-from hybridsim.kernels.segments import rel_errors  # noqa: E402
-from hybridsim.engine.compare import error_pairs  # noqa: E402
 from hybridsim.runner import plan_scenario  # noqa: E402
 
 ORIGINAL = {"mla": mle.MLAExecution.check, "attn": ae.AttentionExecution.check, "mamba": me.MambaExecution.after}
@@ -48,61 +46,32 @@ def _hold(tensors, stream) -> None:
             t.record_stream(stream)
 
 
-def mla_check_side(self, plan, reqs, fwd, committed):
-    t0 = perf_counter()
-    main, side = torch.cuda.current_stream(self.device), _side(self.device)
-    ready = torch.cuda.Event()
-    ready.record(main)
-    rows = [i for i, k in enumerate(committed) if k > 0]
-    L = len(self.probes)
-    got = [fwd.outs[layer][i][: committed[i]] for i in rows for layer in range(L)] + [d for *_, d, _ in fwd.paths]
-    _hold(got + [p for *_, p in fwd.paths], side)
-    with torch.cuda.stream(side):
-        expected = self.oracle.expected([(reqs[i].tokens.view(), plan.scheduled[i].num_computed_tokens,
-                                          committed[i]) for i in rows])
-        want = [exp[layer] for exp in expected for layer in range(L)] + [p for *_, p in fwd.paths]
-        side.wait_event(ready)
-        if got:
-            paths = [(i, layer) for i, layer, _, _ in fwd.paths]
-            self.verdicts.add(rel_errors(got, want).reshape(-1),
-                              lambda res: self._tally(plan, rows, committed, paths, error_pairs(res.tolist())))
-    self.timings["mla_oracle"] += perf_counter() - t0
+def check_beside(phase: str, held):
+    """A layer kind's ``check`` with its oracle on the second stream: ``expected`` queued there at once,
+    then the stream waits for the system's step and ``compare`` runs there too. ``held(fwd)``: the
+    system's tensors the comparison reads (kept from the main stream's allocator until it has)."""
+    def check(self, plan, reqs, fwd, committed):
+        t0 = perf_counter()
+        main, side = torch.cuda.current_stream(self.device), _side(self.device)
+        ready = torch.cuda.Event()
+        ready.record(main)
+        _hold(held(fwd), side)
+        with torch.cuda.stream(side):
+            expected = self.expected(plan, reqs, committed)
+            side.wait_event(ready)
+            self.compare(plan, fwd, committed, expected)
+        self.timings[phase] += perf_counter() - t0
+    return check
 
 
-def attn_check_side(self, plan, reqs, fwd, committed):
-    t0 = perf_counter()
-    main, side = torch.cuda.current_stream(self.device), _side(self.device)
-    ready = torch.cuda.Event()
-    ready.record(main)
-    rows = [i for i, k in enumerate(committed) if k > 0]
-    L = len(self.caches)
-    got = [fwd.outs[layer][int(fwd.starts[i]):int(fwd.starts[i]) + committed[i]] for i in rows for layer in range(L)]
-    _hold(list(fwd.outs) + [fwd.hit_bad], side)
-    with torch.cuda.stream(side):
-        expected = self.oracle.expected([(reqs[i].tokens.view(), plan.scheduled[i].num_computed_tokens,
-                                          committed[i]) for i in rows], [reqs[i].rid for i in rows])
-        want = [exp[layer] for exp in expected for layer in range(L)]
-        side.wait_event(ready)
-        parts = [rel_errors(got, want).reshape(-1)] if got else []
-        if fwd.hit_bad is not None:
-            parts.append(fwd.hit_bad.reshape(-1).double().to(parts[0].device if parts else self.device))
-        for i, s in enumerate(plan.scheduled):
-            self.rejected[s.req_id] = s.num_scheduled_tokens - committed[i]
-        if parts:
-            hits = (fwd.hit_rows, fwd.hit_blocks) if fwd.hit_bad is not None else None
-            self.verdicts.add(torch.cat(parts), lambda res: self._tally(plan, rows, committed, hits, res.tolist()))
-    self.timings["attn_oracle"] += perf_counter() - t0
+mla_check_side = check_beside("mla_oracle", lambda fwd: [t for layer in fwd.outs for t in layer]
+                              + [t for *_, d, p in fwd.paths for t in (d, p)])
+attn_check_side = check_beside("attn_oracle", lambda fwd: [*fwd.outs, fwd.hit_bad])
 
 
 def mamba_after_copies_only(self, plan, outcome, reqs, committed, fwd):
     """``after`` without the oracle: the post-step state copies only."""
-    post = []
-    for s, r, p in zip(plan.scheduled, reqs, fwd.plans):
-        toks = outcome.sampled.get(s.req_id, ())
-        acc = outcome.accepted.get(s.req_id, len(toks) - 1 if toks else 0)
-        for cp in self.tracker.post(p, acc, bool(toks)):
-            post.append((r, cp))
-    self.apply_copies(post, plan.step)
+    self.apply_copies(self.post_copies(plan, outcome, reqs, fwd), plan.step)
 
 
 def set_variant(name: str) -> None:

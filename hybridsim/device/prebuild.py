@@ -208,13 +208,33 @@ def in_cache(entry: dict) -> bool:
 def _build_launcher(compiled) -> None:
     """The variant's host-side launcher too (C, compiled once a signature into the same cache): a
     launch builds it the first time otherwise. Best effort: it needs the CUDA driver library, and
-    the loop builds it where this could not."""
+    the loop builds it where this could not.
+
+    The driver's helpers (``CudaUtils``) come first: a launcher module, when Python first loads it,
+    keeps the type that Triton's driver module names for tensor descriptors at that moment, which is
+    None until the helpers are loaded; Python never loads that module again in the process, so a
+    launcher loaded first here would refuse every descriptor the run's own launches pass ("object must
+    be of type PyCUtensorMap")."""
     try:
-        from triton.backends.nvidia.driver import CudaLauncher, CudaUtils
+        from triton.backends.nvidia.driver import CudaLauncher
+        if not driver_helpers():
+            return
         CudaLauncher(compiled.src, compiled.metadata)
-        CudaUtils()  # (the driver's own helpers, built once a machine: a run's first launch builds them otherwise)
     except Exception:
         pass
+
+
+def driver_helpers() -> bool:
+    """Load Triton's CUDA driver helpers (built once a machine) if they are not loaded yet; whether
+    they are. Each worker asks before it loads a launcher (``_build_launcher``); the first one loads
+    them (two at once load the same module: the same types)."""
+    try:
+        import triton.backends.nvidia.driver as nv
+        if nv.PyCUtensorMap is None:
+            nv.CudaUtils()
+        return nv.PyCUtensorMap is not None
+    except Exception:
+        return False
 
 
 # ----------------------------------------------------------------------------- building many

@@ -211,9 +211,19 @@ class AttentionExecution:
     # ------------------------------------------------------------------ checks
     def check(self, plan: StepPlan, reqs, fwd: AttentionForward, committed: list[int]) -> None:
         t0 = perf_counter()
+        self.compare(plan, fwd, committed, self.expected(plan, reqs, committed))
+        self.timings["attn_oracle"] += perf_counter() - t0
+
+    def expected(self, plan: StepPlan, reqs, committed: list[int]) -> list[torch.Tensor]:
+        """The oracle's outputs of every committed token (from token ids alone: nothing the step wrote)."""
         rows = [i for i, k in enumerate(committed) if k > 0]
-        expected = self.oracle.expected([(reqs[i].tokens.view(), plan.scheduled[i].num_computed_tokens,
-                                          committed[i]) for i in rows], [reqs[i].rid for i in rows])
+        return self.oracle.expected([(reqs[i].tokens.view(), plan.scheduled[i].num_computed_tokens,
+                                      committed[i]) for i in rows], [reqs[i].rid for i in rows])
+
+    def compare(self, plan: StepPlan, fwd: AttentionForward, committed: list[int],
+                expected: list[torch.Tensor]) -> None:
+        """The step's outputs against ``expected``; the verdicts are tallied when read back."""
+        rows = [i for i, k in enumerate(committed) if k > 0]
         L = len(self.caches)
         got = [fwd.outs[layer][int(fwd.starts[i]):int(fwd.starts[i]) + committed[i]] for i in rows for layer in range(L)]
         want = [exp[layer] for exp in expected for layer in range(L)]
@@ -225,7 +235,6 @@ class AttentionExecution:
         if parts:
             hits = (fwd.hit_rows, fwd.hit_blocks) if fwd.hit_bad is not None else None  # (not fwd: its outputs)
             self.verdicts.add(torch.cat(parts), lambda res: self._tally(plan, rows, committed, hits, res.tolist()))
-        self.timings["attn_oracle"] += perf_counter() - t0
 
     def _tally(self, plan: StepPlan, rows: list[int], committed: list[int],
                hit: Optional[tuple[list[int], list[int]]], flat: list[float]) -> None:

@@ -283,8 +283,8 @@ class MambaExecution:
         return torch.where((pg >= 0)[..., None, None], w, torch.zeros((), device=self.device)).contiguous()
 
     # ------------------------------------------------------------------ after the outcome
-    def after(self, plan: StepPlan, outcome: StepOutcome, reqs, committed: list[int], fwd: Forward) -> None:
-        finished = set(outcome.finished)
+    def post_copies(self, plan: StepPlan, outcome: StepOutcome, reqs, fwd: Forward) -> list[tuple[object, Copy]]:
+        """The state copies the step's outcome calls for (the cache mode's bookkeeping), per request."""
         post: list[tuple[object, Copy]] = []
         for s, r, p in zip(plan.scheduled, reqs, fwd.plans):
             toks = outcome.sampled.get(s.req_id, ())
@@ -293,6 +293,11 @@ class MambaExecution:
                 acc = p.drafts  # treat every draft as accepted for the state's position
             for cp in self.tracker.post(p, acc, bool(toks)):
                 post.append((r, cp))
+        return post
+
+    def after(self, plan: StepPlan, outcome: StepOutcome, reqs, committed: list[int], fwd: Forward) -> None:
+        finished = set(outcome.finished)
+        post = self.post_copies(plan, outcome, reqs, fwd)
         self.apply_copies(post, plan.step)
         t0 = perf_counter()
         blk_tally = self.checks.get("ssm.cached_blocks")

@@ -215,9 +215,18 @@ class MLAExecution:
     # ------------------------------------------------------------------ checks
     def check(self, plan: StepPlan, reqs, fwd: MLAForward, committed: list[int]) -> None:
         t0 = perf_counter()
+        self.compare(plan, fwd, committed, self.expected(plan, reqs, committed))
+        self.timings["mla_oracle"] += perf_counter() - t0
+
+    def expected(self, plan: StepPlan, reqs, committed: list[int]) -> list[torch.Tensor]:
+        """The oracle's outputs of every committed token (from token ids alone: nothing the step wrote)."""
         rows = [i for i, k in enumerate(committed) if k > 0]
-        expected = self.oracle.expected([(reqs[i].tokens.view(), plan.scheduled[i].num_computed_tokens,
-                                          committed[i]) for i in rows])
+        return self.oracle.expected([(reqs[i].tokens.view(), plan.scheduled[i].num_computed_tokens,
+                                      committed[i]) for i in rows])
+
+    def compare(self, plan: StepPlan, fwd: MLAForward, committed: list[int], expected: list[torch.Tensor]) -> None:
+        """The step's outputs against ``expected``, and its prefill rows' two paths against each other."""
+        rows = [i for i, k in enumerate(committed) if k > 0]
         L = len(self.probes)
         got = [fwd.outs[layer][i][: committed[i]] for i in rows for layer in range(L)] + [d for *_, d, _ in fwd.paths]
         want = [exp[layer] for exp in expected for layer in range(L)] + [p for *_, p in fwd.paths]
@@ -225,7 +234,6 @@ class MLAExecution:
             paths = [(i, layer) for i, layer, _, _ in fwd.paths]  # (not fwd: its outputs)
             self.verdicts.add(rel_errors(got, want).reshape(-1),
                               lambda res: self._tally(plan, rows, committed, paths, error_pairs(res.tolist())))
-        self.timings["mla_oracle"] += perf_counter() - t0
 
     def _tally(self, plan: StepPlan, rows: list[int], committed: list[int], path_rows: list[tuple[int, int]],
                all_errs: list[tuple[float, float]]) -> None:
