@@ -2,7 +2,9 @@
 # One device call: GPU tests, kernel benchmarks, and scenarios executed with the Triton provider on
 # the GPU, each printing its tables. Carry .whl (pydantic and its needs; the image lacks them):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl pydantic==...
-# WHAT: comma list of tests, bench, oracle, tiny, real, scale, units, vllm (default tests,real).
+# WHAT: comma list of first, tests, bench, oracle, tiny, real, scale, units, vllm (default tests,real).
+# first: deepseek_v3 before anything else touches Triton on the machine (give it a fresh machine): a first
+# run's kernel variants built ahead of the loop, the driver's helpers compiled among them (session 40).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}
@@ -20,6 +22,9 @@ python3 -c "import torch,triton;print(torch.cuda.get_device_name(0), torch.__ver
 cp hybridsim/device/kernel_variants.json "$OUT/kernel_variants.json"
 run() { timeout "$1" python3 -m hybridsim.cli run "scenarios/$2.yaml" --kernels triton --device cuda \
           --kernel-variants "$OUT/kernel_variants.json" "${@:3}"; }
+if [[ $WHAT == *first* ]]; then
+  run 300 deepseek_v3 --json $OUT/run_deepseek_v3_first.json 2>&1 | tail -30; echo "deepseek_v3 (first) exit=${PIPESTATUS[0]}"
+fi
 if [[ $WHAT == *tests* ]]; then
   python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_probe.py tests/test_kernels_triton.py tests/test_paged_attention.py tests/test_ceilings.py \
     tests/test_gpu_run.py tests/test_block_copy.py tests/test_partial_exec.py tests/test_dense_attention_f64.py tests/test_latent_attention_f64.py \
