@@ -70,3 +70,9 @@ def test_ring_segments_are_reused_only_after_every_stream_read_them():
     torch.cuda.synchronize()
     for a, g in zip(sent, got):
         assert np.array_equal(g.cpu().numpy(), a)
+
+
+@pytest.mark.gpu
+def test_to_device_takes_a_tensor_already_on_a_device():
+    t = torch.arange(5, device="cuda")
+    assert torch.equal(to_device(t, "cuda"), t) and to_device(t, "cpu").device.type == "cpu"

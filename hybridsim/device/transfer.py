@@ -82,19 +82,17 @@ def _stage(a: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Ten
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device``, without waiting for the device (pinned staging)."""
+    """``t`` on ``device``: a host tensor without waiting for the device (pinned staging), a tensor
+    already on a device moved as torch moves it."""
     device = torch.device(device)
+    if t.device.type != "cpu":
+        return t.to(device)
     if device.type != "cuda":
         return t
     np_dtype = _numpy_dtype(t.dtype)
     if np_dtype is None:
         return t.pin_memory().to(device, non_blocking=True)
     return _stage(np.ascontiguousarray(t.numpy()), t.dtype, device)
-
-
-def on_device(t: torch.Tensor, device) -> torch.Tensor:
-    """``t`` on ``device``: a host tensor uploaded as ``to_device`` does, a device tensor moved as torch moves it."""
-    return to_device(t, device) if t.device.type == "cpu" else t.to(device)
 
 
 def upload(data, device, dtype: torch.dtype = torch.int64) -> torch.Tensor:

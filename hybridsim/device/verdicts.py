@@ -34,10 +34,11 @@ class Verdicts:
     def add(self, result: torch.Tensor, tally: Tally) -> None:
         """``tally`` gets ``result`` on the host once it is read back (at once without a lag). A device
         result is copied on the stream current here, the one whose work made it."""
+        item = (result, tally, torch.cuda.current_stream(result.device) if result.is_cuda else None)
         if self.lag == 0:
-            self._resolve(([(result, tally)], []), copy=True)
+            self._resolve(_start_copies([item]))
         else:
-            self.current.append((result, tally, torch.cuda.current_stream(result.device) if result.is_cuda else None))
+            self.current.append(item)
 
     def end_step(self) -> None:
         """The step's results start for the host, behind its work; steps past the lag are tallied."""
@@ -53,7 +54,7 @@ class Verdicts:
         while self.queue:
             self._resolve(self.queue.pop(0))
 
-    def _resolve(self, pending, copy: bool = False) -> None:
+    def _resolve(self, pending) -> None:
         t0 = perf_counter()
         items, done = pending
         try:
@@ -64,7 +65,7 @@ class Verdicts:
             self.wait_s += t1 - t0
         try:
             for result, tally in items:
-                tally(result.cpu() if copy else result)
+                tally(result)
         finally:
             self.tally_s += perf_counter() - t1
 

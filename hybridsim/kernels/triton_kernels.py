@@ -344,9 +344,9 @@ class TritonKernels(ReferenceKernels):
         scan_triton(tables, launch)
 
     def state_copy(self, conv, temporal, table, items):
-        from ..device.transfer import on_device
-        fused_state_copy(conv, temporal, on_device(table.to(torch.int64), conv.device).contiguous(),
-                         on_device(items.to(torch.int64), conv.device).contiguous())
+        from ..device.transfer import to_device
+        fused_state_copy(conv, temporal, to_device(table.to(torch.int64), conv.device).contiguous(),
+                         to_device(items.to(torch.int64), conv.device).contiguous())
 
     def prepare_block_copy(self, pages, pairs):
         """The call's host side (the pairs checked, uploaded through pinned memory), done before a

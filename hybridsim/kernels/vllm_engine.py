@@ -242,8 +242,8 @@ class VllmKernels(TritonKernels):
         running = (dst + 1) * _ENCODED_BLOCK - off
         zeros = torch.zeros_like(src)
         decisions = tuple(upload(v, dev, torch.int32) for v in (off + 1, src, zeros, running, zeros))
-        tab = table.to(torch.int32)  # (a host table: each slot's rows picked here, uploaded without waiting)
-        tables = [upload(tab.cpu().index_select(0, p[:, 0]), dev, torch.int32) for p in per_slot]
+        tab = table.to("cpu", torch.int32)  # (a host table: each slot's rows picked here, uploaded without waiting)
+        tables = [upload(tab.index_select(0, p[:, 0]), dev, torch.int32) for p in per_slot]
         esz_c, esz_t = conv.element_size(), temporal.element_size()
         base, stride, esize, inner, width, group = [], [], [], [], [], []
         for g, slot in enumerate(slots):
