@@ -82,7 +82,7 @@ def mla_step(f64: float, sweep: bool = True) -> list[dict]:
     rows = [(g.integers(0, 10 ** 6, size=c + k).astype(np.int64), c, k) for c, k in shape]
     H, Lr, R, N, V = geo.heads, geo.kv_lora_rank, geo.qk_rope_head_dim, geo.qk_nope_head_dim, geo.v_head_dim
     i8 = int8_rate()
-    flops, digit_floor = 0, 0.0
+    flops, digit_floor, digit_values_floor = 0, 0.0, 0.0
     for _, c, k in rows:
         n, p = c + k, k * c + k * (k + 1) // 2
         absorbed, expanded = mla_row_ops(geo, c, k)
@@ -90,17 +90,19 @@ def mla_step(f64: float, sweep: bool = True) -> list[dict]:
         if expanded < absorbed:
             int8_ops = 2 * n * H * Lr * (N + V) + p * H * (6 * N + 9 * R)  # key expansion, scores' digit pairs
             digit_floor += 2 * geo.layers * (p * H * V / f64 + int8_ops / i8)
+            digit_values_floor += 2 * geo.layers * (int8_ops + p * H * V * 12) / i8  # (4 x 3 digit pairs)
         else:
             digit_floor += 2 * geo.layers * absorbed / f64
+            digit_values_floor += 2 * geo.layers * absorbed / f64
     floor = flops / f64
     print(f"MLA oracle, DeepSeek-V3 x 8 layers, {len(rows)} rows: {flops / 1e12:.2f} TFLOP in the cheaper "
           f"associations, floor {floor * 1e3:.2f} ms (float64 scores), {digit_floor * 1e3:.2f} ms (int8 digit "
-          f"scores; int8 {i8 / 1e12:.0f} T op/s)")
+          f"scores), {digit_values_floor * 1e3:.2f} ms (and values; int8 {i8 / 1e12:.0f} T op/s)")
     want = None
     results = []
     # (scores, the expanded rows' tile): float64 ones (queries x keys, score chunk, warps, stages), or
     # exact ones from int8 digits (queries x keys, warps, stages); absorbed rows by torch's padded batches
-    cases = [None, ("float64", lat.PER_HEAD)] + [("digits", t) for t in (
+    cases = [None, ("float64", lat.PER_HEAD), ("digit scores", digits.TILE)] + [("digits", t) for t in (
         digits.TILE, (16, 32, 4, 2), (16, 64, 4, 1), (16, 64, 4, 3), (16, 128, 4, 1), (16, 128, 4, 2),
         (16, 64, 8, 2))[:None if sweep else 1]]
     default = (lat.PER_HEAD, digits.TILE)
@@ -109,15 +111,18 @@ def mla_step(f64: float, sweep: bool = True) -> list[dict]:
             name = "torch: padded batches, scores in memory"
         elif case[0] == "float64":
             name = "fused: float64 scores, expanded {}x{}/{}/{}w/{}s".format(*case[1])
+        elif case[0] == "digit scores":
+            name = "fused: int8 digit scores, float64 values, expanded {}x{}/{}w/{}s".format(*case[1])
         else:
-            name = "fused: int8 digit scores, expanded {}x{}/{}w/{}s".format(*case[1])
-        ref = floor if case is None or case[0] == "float64" else digit_floor
+            name = "fused: int8 digit scores and values, expanded {}x{}/{}w/{}s".format(*case[1])
+        ref = {None: floor, "float64": floor, "digit scores": digit_floor}.get(case and case[0], digit_values_floor)
         try:
-            if case is not None and case[0] == "digits":
+            if case is not None and case[0].startswith("digit"):
                 digits.TILE = case[1]
             oracle = MLAOracle(probes, torch.device("cuda"), fused=case is not None,
-                               digit_scores=case is not None and case[0] == "digits")
-            assert case is None or oracle.digit_scores == (case[0] == "digits")
+                               digit_scores=case is not None and case[0].startswith("digit"),
+                               digit_values=case is not None and case[0] == "digits")
+            assert case is None or oracle.digit_values == (case[0] == "digits")
             got = oracle.expected(rows)
             if want is None:
                 want = got

@@ -156,12 +156,13 @@ class DenseOracle:
     once into a bounded float32 workspace (``WORKSPACE_ELEMS``) that all its tiles read.
     MLA: a long prefill chunk's per-head keys are projected once (exactly: int32 from int8 products,
     or float32) and one kernel attends over them (``_expected_latent``): its scores exact from int8
-    digits and its softmax and values in float64 where the tables' bounds allow
-    (``kernels/digit_attention_f64.py``, its ``digits_fit``), else all in float64."""
+    digits where the tables' bounds allow (``kernels/digit_attention_f64.py``, its ``digits_fit``), and
+    then its values' products too (``value_digits_fit``: the softmax weights rounded to integers of
+    2**-30, each output within n 2**-31 max|v| of float64's), else all in float64."""
 
     def __init__(self, stack, device: torch.device, budget_elems: int = 1 << 27, work_bound: bool | None = None,
                  memo_bytes: int = 0, fused: bool | None = None, absorbed_kernel: bool = False,
-                 digit_scores: bool | None = None):
+                 digit_scores: bool | None = None, digit_values: bool | None = None):
         self.stack = stack
         self.device = device
         # batching for a machine where the work, not the calls, is the cost (default: a CPU)
@@ -175,6 +176,8 @@ class DenseOracle:
         self.absorbed_kernel = absorbed_kernel  # (MLA, fused: see _expected_latent)
         # (MLA, fused: expanded rows' scores exact from int8 digits where the tables' bounds allow; False: float64)
         self.digit_scores = self.mla and fused and digit_scores is not False and _digits_fit(stack)
+        # (and their values' products from digits, the weights integers; False: float64 products)
+        self.digit_values = self.digit_scores and digit_values is not False and _value_digits_fit(stack)
         self.stack32 = stack.cast(torch.float32) if fused and not self.mla else None  # the GQA kernel's tables
 
     def forget(self, key) -> None:
@@ -384,8 +387,8 @@ class DenseOracle:
     def _expanded_row_digits(self, tok_d: torch.Tensor, pos_d: torch.Tensor, c: int, k: int, o: torch.Tensor) -> None:
         """``_expanded_row`` with exact scores from int8 digits (``kernels/digit_attention_f64.py``): per layer
         the queries' digits and the keys' kv_c parts and k_pe digits, each from token ids in one kernel, then
-        per group of heads k_nope's digits and the values as int32 integers in two (``kernels/digit_keys.py``:
-        int8 products, exact), and one attention kernel."""
+        per group of heads k_nope's digits and the values as int32 integers or their digits in two
+        (``kernels/digit_keys.py``: int8 products, exact), and one attention kernel."""
         from .kernels.digit_attention_f64 import digit_attention, query_digits
         from .kernels.digit_keys import expand_digits, key_parts
         st = self.stack
@@ -400,7 +403,7 @@ class DenseOracle:
             w_k, w_v = st.expansion_weights(layer)
             for h0 in range(0, H, group):
                 heads = slice(h0, min(H, h0 + group))
-                kd, vv = expand_digits(parts, w_k, w_v, heads)  # exact integers, (n, heads, 3 N) and (n, heads, V)
+                kd, vv = expand_digits(parts, w_k, w_v, heads, self.digit_values)  # exact integers or their digits
                 digit_attention(qd[:, heads], kd, kr, vv, [0], [k], [0], [c], st.scale,
                                 st.query_unit * st.nope_key_unit, st.rope_unit * st.rope_unit, out=o[layer, :, heads],
                                 unit_value=st.value_unit)
@@ -415,6 +418,12 @@ def _digits_fit(stack: MLAStack) -> bool:
     g = stack.geo
     return (digits_fit(stack.integer_bounds, g.qk_nope_head_dim, g.qk_rope_head_dim, g.v_head_dim, g.kv_lora_rank)
             and expand_widths_fit(g.kv_lora_rank))
+
+
+def _value_digits_fit(stack: MLAStack) -> bool:
+    """Whether the MLA stack's values fit the digits whose products ``digit_attention`` takes."""
+    from .kernels.digit_attention_f64 import value_digits_fit
+    return value_digits_fit(stack.integer_bounds, stack.geo.v_head_dim)
 
 
 def _joined(parts: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
@@ -525,11 +534,12 @@ MLA_ORACLE_ELEMS = 1 << 28  # float64 elements of one MLA oracle batch: scores a
 
 def MLAOracle(probes: list[MLAProbe], device: torch.device, budget_elems: int = MLA_ORACLE_ELEMS,
               work_bound: bool | None = None, fused: bool | None = None, absorbed_kernel: bool = False,
-              digit_scores: bool | None = None) -> DenseOracle:
+              digit_scores: bool | None = None, digit_values: bool | None = None) -> DenseOracle:
     """Dense float64 attention over the committed tokens of every MLA layer (``digit_scores`` False: the
-    fused path's expanded rows take float64 scores even where exact int8 digits would do)."""
+    fused path's expanded rows take float64 scores even where exact int8 digits would do; ``digit_values``
+    False: float64 products of their weights and values, where the values' digits would do)."""
     return DenseOracle(MLAStack(probes, device), device, budget_elems, work_bound, fused=fused,
-                       absorbed_kernel=absorbed_kernel, digit_scores=digit_scores)
+                       absorbed_kernel=absorbed_kernel, digit_scores=digit_scores, digit_values=digit_values)
 
 
 def GQAOracle(probes: list[GQAProbe], device: torch.device, budget_elems: int = 1 << 26,

@@ -45,14 +45,16 @@ def test_digits_split_and_join_exactly_at_the_edges():
         da.split_digits_reference(torch.tensor([[0.5]]), 1.0, 3)
 
 
-def _packed(seed: int, H: int, DN: int, DR: int, DV: int, rows, device: str):
+def _packed(seed: int, H: int, DN: int, DR: int, DV: int, rows, device: str, align: int = 1):
     """Random exact queries and keys at their full digit range, as digits; rows packed in shuffled order
-    with a key slot no row owns between rows and a query slot no row owns after each."""
+    with a key slot no row owns between rows (and up to ``align``) and a query slot no row owns after each."""
     g = torch.Generator().manual_seed(seed)
     rows = list(rows)
     random.Random(seed).shuffle(rows)
     q_len, pos0 = [a for a, _ in rows], [b for _, b in rows]
-    k_start = [sum(a + b + 3 for a, b in rows[:i]) for i in range(len(rows))]
+    k_start = [0]
+    for a, b in rows[:-1]:
+        k_start.append(-(-(k_start[-1] + a + b + 3) // align) * align)
     q_start = [sum(q_len[:i]) + i for i in range(len(rows))]
     nq, nk = q_start[-1] + q_len[-1] + 1, k_start[-1] + sum(rows[-1]) + 3
 
@@ -72,48 +74,58 @@ def _packed(seed: int, H: int, DN: int, DR: int, DV: int, rows, device: str):
     return on(qd, kd, krd, v.float()), (q_start, q_len, k_start, pos0), (u_n, u_r), on(*dense)
 
 
-def _check_kernel(device: str, H: int, DN: int, DR: int, DV: int, rows, int_values: bool = False) -> None:
-    """``int_values``: values as int32 integers of a unit (the oracle's), a view into a wider tensor."""
-    (qd, kd, kr, v), meta, units, (q, k) = _packed(7, H, DN, DR, DV, rows, device)
+def _check_kernel(device: str, H: int, DN: int, DR: int, DV: int, rows, values: str = "float32") -> None:
+    """``values``: float32; int32, integers of a unit (the oracle's), a view into a wider tensor; or digits,
+    those integers' digits (the weights then integers of 2**-30: float64's outputs within the bound)."""
+    (qd, kd, kr, v), meta, units, (q, k) = _packed(7, H, DN, DR, DV, rows, device, 16 if values == "digits" else 1)
     unit_v = 1.0
-    if int_values:
+    if values != "float32":
         unit_v = 2.0 ** -20
-        wide = torch.randint(-(1 << 23), 1 << 23, (v.shape[0], H, DV + 8), dtype=torch.int32,
+        top = da.digit_capacity(da.V_DIGITS)
+        wide = torch.randint(-top, top + 1, (v.shape[0], H, DV + 8), dtype=torch.int32,
                              generator=torch.Generator().manual_seed(3)).to(device)
         v = wide[..., 8:]
-    want = da.digit_attention_reference(qd, kd, kr, v, *meta, 0.31, *units, unit_value=unit_v)
+    given = da.value_digits_reference(v) if values == "digits" else v
+    want = da.digit_attention_reference(qd, kd, kr, given, *meta, 0.31, *units, unit_value=unit_v)
     out = torch.full(want.shape, float("nan"), dtype=torch.float64, device=device)
-    got = da.digit_attention(qd, kd, kr, v, *meta, 0.31, *units, out=out, unit_value=unit_v)
+    got = da.digit_attention(qd, kd, kr, given, *meta, 0.31, *units, out=out, unit_value=unit_v)
     assert got.data_ptr() == out.data_ptr()
     written = torch.isfinite(want)
     assert written.any() and torch.equal(torch.isfinite(got), written)  # every row's queries, nothing else
     torch.testing.assert_close(got[written], want[written], rtol=1e-12, atol=1e-13)
-    # the float64 kernel on the same values (its scores summed in float64): the same outputs
+    # the float64 kernel on the same values (its scores summed in float64): the same outputs, or with the
+    # weights integers within n 2**-31 max|v| (n: a row's keys, at most)
     f64 = latent_attention(q[None], k[None], (v.double() * unit_v)[None], *meta, 0.31)[0]
-    torch.testing.assert_close(got[written], f64[written], rtol=1e-12, atol=1e-13)
+    bound = max(p0 + ql for ql, p0 in zip(meta[1], meta[3])) * 2.0 ** -31 * float(v.abs().max()) * unit_v
+    torch.testing.assert_close(got[written], f64[written], rtol=1e-12, atol=bound if values == "digits" else 1e-13)
+    if values == "digits":  # (and the weights' rounding shows: not float64's outputs to float64 rounding)
+        assert float((got[written] - f64[written]).abs().max()) > 1e-12 * float(f64[written].abs().max())
 
 
 @INTERPRETER
-@pytest.mark.parametrize("int_values", [False, True], ids=["float32-values", "int32-values"])
-def test_digit_attention_kernel_equals_the_definition(int_values):
-    _check_kernel("cpu", 3, 64, 32, 24, ((1, 0), (17, 5), (3, 40), (20, 0), (2, 33)), int_values)
+@pytest.mark.parametrize("values", ["float32", "int32", "digits"])
+def test_digit_attention_kernel_equals_the_definition(values):
+    _check_kernel("cpu", 3, 64, 32, 24 if values != "digits" else 32, ((1, 0), (17, 5), (3, 40), (20, 0), (2, 33),
+                                                                        (5, 70)), values)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_digit_attention_kernel_on_the_gpu():
     rows = ((1, 0), (2, 1000), (2, 37), (3, 700), (64, 0), (200, 300), (9, 2000))
-    _check_kernel("cuda", 5, 128, 64, 128, rows)
-    _check_kernel("cuda", 5, 128, 64, 128, rows, int_values=True)
+    for values in ("float32", "int32", "digits"):
+        _check_kernel("cuda", 5, 128, 64, 128, rows, values)
 
 
 GEO = MLAGeometry(layers=2, heads=2, kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=24)
+GEO32 = MLAGeometry(layers=2, heads=2, kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32)
 
 
-def _oracle_rows(monkeypatch, digit_scores, budget: int = 1 << 28, probes=None, device: str = "cpu"):
+def _oracle_rows(monkeypatch, digit_scores, budget: int = 1 << 28, probes=None, device: str = "cpu",
+                 digit_values=None):
     probes = probes or [MLAProbe(GEO, layer, seed=3) for layer in range(2)]
     device = torch.device(device)
-    oracle = MLAOracle(probes, device, budget, fused=True, digit_scores=digit_scores)
+    oracle = MLAOracle(probes, device, budget, fused=True, digit_scores=digit_scores, digit_values=digit_values)
     monkeypatch.setattr(oracle.stack, "expands", lambda b, q, n, bounded=True: q > 8)
     launches = []
     real = da.digit_attention
@@ -125,28 +137,38 @@ def _oracle_rows(monkeypatch, digit_scores, budget: int = 1 << 28, probes=None, 
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("digit_scores,budget", [(None, 1 << 28), (None, 3_000), (False, 1 << 28)],
-                         ids=["digits", "digits-head-groups", "float64-scores"])
-def test_oracle_expanded_rows_take_digit_scores(monkeypatch, digit_scores, budget, device):
+@pytest.mark.parametrize("digit_scores,budget,geo,digit_values", [
+    (None, 1 << 28, GEO, None), (None, 3_000, GEO, None), (False, 1 << 28, GEO, None), (None, 1 << 28, GEO32, None),
+    (None, 3_000, GEO32, None), (None, 1 << 28, GEO32, False)],
+    ids=["digits", "digits-head-groups", "float64-scores", "digit-values", "digit-values-head-groups",
+         "digit-scores-float64-values"])
+def test_oracle_expanded_rows_take_digit_scores(monkeypatch, digit_scores, budget, geo, digit_values, device):
     """Expanded rows take the digits where the tables' bounds allow (unless told not to), a layer at a
-    time and, with a small budget, a group of heads a launch; both paths give the definition's values."""
-    oracle, rows, got, launches, probes = _oracle_rows(monkeypatch, digit_scores, budget, device=device)
+    time and, with a small budget, a group of heads a launch, and their values' digits where those fit
+    too (a width the products take: 32, not 24); every path gives the definition's values, to float64
+    rounding, or with the weights integers of 2**-30 within n 2**-31 max|v| (n: the row's keys)."""
+    probes = [MLAProbe(geo, layer, seed=3) for layer in range(2)]
+    oracle, rows, got, launches, probes = _oracle_rows(monkeypatch, digit_scores, budget, probes, device,
+                                                       digit_values)
     assert oracle.digit_scores == (digit_scores is not False)
+    assert oracle.digit_values == (geo is GEO32 and digit_values is not False)
     if digit_scores is False:
         assert launches == []
     else:
-        heads = GEO.heads if budget > 1 << 20 else 1  # 3,000 // (70 keys x 88) = 0: a head a launch
-        assert launches == [heads] * (2 * GEO.layers * GEO.heads // heads)  # two expanded rows
+        heads = geo.heads if budget > 1 << 20 else 1  # 3,000 // (70 keys x 88) = 0: a head a launch
+        assert launches == [heads] * (2 * geo.layers * geo.heads // heads)  # two expanded rows
+    v_max = oracle.stack.integer_bounds["v"] * oracle.stack.value_unit
     for (toks, c, k), out in zip(rows, got):
         for layer, p in enumerate(probes):
             want = dense_reference(p, torch.from_numpy(toks), torch.arange(c, c + k))
-            torch.testing.assert_close(out[layer].cpu(), want, rtol=1e-12, atol=1e-12)
+            atol = (c + k) * 2.0 ** -31 * v_max if oracle.digit_values and k > 8 else 1e-12  # (k > 8: expanded)
+            torch.testing.assert_close(out[layer].cpu(), want, rtol=1e-12, atol=atol)
 
 
 def test_integer_bounds_hold_every_token():
     """``MLAStack.integer_bounds`` bound what the tables give: every entry of a key table and every query of
-    a sample of tokens, as integers of their units, lies within them (and the DeepSeek-V3 geometry's digits
-    fit with room)."""
+    a sample of tokens, as integers of their units, lies within them (and the DeepSeek-V3 geometry's digits,
+    its values' too, fit with room)."""
     from hybridsim.layers.mla import MLAStack
     probes = [MLAProbe(GEO, layer, seed=3) for layer in range(2)]
     st = MLAStack(probes, torch.device("cpu"))
@@ -156,13 +178,16 @@ def test_integer_bounds_hold_every_token():
     for layer in range(2):
         q_nope, q_pe = st.queries(tok, pos, 300, layer)
         lat = st.latents_at(tok, pos, 300, layer)[0]
-        k_nope = st.expanded_nope(lat.float(), layer)[0].double() / st.nope_key_unit
+        k_nope, v = st.expanded_nope(lat.float(), layer)
         assert (q_nope / st.query_unit).abs().max() <= b["q_nope"] and (q_pe / st.rope_unit).abs().max() <= b["q_pe"]
         assert (lat[:, GEO.kv_lora_rank:] / st.rope_unit).abs().max() <= b["k_pe"]
-        assert k_nope.abs().max() <= b["k_nope"]
+        assert (k_nope.double() / st.nope_key_unit).abs().max() <= b["k_nope"]
+        assert (v.double() / st.value_unit).abs().max() <= b["v"]
     geo = MLAGeometry(layers=2, heads=4, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
     ds = MLAStack([MLAProbe(geo, layer, seed=22) for layer in range(2)], torch.device("cpu")).integer_bounds
     assert da.digits_fit(ds, 128, 64, 128, 512) and ds["k_nope"] < 0.8 * da.DIGIT_MAX
+    assert da.value_digits_fit(ds, 128) and ds["v"] < 0.8 * da.digit_capacity(da.V_DIGITS)
+    assert not da.value_digits_fit(ds, 24) and not da.value_digits_fit({"v": da.DIGIT_MAX + 1.0}, 128)
 
 
 def test_digit_bounds_follow_the_tables(monkeypatch):
@@ -187,21 +212,24 @@ from triton.compiler import ASTSource
 from hybridsim.kernels import digit_attention_f64 as da
 
 BQ, BN, warps, stages = da.TILE
-const = dict(DN=128, DR=64, DV=128, DVC=32, NV=4, BQ=BQ, BN=BN)  # DeepSeek-V3's expanded rows
-desc = dict(qd=f"tensordesc<i8[{BQ}, 1, 128]>", qdr=f"tensordesc<i8[{BQ}, 1, 64]>", kd=f"tensordesc<i8[{BN}, 1, 128]>",
-            kr=f"tensordesc<i8[{BN}, 1, 64]>", v=f"tensordesc<i32[{BN}, 1, 32]>")
-kern = da._digit_attention_kernel
-sig = {}
-for name in kern.arg_names:
-    sig[name] = ("constexpr" if name in const else desc[name] if name in desc else "*fp64" if name in ("o", "consts")
-                 else "i64" if name.startswith("so_") else "*i64")
-src = ASTSource(fn=kern, signature=sig, constexprs={(kern.arg_names.index(k),): v for k, v in const.items()})
-out = build(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": warps, "num_stages": stages})
-ptx = out.asm["ptx"]
 int8 = r"mma[.]sync[.]aligned[.]m16n8k32[.]row[.]col[.](satfinite[.])?s32[.]s8[.]s8"
 f64 = r"mma[.]sync[.]aligned[.]m8n8k4[.]row[.]col[.]f64"
-print(out.metadata.shared, len(re.findall(int8, ptx)), len(re.findall(f64, ptx)),
-      len(re.findall(r"cp[.]async[.]bulk[.]tensor", ptx)))
+kern = da._digit_attention_kernel
+for digits in (False, True):  # DeepSeek-V3's expanded rows: values as int32, and as digits
+    const = dict(DN=128, DR=64, DV=128, DVC=128 if digits else 32, NV=1 if digits else 4, BQ=BQ, BN=BN,
+                 VD=da.V_DIGITS if digits else 0)
+    desc = dict(qd=f"tensordesc<i8[{BQ}, 1, 128]>", qdr=f"tensordesc<i8[{BQ}, 1, 64]>",
+                kd=f"tensordesc<i8[{BN}, 1, 128]>", kr=f"tensordesc<i8[{BN}, 1, 64]>",
+                v=f"tensordesc<i8[1, 128, {BN}]>" if digits else f"tensordesc<i32[{BN}, 1, 32]>")
+    sig = {}
+    for name in kern.arg_names:
+        sig[name] = ("constexpr" if name in const else desc[name] if name in desc else "*fp64" if name in ("o", "consts")
+                     else "i64" if name.startswith("so_") else "*i64")
+    src = ASTSource(fn=kern, signature=sig, constexprs={(kern.arg_names.index(k),): v for k, v in const.items()})
+    out = build(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": warps, "num_stages": stages})
+    ptx = out.asm["ptx"]
+    print(out.metadata.shared, len(re.findall(int8, ptx)), len(re.findall(f64, ptx)),
+          len(re.findall(r"cp[.]async[.]bulk[.]tensor", ptx)))
 # the queries' digits from token ids: their runtime integers as arguments (layer 1 included)
 qk = da._query_digits_kernel
 const = dict(HID=64, T1=4093, T2=509, N=128, R=64, BT=32)
@@ -219,10 +247,11 @@ build(ASTSource(fn=kp, signature=sig, constexprs={(kp.arg_names.index(k),): v fo
       target=GPUTarget("cuda", 90, 64), options={"num_warps": 4})
 ek = dk._expand_digits_kernel
 BM, BN, BK, warps, stages = dk.EXPAND_TILE
-for nope in (True, False):
-    const = dict(LR=512, D=128, NOPE=nope, BM=BM, BN=BN, BK=BK)
+for store in (dk.DIGITS, dk.INTEGERS, dk.DIGITS_KEYS_LAST):
+    const = dict(LR=512, D=128, STORE=store, BM=BM, BN=BN, BK=BK)
     desc = dict(parts=f"tensordesc<i8[1, {BM}, {BK}]>", w=f"tensordesc<i8[1, {BN}, {BK}]>",
-                out=f"tensordesc<i8[{BM}, 1, {BN}]>" if nope else f"tensordesc<i32[{BM}, 1, {BN}]>")
+                out={dk.DIGITS: f"tensordesc<i8[{BM}, 1, {BN}]>", dk.INTEGERS: f"tensordesc<i32[{BM}, 1, {BN}]>",
+                     dk.DIGITS_KEYS_LAST: f"tensordesc<i8[1, {BN}, {BM}]>"}[store])
     sig = {n: "constexpr" if n in const else desc.get(n, "i32") for n in ek.arg_names}
     built = build(ASTSource(fn=ek, signature=sig, constexprs={(ek.arg_names.index(k),): v for k, v in const.items()}),
                   target=GPUTarget("cuda", 90, 64), options={"num_warps": warps, "num_stages": stages})
@@ -233,11 +262,14 @@ for nope in (True, False):
 def test_digit_attention_compiles_for_hopper_at_deepseek_shapes():
     """Without a GPU: Triton's front end and ptxas build the kernel for sm_90 at DeepSeek-V3's expanded
     shapes within Hopper's shared memory, its scores on the int8 tensor cores and its values on the
-    float64 ones, its tiles moved by the copy engine (TMA); and the queries' and keys' digits, the keys'
-    expansion on the int8 warpgroup products.
+    float64 ones (or, given their digits, on the int8 ones), its tiles moved by the copy engine (TMA); and
+    the queries' and keys' digits, the keys' expansion on the int8 warpgroup products (each way it stores).
     A process of its own: this module runs Triton's interpreter."""
-    shared, int8, f64, tma = map(int, compile_for_hopper(_COMPILE_FOR_HOPPER).split())
+    found = list(map(int, compile_for_hopper(_COMPILE_FOR_HOPPER).split()))
+    shared, int8, f64, tma = found[:4]
     assert shared <= 227 * 1024 and int8 > 0 and f64 > 0 and tma > 0
+    shared, int8_d, f64, tma = found[4:]  # values as digits: their products on the int8 ones too, none in float64
+    assert shared <= 227 * 1024 and int8_d > int8 and f64 == 0 and tma > 0
 
 
 @pytest.mark.parametrize("device", DEVICES)

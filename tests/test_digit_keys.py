@@ -76,7 +76,8 @@ def test_expanded_digits_are_the_float_products(device):
 def test_expansion_equals_its_definition_at_full_range(device):
     """Random parts and weights at the edges of their ranges (low parts in [0, 63], high in [-64, 64], weights
     in [-4, 4]), a rank of 256 (two product steps of 128): the kernel's digits and values are the torch
-    definition's, exactly."""
+    definition's, exactly, the values as int32 and as digits with the keys last (their padding past the keys
+    is never read as a value: left out)."""
     gen = torch.Generator().manual_seed(11)
     n, H, N, V, Lr = 150, 3, 32, 40, 256
     parts = torch.stack([torch.randint(0, 64, (n, Lr), generator=gen), torch.randint(-64, 65, (n, Lr), generator=gen)])
@@ -88,10 +89,13 @@ def test_expansion_equals_its_definition_at_full_range(device):
     w_k[0, 1] = -4
     w_v = torch.randint(-4, 5, (H, V, Lr), generator=gen).to(torch.int8)
     w_k, w_v = w_k.to(device), w_v.to(device)
-    for heads in (slice(None), slice(2, 3)):
-        kd, v = dk.expand_digits(parts, w_k, w_v, heads)
-        want_kd, want_v = dk.expand_digits_reference(parts.cpu(), w_k.cpu(), w_v.cpu(), heads)
-        assert torch.equal(kd.cpu(), want_kd) and torch.equal(v.cpu(), want_v)
+    w_v[1, 2] = 4  # key 0's value in head 1, column 2: 4 * 4159 * 256, near three digits' top
+    for heads, value_digits in ((slice(None), False), (slice(2, 3), False), (slice(None), True), (slice(1, 3), True)):
+        kd, v = dk.expand_digits(parts, w_k, w_v, heads, value_digits=value_digits)
+        want_kd, want_v = dk.expand_digits_reference(parts.cpu(), w_k.cpu(), w_v.cpu(), heads, value_digits)
+        assert torch.equal(kd.cpu(), want_kd) and v.shape == want_v.shape and torch.equal(v[..., :n].cpu(), want_v[..., :n])
+        if value_digits and heads == slice(None):
+            assert v.shape == (H, 3 * V, 160) and join_digits(v[1, :, 0].cpu(), 1.0, 3)[2] == 4 * 4159 * Lr
         if heads == slice(None):  # the edges went through: key 0's first two k_nope columns in head 0
             top = join_digits(kd[0, 0].cpu(), 1.0, 3)[:2]
             assert top.tolist() == [4 * 4159 * Lr, -4 * 4159 * Lr]

@@ -7,7 +7,8 @@ tile three times for ncu (history/2026-11-28_session34.md):
     ncu --clock-control none -k regex:_digit_attention_kernel --launch-skip 2 --launch-count 1 \\
         python3 bench/probes/digit_probe.py --once 16,64,4,2
 
-A tile is queries, keys a block, warps, stages; a trailing ``v`` passes the values as float64.
+A tile is queries, keys a block, warps, stages; a trailing ``v`` passes the values as float64, ``d`` as int8
+digits (the weights then integers, the values' products on the int8 tensor cores).
 """
 from __future__ import annotations
 
@@ -33,18 +34,21 @@ def inputs(device: str, small: bool = False):
     qd = torch.randint(-128, 128, (nq, heads, 2 * 128 + 3 * 64), generator=g, dtype=torch.int8)
     kd = torch.randint(-128, 128, (nk, heads, 3 * 128), generator=g, dtype=torch.int8)
     kr = torch.randint(-128, 128, (nk, 3 * 64), generator=g, dtype=torch.int8)
-    v = torch.randint(-2 ** 23, 2 ** 23, (nk, heads, 128), generator=g, dtype=torch.int32)
-    return [t.to(device) for t in (qd, kd, kr, v, v.double())], nq, ctx
+    v = torch.randint(-da.digit_capacity(da.V_DIGITS), da.digit_capacity(da.V_DIGITS), (nk, heads, 128), generator=g,
+                      dtype=torch.int32)
+    return [t.to(device) for t in (qd, kd, kr, v, v.double(), da.value_digits_reference(v))], nq, ctx
 
 
-def run(x, nq: int, ctx: int, f64_values: bool):
-    qd, kd, kr, v, v64 = x
-    return da.digit_attention(qd, kd, kr, v64 if f64_values else v, [0], [nq], [0], [ctx], 0.07, 2.0 ** -36,
+def run(x, nq: int, ctx: int, values: str):
+    qd, kd, kr, v, v64, vd = x
+    vals = {"v": v64, "d": vd}.get(values, v)
+    return da.digit_attention(qd, kd, kr, vals, [0], [nq], [0], [ctx], 0.07, 2.0 ** -36,
                               2.0 ** -40, unit_value=2.0 ** -20)
 
 
 def parse(spec: str):
-    return tuple(int(t) for t in spec.rstrip("v").split(",")), spec.endswith("v")
+    """'16,64,4,2' and a trailing v (values as float64) or d (values as int8 digits, integer weights)."""
+    return tuple(int(t) for t in spec.rstrip("vd").split(",")), spec[-1] if spec[-1] in "vd" else ""
 
 
 def main() -> None:
@@ -54,19 +58,19 @@ def main() -> None:
     x, nq, ctx = inputs("cpu" if small else "cuda", small)
     default = da.TILE
     if "--once" in args:
-        da.TILE, f64 = parse(specs[0])
+        da.TILE, vals = parse(specs[0])
         for _ in range(3):
-            run(x, nq, ctx, f64)
+            run(x, nq, ctx, vals)
         if not small:
             torch.cuda.synchronize()
         return
     pairs = HEADS * (N_Q * CTX + N_Q * (N_Q + 1) // 2)
     ref, results = None, []
     for spec in specs:
-        da.TILE, f64 = parse(spec)
+        da.TILE, vals = parse(spec)
         try:
-            o = run(x, nq, ctx, f64)
-            ms = 0.0 if small else triton.testing.do_bench(lambda: run(x, nq, ctx, f64), warmup=50, rep=400)
+            o = run(x, nq, ctx, vals)
+            ms = 0.0 if small else triton.testing.do_bench(lambda: run(x, nq, ctx, vals), warmup=50, rep=400)
         finally:
             da.TILE = default
         ref = o if ref is None else ref

@@ -13,6 +13,18 @@ float64 (every partial value an integer below 2**53: exact), and the nope and ro
 round a sum of 192 terms. The softmax and values are the float64 kernel's, so the two kernels
 agree to float64 rounding, not bit for bit.
 
+The values' products the same way, where the values come as int8 digits (``value_digits_fit``; the
+oracle's default since session 41): session 34 measured the float64 products of the weights and values
+at half of this kernel's time. Each key block's weights exp(s - running maximum), in [0, 1], are
+rounded to integers of 2**-30 (``WEIGHT_BITS``: four balanced digits) and the running sum is taken of
+those, so o = sum(w v) / sum(w) with every w . v product an exact int32 on the int8 tensor cores (four
+weight digits by three value digits, each pair's sum of 64 keys below 2**21, joined as the scores'
+are). The one rounding beyond float64's: a weight's, at most 2**-31, so an output moves at most
+n 2**-31 max|v| / sum(w) from the float64 softmax over its n keys (sum(w) >= 1: the running maximum's
+own weight is 1), and by about sqrt(n) 2**-31 max|v| for rounding errors that do not line up: below
+1e-6 of max|v| even over 16k keys, where the checks' tolerances are 1e-5 (fp32) and 2e-2 (bf16).
+An H200 takes 6.14 ms for ``bench/probes/digit_probe.py``'s chunk against 6.96 with float64 values.
+
 Digits: q_nope has 2 (its integers are below 2**13), k_nope, q_pe and k_pe 3 (below 2**23);
 ``digits_fit`` proves from the tables' bounds (``MLAStack.integer_bounds``) that every layer's values
 fit (else the float64 kernel runs).
@@ -22,7 +34,8 @@ Layout (one layer at a time, as the expanded rows go): row r owns queries
 ([nope digit 0 | nope digit 1 | rope digits 0, 1, 2]), at positions ``pos0[r] + j``, and keys
 ``kd[k_start[r] + i]`` (keys, heads, 3*DN) int8 with their rope part ``kr`` (keys, 3*DR) int8,
 shared by every head, and values ``v`` (keys, heads, DV), float32 or float64 holding exact values
-or int32 integers of ``unit_value``. ``o`` (tokens, heads, DV) float64 =
+or int32 integers of ``unit_value``, or those integers' digits (heads, 3*DV, keys) int8, the keys last
+(``value_digits_reference``). ``o`` (tokens, heads, DV) float64 =
 softmax(scale * (u_nope * q_nope.k_nope + u_rope * q_pe.k_pe)) v.
 """
 from __future__ import annotations
@@ -44,6 +57,8 @@ def digit_capacity(count: int) -> int:
 
 DIGIT_MAX = digit_capacity(3)
 Q_NOPE_DIGITS, K_DIGITS = 2, 3
+V_DIGITS = 3  # the values' digits, where they come as digits
+WEIGHT_BITS = 30  # the softmax weights' integers then: of 2**-30, in four digits (2**30 < digit_capacity(4))
 # (queries a program takes, keys a block, warps, pipeline stages), the fastest of six on an H200 for
 # bench_oracle's DeepSeek-V3 prefill chunks: 86.3 ms; 16 x 32 keys 109.2, 16 x 128 109.6 (1 stage) and
 # 112.2 (2), 8 warps 147.2 (bench/RESULTS.md). 32 or 64 queries spill registers (the float64 values'
@@ -68,6 +83,13 @@ def digits_fit(bounds: dict[str, float], nope: int, rope: int, value: int, kv_lo
             and b["q_nope"] <= digit_capacity(Q_NOPE_DIGITS)
             and max(b["k_nope"], b["q_pe"], b["k_pe"]) <= DIGIT_MAX
             and b["q_nope"] * b["k_nope"] * nope < 2.0 ** 53 and b["q_pe"] * b["k_pe"] * rope < 2.0 ** 53)
+
+
+def value_digits_fit(bounds: dict[str, float], value: int) -> bool:
+    """Whether the values' integers (``MLAStack.integer_bounds``' "v") fit ``V_DIGITS`` digits and their
+    width is one the products take whole (a power of two, at least 16): then the oracle hands
+    ``digit_attention`` their digits and its values' products run on the int8 tensor cores."""
+    return bounds["v"] <= digit_capacity(V_DIGITS) and value >= 16 and value & (value - 1) == 0
 
 
 def split_digits_reference(x: torch.Tensor, unit: float, count: int) -> torch.Tensor:
@@ -152,6 +174,17 @@ def query_digits(emb1: torch.Tensor, emb2: torch.Tensor, w_qn: torch.Tensor, w_q
     return qd
 
 
+def value_digits_reference(v: torch.Tensor) -> torch.Tensor:
+    """Values (keys, heads, DV) holding integers (of some unit) -> their balanced base-256 digits as
+    ``digit_attention`` takes them: (heads, V_DIGITS * DV, keys rounded up to 16) int8, digit-major along
+    the middle axis, the keys last (int8 products take both operands along their summed axis)."""
+    n, H, DV = v.shape
+    d = split_digits_reference(v.reshape(n * H, DV), 1.0, V_DIGITS).view(n, H, V_DIGITS * DV)
+    out = torch.zeros((H, V_DIGITS * DV, -(-n // 16) * 16), dtype=torch.int8, device=v.device)
+    out[:, :, :n] = d.permute(1, 2, 0)
+    return out
+
+
 def join_digits(d: torch.Tensor, unit: float, count: int) -> torch.Tensor:
     """split_digits' inverse: (..., count * D) int8 -> (..., D) float64 values (tests, the reference)."""
     parts = d.to(torch.float64).unflatten(-1, (count, -1))
@@ -160,10 +193,13 @@ def join_digits(d: torch.Tensor, unit: float, count: int) -> torch.Tensor:
 
 
 def digit_attention_reference(qd, kd, kr, v, q_start, q_len, k_start, pos0, scale: float,
-                              unit_nope: float, unit_rope: float, unit_value: float = 1.0) -> torch.Tensor:
+                              unit_nope: float, unit_rope: float, unit_value: float = 1.0,
+                              weight_bits: int | None = None) -> torch.Tensor:
     """``digit_attention`` in torch: the digits joined into float64 queries and keys (the unit of
     q_nope . k_nope is ``unit_nope``: q's digits carry 1 and k's ``unit_nope``; the same for rope),
-    then ``latent_attention_reference``. Returns o (tokens, heads, DV), NaN where no row writes."""
+    then ``latent_attention_reference``; or, for values as digits (int8), the integer weights' softmax
+    a key block (``TILE``'s) at a time (``_integer_weights_reference``). Returns o (tokens, heads, DV),
+    NaN where no row writes."""
     DN = kd.shape[-1] // K_DIGITS
     DR = kr.shape[-1] // K_DIGITS
     H = qd.shape[1]
@@ -171,8 +207,37 @@ def digit_attention_reference(qd, kd, kr, v, q_start, q_len, k_start, pos0, scal
                    join_digits(qd[..., Q_NOPE_DIGITS * DN:], 1.0, K_DIGITS)], dim=-1)
     k = torch.cat([join_digits(kd, unit_nope, K_DIGITS),
                    join_digits(kr, unit_rope, K_DIGITS)[:, None, :].expand(-1, H, -1)], dim=-1)
-    v = v.double() * unit_value
-    return latent_attention_reference(q[None], k[None], v[None], q_start, q_len, k_start, pos0, scale)[0]
+    if v.dtype != torch.int8:
+        v = v.double() * unit_value
+        return latent_attention_reference(q[None], k[None], v[None], q_start, q_len, k_start, pos0, scale)[0]
+    vv = join_digits(v.permute(2, 0, 1), 1.0, V_DIGITS)  # (keys, heads, DV)
+    return _integer_weights_reference(q, k, vv, q_start, q_len, k_start, pos0, scale, TILE[1]) * unit_value
+
+
+def _integer_weights_reference(q, k, v, q_start, q_len, k_start, pos0, scale: float, block: int) -> torch.Tensor:
+    """The softmax of flash attention a block of ``block`` keys at a time (from each row's key 0), each
+    block's weights exp(s - running maximum) rounded to integers of 2**-WEIGHT_BITS (half up) and the
+    running sum taken of those: o = sum(w v) / sum(w). (tokens, heads, DV), NaN where no row writes."""
+    nq, H, _ = q.shape
+    o = torch.full((nq, H, v.shape[-1]), float("nan"), dtype=torch.float64, device=q.device)
+    for qs, ql, ks, p0 in zip(q_start, q_len, k_start, pos0):
+        n = p0 + ql
+        s = torch.einsum("qhd,nhd->hqn", q[qs:qs + ql], k[ks:ks + n]) * scale
+        qpos = torch.arange(p0, n, device=q.device)
+        s = s.masked_fill(torch.arange(n, device=q.device)[None, :] > qpos[:, None], float("-inf"))
+        m = torch.full(s.shape[:2], float("-inf"), dtype=torch.float64, device=q.device)
+        l_sum = torch.zeros_like(m)
+        acc = torch.zeros((H, ql, v.shape[-1]), dtype=torch.float64, device=q.device)
+        for b0 in range(0, n, block):
+            sb = s[..., b0:b0 + block]
+            m_new = torch.maximum(m, sb.amax(-1))
+            alpha = torch.exp(m - m_new)
+            w = torch.floor(torch.exp(sb - m_new[..., None]) * 2.0 ** WEIGHT_BITS + 0.5)
+            l_sum = l_sum * alpha + w.sum(-1)
+            acc = acc * alpha[..., None] + torch.einsum("hqn,nhd->hqd", w, v[ks + b0:ks + min(n, b0 + block)])
+            m = m_new
+        o[qs:qs + ql] = (acc / l_sum[..., None]).permute(1, 0, 2)
+    return o
 
 
 @triton.jit
@@ -185,7 +250,7 @@ def _tile(desc, r0, h, c0, rows: tl.constexpr, cols: tl.constexpr):
 @triton.jit
 def _digit_attention_kernel(qd, qdr, kd, kr, v, o, tile_row, tile_q0, q_start, q_len, k_start, pos0, so_t, so_h, consts,
                             DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr, DVC: tl.constexpr,
-                            NV: tl.constexpr, BQ: tl.constexpr, BN: tl.constexpr):
+                            NV: tl.constexpr, BQ: tl.constexpr, BN: tl.constexpr, VD: tl.constexpr = 0):
     """One program: BQ queries of one row and head program_id(1). qd, kd, kr and v are tensor
     descriptors (3-D: rows, heads, columns; kr's head axis has one head), qdr the queries' again in
     tiles of the rope part's width (a descriptor has one tile shape). Gathering loads measured worse:
@@ -240,17 +305,62 @@ def _digit_attention_kernel(qd, qdr, kd, kr, v, o, tile_row, tile_q0, q_start, q
         s_r = (r_hi.to(tl.float64) * 256.0 + r_mid.to(tl.float64)) * 65536.0 + r_lo.to(tl.float64)
         s = (s_n * u_n + s_r * u_r) * scale
         s = tl.where(n[None, :] <= qpos[:, None], s, float("-inf"))  # key 0 is seen by all: m stays finite
-        m_new, alpha, p, l_i = softmax_block(s, m_i, l_i)
-        acc0 = acc0 * alpha[:, None] + tl.dot(p, _tile(v, k_0, head, 0, BN, DVC).to(tl.float64))
-        if NV > 1:
-            acc1 = acc1 * alpha[:, None] + tl.dot(p, _tile(v, k_0, head, DVC, BN, DVC).to(tl.float64))
-        if NV > 2:
-            acc2 = acc2 * alpha[:, None] + tl.dot(p, _tile(v, k_0, head, 2 * DVC, BN, DVC).to(tl.float64))
-        if NV > 3:
-            acc3 = acc3 * alpha[:, None] + tl.dot(p, _tile(v, k_0, head, 3 * DVC, BN, DVC).to(tl.float64))
-        m_i = m_new
+        if VD > 0:
+            m_i, acc0, l_i = _integer_values(s, m_i, l_i, acc0, v, head, ks + n0, DV, BN)
+        else:
+            m_i, acc0, acc1, acc2, acc3, l_i = _float_values(s, m_i, l_i, acc0, acc1, acc2, acc3, v, k_0, head, BN,
+                                                             DVC, NV)
     o_rows = (qs + tl.minimum(qi, ql - 1)).to(tl.int64) * so_t + head.to(tl.int64) * so_h
     store_chunks(o, o_rows, valid, acc0, acc1, acc2, acc3, l_i / u_v, DV, DVC, NV)  # (u_v a power of two: exact)
+
+
+@triton.jit
+def _integer_values(s, m_i, l_i, acc, vd, head, key0, DV: tl.constexpr, BN: tl.constexpr):
+    """A key block's scores folded into the running maximum and sum with the weights rounded to integers of
+    2**-30, and their products with the values' digits (vd: (heads, 3 DV, keys)) on the int8 tensor cores:
+    four weight digits by three value digits, the pairs of one power summed in int32 and two neighbouring
+    powers joined there (each pair's sum below 2**21: below 2**31), the three joined in float64."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    w = (tl.exp(s - m_new[:, None]) * 1073741824.0 + 0.5).to(tl.int32)  # 2**WEIGHT_BITS; in [0, 2**30]: floor
+    l_i = l_i * alpha + tl.sum(w.to(tl.float64), 1)
+    w0, w = _next_digit(w)
+    w1, w = _next_digit(w)
+    w2, w3 = _next_digit(w)
+    w0 = w0.to(tl.int8)
+    w1 = w1.to(tl.int8)
+    w2 = w2.to(tl.int8)
+    w3 = w3.to(tl.int8)
+    k = key0.to(tl.int32)  # (keys last: the products' summed axis contiguous, as int8 products take it)
+    v0 = tl.trans(vd.load([head, 0, k]).reshape(DV, BN))
+    v1 = tl.trans(vd.load([head, DV, k]).reshape(DV, BN))
+    v2 = tl.trans(vd.load([head, 2 * DV, k]).reshape(DV, BN))
+    a54 = tl.dot(w3, v2, out_dtype=tl.int32) * 256  # powers 5 and 4
+    a54 = tl.dot(w3, v1, tl.dot(w2, v2, a54, out_dtype=tl.int32), out_dtype=tl.int32)
+    a32 = tl.dot(w1, v2, tl.dot(w2, v1, tl.dot(w3, v0, out_dtype=tl.int32), out_dtype=tl.int32),
+                 out_dtype=tl.int32) * 256  # 3 and 2
+    a32 = tl.dot(w0, v2, tl.dot(w1, v1, tl.dot(w2, v0, a32, out_dtype=tl.int32), out_dtype=tl.int32),
+                 out_dtype=tl.int32)
+    a10 = tl.dot(w0, v1, tl.dot(w1, v0, out_dtype=tl.int32), out_dtype=tl.int32) * 256  # 1 and 0
+    a10 = tl.dot(w0, v0, a10, out_dtype=tl.int32)
+    acc = acc * alpha[:, None] + ((a54.to(tl.float64) * 65536.0 + a32.to(tl.float64)) * 65536.0 + a10.to(tl.float64))
+    return m_new, acc, l_i
+
+
+@triton.jit
+def _float_values(s, m_i, l_i, acc0, acc1, acc2, acc3, v, k_0, head, BN: tl.constexpr, DVC: tl.constexpr,
+                  NV: tl.constexpr):
+    """A key block's scores folded into the running softmax, and its weights' products with the values
+    (float64, in NV chunks of DVC columns)."""
+    m_new, alpha, p, l_i = softmax_block(s, m_i, l_i)
+    acc0 = acc0 * alpha[:, None] + tl.dot(p, _tile(v, k_0, head, 0, BN, DVC).to(tl.float64))
+    if NV > 1:
+        acc1 = acc1 * alpha[:, None] + tl.dot(p, _tile(v, k_0, head, DVC, BN, DVC).to(tl.float64))
+    if NV > 2:
+        acc2 = acc2 * alpha[:, None] + tl.dot(p, _tile(v, k_0, head, 2 * DVC, BN, DVC).to(tl.float64))
+    if NV > 3:
+        acc3 = acc3 * alpha[:, None] + tl.dot(p, _tile(v, k_0, head, 3 * DVC, BN, DVC).to(tl.float64))
+    return m_new, acc0, acc1, acc2, acc3, l_i
 
 
 def digit_attention(qd: torch.Tensor, kd: torch.Tensor, kr: torch.Tensor, v: torch.Tensor, q_start: list[int],
@@ -258,20 +368,29 @@ def digit_attention(qd: torch.Tensor, kd: torch.Tensor, kr: torch.Tensor, v: tor
                     unit_rope: float, out: torch.Tensor | None = None, unit_value: float = 1.0) -> torch.Tensor:
     """``digit_attention_reference`` in one launch (Triton: a GPU, or the interpreter). qd (tokens,
     heads, 2*DN + 3*DR), kd (keys, heads, 3*DN), kr (keys, 3*DR) int8, v (keys, heads, DV) float32,
-    float64 or int32 (values ``unit_value`` times v, a power of two), each with its last axis
-    contiguous and the others' strides multiples of 16 bytes (the copy engine's tiles); DN and DR
-    powers of two (at least 32). The heaviest tiles (most keys) start first. ``out`` (tokens, heads,
-    DV) float64: where to write."""
-    assert qd.dtype == kd.dtype == kr.dtype == torch.int8 and v.dtype in (torch.float32, torch.float64, torch.int32)
+    float64 or int32 (values ``unit_value`` times v, a power of two) or v's integers as digits (heads,
+    3*DV, keys) int8 (``value_digits_reference``; then each row's first key at a multiple of 16), each
+    with its last axis contiguous and the others' strides multiples of 16 bytes (the copy engine's
+    tiles); DN and DR powers of two (at least 32). The heaviest tiles (most keys) start first. ``out``
+    (tokens, heads, DV) float64: where to write."""
+    assert qd.dtype == kd.dtype == kr.dtype == torch.int8
+    assert v.dtype in (torch.float32, torch.float64, torch.int32, torch.int8)
     for x in (qd, kd, kr, v):  # (the copy engine's tiles: unit last stride, the others and the start 16-byte aligned)
         assert x.stride(-1) == 1 and x.data_ptr() % 16 == 0, "digit_attention: layout"
         assert all(st * x.element_size() % 16 == 0 for st in x.stride()[:-1]), "digit_attention: layout"
     nq, H, _ = qd.shape
     DN, DR = kd.shape[-1] // K_DIGITS, kr.shape[-1] // K_DIGITS
-    assert qd.shape[-1] == Q_NOPE_DIGITS * DN + K_DIGITS * DR and kd.shape[1] == v.shape[1] == H
-    DV = v.shape[-1]
     BQ, BN, warps, stages = TILE
-    DVC = max(16, triton.next_power_of_2(triton.cdiv(DV, 4)))
+    digits = v.dtype == torch.int8
+    if digits:
+        assert qd.shape[-1] == Q_NOPE_DIGITS * DN + K_DIGITS * DR and kd.shape[1] == v.shape[0] == H
+        DV = DVC = v.shape[1] // V_DIGITS
+        assert value_digits_fit({"v": 0.0}, DV), "digit_attention: the values' digits' width"
+        assert all(k % 16 == 0 for k in k_start), "digit_attention: a value tile's keys start 16-byte aligned"
+    else:
+        assert qd.shape[-1] == Q_NOPE_DIGITS * DN + K_DIGITS * DR and kd.shape[1] == v.shape[1] == H
+        DV = v.shape[-1]
+        DVC = max(16, triton.next_power_of_2(triton.cdiv(DV, 4)))
     o = torch.empty((nq, H, DV), dtype=torch.float64, device=qd.device) if out is None else out
     tiles = sorted(((p0 + min(i0 + BQ, ql), r, i0) for r, (ql, p0) in enumerate(zip(q_len, pos0))
                     for i0 in range(0, ql, BQ)), reverse=True)
@@ -282,8 +401,11 @@ def digit_attention(qd: torch.Tensor, kd: torch.Tensor, kr: torch.Tensor, v: tor
     meta = upload_many([q_start, q_len, k_start, pos0], dev)
     consts = upload([float(scale), float(unit_nope), float(unit_rope), float(unit_value)], dev, torch.float64)
     descs = [TensorDescriptor.from_tensor(x, block_shape=[rows, 1, cols]) for x, rows, cols in (
-        (qd, BQ, DN), (qd, BQ, DR), (kd, BN, DN), (kr[:, None], BN, DR), (v, BN, DVC))]
+        (qd, BQ, DN), (qd, BQ, DR), (kd, BN, DN), (kr[:, None], BN, DR))]
+    descs.append(TensorDescriptor.from_tensor(v, block_shape=[1, DV, BN]) if digits else
+                 TensorDescriptor.from_tensor(v, block_shape=[BN, 1, DVC]))
     _digit_attention_kernel[(len(tiles), H)](
         *descs, o, ids[0], ids[1], meta[0], meta[1], meta[2], meta[3], o.stride(0), o.stride(1), consts,
-        DN=DN, DR=DR, DV=DV, DVC=DVC, NV=triton.cdiv(DV, DVC), BQ=BQ, BN=BN, num_warps=warps, num_stages=stages)
+        DN=DN, DR=DR, DV=DV, DVC=DVC, NV=triton.cdiv(DV, DVC), BQ=BQ, BN=BN, VD=V_DIGITS if digits else 0,
+        num_warps=warps, num_stages=stages)
     return o

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .digit_attention_f64 import K_DIGITS, _next_digit, split_digits_reference
+from .digit_attention_f64 import K_DIGITS, V_DIGITS, _next_digit, split_digits_reference, value_digits_reference
 from .probe_latents import rotated_rope, rows_sum, table_rows
 
 _DIGITS = tl.constexpr(K_DIGITS)  # (what a kernel may read of a module's globals)
@@ -98,13 +98,18 @@ def key_parts_reference(key1: torch.Tensor, key2: torch.Tensor, rope: int, tok: 
     return parts, split_digits_reference(rope_exact(lat[:, LR:], pos, n_pos), 1.0, K_DIGITS)
 
 
+# what _expand_digits_kernel stores: the integers (keys, heads, D) int32; their digits (keys, heads, 3 D) int8;
+# their digits with the keys last (heads, 3 D, keys) int8 (the values' products take them so)
+INTEGERS, DIGITS, DIGITS_KEYS_LAST = 0, 1, 2
+
+
 @triton.jit(do_not_specialize=["h0"])
-def _expand_digits_kernel(parts, w, out, h0, LR: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr,
+def _expand_digits_kernel(parts, w, out, h0, LR: tl.constexpr, D: tl.constexpr, STORE: tl.constexpr,
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Columns program_id(0) of the group's heads (cdiv(D, BN) tiles a head) for keys program_id(1) * BM..:
     kv_c's integers times the weights' rows on the int8 tensor cores, the high parts first, then 64 times
-    their sum, then the low parts (one int32 accumulator: below 2**24); stored as k_nope's three digits
-    (NOPE: out (keys, heads, 3 D) int8) or as int32 values (out (keys, heads, D)). parts (2, keys, LR),
+    their sum, then the low parts (one int32 accumulator: below 2**24); stored as STORE says (one of
+    INTEGERS, DIGITS, DIGITS_KEYS_LAST: k_nope's are DIGITS, the values' the others). parts (2, keys, LR),
     w (heads, D, LR) and out are tensor descriptors: the copy engine moves the tiles and fills what lies
     past the keys or a head's D columns with zeros, and clips the stores there (gathering loads' 64-bit
     addresses took every register and spilled)."""
@@ -121,10 +126,14 @@ def _expand_digits_kernel(parts, w, out, h0, LR: tl.constexpr, D: tl.constexpr, 
     for k0 in range(0, LR, BK):
         a = parts.load([0, r0, k0]).reshape(BM, BK)
         acc = tl.dot(a, tl.trans(w.load([h0 + h, c0, k0]).reshape(BN, BK)), acc, out_dtype=tl.int32)
-    if NOPE:
+    if STORE == 1:
         for d in tl.static_range(_DIGITS):
             dig, acc = _next_digit(acc)
             out.store([r0, h, d * D + c0], dig.to(tl.int8).reshape(BM, 1, BN))
+    elif STORE == 2:
+        for d in tl.static_range(_DIGITS):
+            dig, acc = _next_digit(acc)
+            out.store([h, d * D + c0, r0], tl.trans(dig.to(tl.int8)).reshape(1, BN, BM))
     else:
         out.store([r0, h, c0], acc.reshape(BM, 1, BN))
 
@@ -142,37 +151,42 @@ def _steps(width: int, most: int) -> int:
     return step
 
 
-def expand_digits(parts: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor,
-                  heads: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+def expand_digits(parts: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor, heads: slice = slice(None),
+                  value_digits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """For keys whose kv_c integers are ``parts`` (``key_parts``) and the heads ``heads`` of the weights'
     integers w_k (heads, nope, kv_lora) and w_v (heads, v, kv_lora) int8 (``MLAStack.expansion_weights``):
     k_nope's digits (keys, heads, 3 nope) int8, as ``digit_attention`` reads them, and the values (keys,
-    heads, v) int32, integers of ``MLAStack.nope_key_unit`` and ``value_unit``. Two launches (a GPU, or the
-    interpreter)."""
+    heads, v) int32, integers of ``MLAStack.nope_key_unit`` and ``value_unit`` (``value_digits``: their
+    digits (heads, 3 v, keys rounded up to 16) int8, ``value_digits_reference``'s layout; the caller has
+    proved they fit, ``value_digits_fit``). Two launches (a GPU, or the interpreter)."""
     _, n, LR = parts.shape
     H, N, _ = w_k.shape
     V = w_v.shape[1]
     h0, h1, _ = heads.indices(H)
     hg = h1 - h0
     kd = torch.empty((n, hg, K_DIGITS * N), dtype=torch.int8, device=parts.device)
-    v = torch.empty((n, hg, V), dtype=torch.int32, device=parts.device)
+    if value_digits:  # (the keys past n: never written, read only as keys no query sees, their weights 0)
+        v = torch.empty((hg, V_DIGITS * V, -(-n // 16) * 16), dtype=torch.int8, device=parts.device)
+    else:
+        v = torch.empty((n, hg, V), dtype=torch.int32, device=parts.device)
     if n == 0 or hg == 0:
         return kd, v
     assert expand_widths_fit(LR) and parts.is_contiguous() and w_k.is_contiguous() and w_v.is_contiguous()
     BM, BN, BK, warps, stages = EXPAND_TILE
     BK = _steps(LR, BK)
     src = TensorDescriptor.from_tensor(parts, block_shape=[1, BM, BK])
-    for w, out, D, nope in ((w_k, kd, N, True), (w_v, v, V, False)):
+    for w, out, D, mode in ((w_k, kd, N, DIGITS), (w_v, v, V, DIGITS_KEYS_LAST if value_digits else INTEGERS)):
         bn = min(BN, max(32, triton.next_power_of_2(D)))
+        block = [1, bn, BM] if mode == DIGITS_KEYS_LAST else [BM, 1, bn]
         _expand_digits_kernel[(hg * triton.cdiv(D, bn), triton.cdiv(n, BM))](
             src, TensorDescriptor.from_tensor(w, block_shape=[1, bn, BK]),
-            TensorDescriptor.from_tensor(out, block_shape=[BM, 1, bn]), h0, LR=LR, D=D, NOPE=nope, BM=BM, BN=bn,
+            TensorDescriptor.from_tensor(out, block_shape=block), h0, LR=LR, D=D, STORE=mode, BM=BM, BN=bn,
             BK=BK, num_warps=warps, num_stages=stages)
     return kd, v
 
 
-def expand_digits_reference(parts: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor,
-                            heads: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+def expand_digits_reference(parts: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor, heads: slice = slice(None),
+                            value_digits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``expand_digits`` in torch: the integer products in float64 (every sum below 2**53: exact)."""
     kv = parts[0].double() + 64 * parts[1].double()  # (n, kv_lora)
     n = kv.shape[0]
@@ -180,4 +194,4 @@ def expand_digits_reference(parts: torch.Tensor, w_k: torch.Tensor, w_v: torch.T
     v = torch.einsum("nr,hdr->nhd", kv, w_v[heads].double())
     hg, N = k_nope.shape[1:]
     kd = split_digits_reference(k_nope.reshape(n * hg, N), 1.0, K_DIGITS).view(n, hg, K_DIGITS * N)
-    return kd, v.to(torch.int32)
+    return kd, value_digits_reference(v) if value_digits else v.to(torch.int32)

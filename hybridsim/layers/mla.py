@@ -318,12 +318,13 @@ class MLAStack:
 
     @functools.cached_property
     def integer_bounds(self) -> dict[str, float]:
-        """The largest magnitude any token's q_nope, q_pe, k_nope and k_pe can take, as integers of their
-        units (``query_unit``, ``rope_unit``, ``nope_key_unit``), over every layer: what an exact integer
-        form of the scores must hold (``kernels/digit_attention_f64.digits_fit``). From the tables: a hidden
-        state's entries are at most max|emb1| + max|emb2|, a rotated value at most max(|x1|, |x2|)
-        (|cos| + |sin|) over the cos/sin table, k_nope's integer at most kv_c's bound times a column's sum
-        of |W_UK| (over its unit)."""
+        """The largest magnitude any token's q_nope, q_pe, k_nope, k_pe and values can take, as integers of
+        their units (``query_unit``, ``rope_unit``, ``nope_key_unit``, ``value_unit``), over every layer: what
+        an exact integer form of the scores and the values must hold (``kernels/digit_attention_f64``'s
+        ``digits_fit`` and ``value_digits_fit``). From the tables: a hidden state's entries are at most
+        max|emb1| + max|emb2|, a rotated value at most max(|x1|, |x2|) (|cos| + |sin|) over the cos/sin
+        table, k_nope's and a value's integer at most kv_c's bound times a column's sum of |W_UK| or |W_UV|
+        (over its unit)."""
         Lr = self.geo.kv_lora_rank
         cos_t, sin_t = trig_table()
         trig = float((cos_t.abs() + sin_t.abs()).max())
@@ -333,8 +334,9 @@ class MLAStack:
         kv_c = self.key1[..., :Lr].abs().amax((1, 2)) + self.key2[..., :Lr].abs().amax((1, 2))
         k_pe = (self.key1[..., Lr:].abs().amax((1, 2)) + self.key2[..., Lr:].abs().amax((1, 2))) * trig
         k_nope = kv_c * (self.w_uk.abs().sum(-1) / _pow2_scale(Lr)).amax((1, 2))
+        v = kv_c * (self.w_uv.abs().sum(2) / _pow2_scale(Lr)).amax((1, 2))  # (W_UV: (layers, H, kv_lora, v))
         return {name: float(b.max()) for name, b in (("q_nope", q_nope), ("q_pe", q_pe), ("k_nope", k_nope),
-                                                     ("k_pe", k_pe))}
+                                                     ("k_pe", k_pe), ("v", v))}
 
     def expands(self, b: int, q: int, n: int, bounded: bool = True) -> bool:
         """Whether attending q queries over n keys costs fewer operations with every key up-projected
