@@ -34,6 +34,7 @@ from .device.transfer import upload, upload_many
 from .kernels.batching import CPU_CALL_ELEMS, worth_merging
 from .kernels.probe_scan import ScanBuilder, ScanLaunch
 from .layers.mamba import StackedTables
+from .layers.exact import Q
 from .layers.gqa import GQAProbe, GQAStack
 from .layers.mla import LATENT_SHIFT, ROPE_SHIFT, MLAProbe, MLAStack
 
@@ -68,6 +69,10 @@ class OracleRow:
     compares: list[StateCompare] = field(default_factory=list)
 
 
+STATE_DTYPE = torch.int16  # the Mamba oracle's own states (residues mod Q < 2**15)
+assert Q < 1 << 15
+
+
 class MambaOracle:
     def __init__(self, tables: StackedTables, max_requests: int, device: torch.device,
                  scan: Callable[[StackedTables, ScanLaunch], None]):
@@ -76,8 +81,9 @@ class MambaOracle:
         self.device = device
         L, K, dim = tables.layers, tables.K, tables.dim
         self.conv = torch.zeros(L, max_requests, K - 1, dim, dtype=torch.float32, device=device)
-        self.temporal = torch.zeros(L, max_requests, tables.H, tables.P, tables.N, dtype=torch.float32,
-                                    device=device)
+        # (int16: residues below Q fit; half the bytes of the cache's float32 pages, which a decode row's
+        # scan reads and writes once each beside reading the system's page it compares)
+        self.temporal = torch.zeros(L, max_requests, tables.H, tables.P, tables.N, dtype=STATE_DTYPE, device=device)
         self.identity = torch.arange(L, dtype=torch.int64, device=device)
         self.free = list(range(max_requests - 1, -1, -1))
         self.slot: dict[str, int] = {}

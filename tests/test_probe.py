@@ -209,6 +209,25 @@ def test_chunked_triton_scan_equals_reference_bit_for_bit(K):
 
 
 @INTERPRETER
+@pytest.mark.parametrize("chunk_min", [32, 1], ids=["token-by-token-and-chunked", "all-chunked"])
+def test_int16_state_pages_hold_what_float32_pages_hold(chunk_min):
+    """The Mamba oracle keeps its own states as int16 residues (``oracle.STATE_DTYPE``): a launch over int16
+    temporal pages (rows starting from them, states written into them) gives the float32 launch's
+    outputs and states, in the torch form and in both Triton kernels (a state written mid-chunk too)."""
+    from hybridsim.oracle import STATE_DTYPE
+    _, tab, _, ln, _ = _case(CHUNKED, 9, [1, 3, 34, 40])
+    small = _clone(ln)
+    small.state_temporal = torch.nan_to_num(ln.state_temporal, 0.0).to(STATE_DTYPE)  # (NaN reads as 0 either way)
+    tri = _clone(small)
+    scan_reference(tab, ln)
+    scan_reference(tab, small)
+    scan_triton(tab, tri, chunk_min=chunk_min)
+    for got in (small, tri):
+        assert got.state_temporal.dtype == STATE_DTYPE and torch.equal(got.y_out, ln.y_out)
+        assert torch.equal(got.state_temporal.long(), torch.nan_to_num(ln.state_temporal, 0.0).long())
+
+
+@INTERPRETER
 def test_chunked_scan_takes_short_rows_exactly():
     """Rows of 1, 2 and 5 tokens as one (partial) chunk each, as the oracle's decode rows may run:
     a state written after every token (a chunk cut at each) and after the last only, bit for bit the
@@ -437,7 +456,7 @@ p = MambaProbe(build_preset(sys.argv[1]).mamba.model_copy(update={"layers": 1}),
 assert chunked_fits(p.H, p.P, p.G, p.N, p.geo.conv_kernel, p.bc_from_conv)
 const = dict(H=p.H, P=p.P, G=p.G, N=p.N, KM1=p.geo.conv_kernel - 1, DIM=p.H * p.P + 2 * p.G * p.N,
              BT=CHUNK_TOKENS, WRITE_Y=False, COMPARE=True, QQ=Q)
-kinds = {"*fp32": {"init_window", "conv", "temporal", "cmp_conv", "cmp_temporal"},
+kinds = {"*fp32": {"init_window", "conv", "cmp_conv", "cmp_temporal"}, "*i16": {"temporal"},  # (the oracle's states)
          "*i32": {"parts", "y_out", "y_ref", "emb", "conv_w", "conv_b", "head", "Dt", "powt"}, "*i8": {"bcbuf"}}
 names = kern.arg_names
 sig = {}
@@ -457,7 +476,7 @@ print("wgmma" in out.asm["ptx"])
 @pytest.mark.parametrize("preset", ["nemotron-h-8b"])  # (qwen3-next-80b's shapes compile too: 16 s more)
 def test_chunked_scan_compiles_for_hopper_at_real_shapes(preset):
     """Without a GPU: Triton's front end and ptxas build the chunked kernel for sm_90 at a real
-    model's shapes in the oracle's mode, its products on Hopper's tensor cores (an int8 product
+    model's shapes in the oracle's mode (its own states int16), its products on Hopper's tensor cores (an int8 product
     of inner size 16 once failed only on the device; this catches that class of error anywhere).
     A process of its own: this module runs Triton's interpreter."""
     assert compile_for_hopper(_COMPILE_FOR_HOPPER, preset).strip() == "True"

@@ -100,7 +100,7 @@ def plan_memory(s: Scenario, groups, device: torch.device, checked_kernels: bool
     from ..kernels.paged_attention import SCORE_ELEMS as PAGED_SCORES
     from ..kernels.reference import PARTIAL_SCORE_ELEMS, SCORE_ELEMS as DECODE_SCORES
     from ..layers.mla import TABLE as MLA_TABLE, TABLE2 as MLA_TABLE2
-    from ..oracle import MLA_ORACLE_ELEMS, fused_by_default
+    from ..oracle import MLA_ORACLE_ELEMS, STATE_DTYPE, fused_by_default
     from .attn_exec import ORACLE_SCORES, oracle_memo_bytes
 
     geo = s.geometry()
@@ -177,9 +177,9 @@ def plan_memory(s: Scenario, groups, device: torch.device, checked_kernels: bool
             plan.items.append(MemoryItem("Mamba state cache", slots * blocks * page,
                                          f"{slots} slots x {blocks:,} blocks x {page / 2**20:,.2f} MiB pages, float32",
                                          per_block=slots * page))
-        state = 4 * ((m.conv_kernel - 1) * dim + H * P * m.d_state)
+        state = 4 * (m.conv_kernel - 1) * dim + STATE_DTYPE.itemsize * H * P * m.d_state
         plan.items.append(MemoryItem("Mamba oracle states", m.layers * seqs * state,
-                                     f"{m.layers} layers x {seqs} requests (max_num_seqs)"))
+                                     f"{m.layers} layers x {seqs} requests (max_num_seqs), int16 residues"))
         # on a GPU the chunked scan's pre-pass holds a launch's B and C as int8 digits (two a value)
         bc = budget * m.layers * 2 * m.n_groups * m.d_state * 2 if device.type == "cuda" else 0
         plan.items.append(MemoryItem("Mamba step buffers", m.layers * 4 * (budget * H * P + 2 * seqs * (

@@ -188,7 +188,7 @@ def _row_ptr(rows: list[int], n: int) -> list[int]:
 
 
 def _residues(t: torch.Tensor) -> torch.Tensor:
-    """float32 page contents -> float64 residues; NaN (a page nothing wrote) reads as 0."""
+    """Page contents (float32, or the oracle's int16) -> float64 residues; NaN (a page nothing wrote) reads as 0."""
     return torch.nan_to_num(t.double(), nan=0.0)
 
 
@@ -432,7 +432,7 @@ def scan_reference(tables: StackedTables, ln: ScanLaunch, chunk: int | None = No
             sl = slot[None, :].expand(len(ev_k), L)
             tpg, cpg = ln.ev_tpage[ei], ln.ev_cpage[ei]
             m = tpg >= 0
-            ln.state_temporal[sl[m], tpg[m]] = hs[ki][m].float()
+            ln.state_temporal[sl[m], tpg[m]] = hs[ki][m].to(ln.state_temporal.dtype)
             m = cpg >= 0
             ln.state_conv[sl[m], cpg[m], 0:K - 1] = win[ki][m].float()
         if cmp_k:

@@ -251,7 +251,7 @@ def _chunked_scan_kernel(
                 tp = tl.load(ev_tpage + ei * L64 + lay).to(tl.int64)
                 cp = tl.load(ev_cpage + ei * L64 + lay).to(tl.int64)
                 if tp >= 0:
-                    tl.store(temporal + slot * t_ss + tp * t_sp + tile, h.to(tl.float32))
+                    tl.store(temporal + slot * t_ss + tp * t_sp + tile, h.to(temporal.dtype.element_ty))
                 if cp >= 0:
                     cb = conv + slot * c_ss + cp * c_sp
                     _store_window(cb, c_sr, xc, pm, x0, x1, x2, KM1)

@@ -38,8 +38,11 @@ def _hash(lo, hi, a, b, d, e, QQ: tl.constexpr):
 
 @triton.jit
 def _residue(v):
-    """float32 page value -> int32 residue; NaN (nothing wrote it) reads as 0."""
-    return tl.where(v == v, v, 0.0).to(tl.int32)
+    """A page value -> int32 residue: float32 (a cache page; NaN, nothing wrote it, reads as 0) or int16
+    (the oracle's own states: residues below Q fit)."""
+    if v.dtype.is_floating():
+        v = tl.where(v == v, v, 0.0)
+    return v.to(tl.int32)
 
 
 @triton.jit
@@ -318,7 +321,7 @@ def _probe_scan_kernel(
             tp = tl.load(ev_tpage + ei * L64 + lay).to(tl.int64)
             cp = tl.load(ev_cpage + ei * L64 + lay).to(tl.int64)
             if tp >= 0:
-                tl.store(temporal + slot * t_ss + tp * t_sp + tile, h.to(tl.float32), mask=tm)
+                tl.store(temporal + slot * t_ss + tp * t_sp + tile, h.to(temporal.dtype.element_ty), mask=tm)
             if cp >= 0:
                 cb = conv + slot * c_ss + cp * c_sp
                 _store_window(cb, c_sr, xc, pm, x0, x1, x2, KM1)
