@@ -33,7 +33,10 @@ from hybridsim.kernels.probe_scan import ScanBuilder  # noqa: E402
 from hybridsim.kernels.probe_scan_triton import CHUNK_MIN_TOKENS, CHUNK_TOKENS, scan_triton  # noqa: E402
 from hybridsim.layers.exact import Q  # noqa: E402
 from hybridsim.layers.mamba import MambaProbe, stack_tables  # noqa: E402
+from hybridsim.oracle import STATE_DTYPE  # noqa: E402
 from hybridsim.presets import build_preset  # noqa: E402
+
+OWN_DTYPE = {"product": STATE_DTYPE}  # the oracle's own states in oracle mode (--own-states float32: as before session 41)
 
 
 @triton.jit
@@ -99,7 +102,7 @@ def case(tab, rows: int, tokens: int, compare: bool, every: bool | None = None, 
     opts, kw = kw, dict(y_out=y)
     b = builder(False)
     if compare:  # as the oracle runs: the system's outputs and states are there
-        state = (conv.clone(), temporal.clone())  # the oracle's own copy of the starting states
+        state = (conv.clone(), temporal.to(OWN_DTYPE["product"], copy=True))  # the oracle's own copy of the starting states
         ref, _ = b.build(window, conv, temporal, slot, "cuda", y_start=starts, y_out=y)
         scan_triton(tab, ref, **opts)  # the system under test writes its states and outputs
         kw = dict(cmp=(conv, temporal, slot), y_ref=y)
@@ -113,9 +116,10 @@ def case(tab, rows: int, tokens: int, compare: bool, every: bool | None = None, 
         assert (bad > 0) == differ, f"oracle mode: {bad} mismatching elements (expected {'some' if differ else 'none'})"
     elem = rows * tokens * L * tab.H * tab.P * tab.N
     page = tab.H * tab.P * tab.N * 4
+    own = tab.H * tab.P * tab.N * temporal.element_size()  # (the pages the launch starts from and writes)
     writes = rows * (tokens if every else 1)
-    read = rows * L * page * (1 + (1 if compare else 0))
-    written = writes * L * page + rows * tokens * L * tab.H * tab.P * 4
+    read = rows * L * (own + (page if compare else 0))
+    written = writes * L * own + rows * tokens * L * tab.H * tab.P * 4
     return t, elem, read, written
 
 
@@ -140,7 +144,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--only", default="", help="|-separated parts of case names: only those cases")
+    ap.add_argument("--own-states", choices=["product", "float32"], default="product",
+                    help="the oracle's own states in oracle mode: as the product keeps them (int16), or float32")
     a = ap.parse_args()
+    if a.own_states == "float32":
+        OWN_DTYPE["product"] = torch.float32
     geo = build_preset("nemotron-h-8b").mamba
     tab = stack_tables([MambaProbe(geo, layer, 1) for layer in range(geo.layers)], "cuda")
     ceil, rates, mma = ceiling_rate(), measure(torch.device("cuda"), nbytes=2 ** 31), int8_rate()
