@@ -187,6 +187,11 @@ def _chunked_scan_kernel(
     ar = tl.arange(0, BT)
     causal = ar[:, None] >= ar[None, :]
     cslot = 0
+    # output mismatches, element by element over the row's chunks (folded once, after the last):
+    # how many chunks mismatched (bits 0-19) and the largest |difference| (bits 20-30), and the
+    # first mismatching token; no reduction across the tile a chunk
+    ybad = tl.zeros([BT, P], dtype=tl.int32)
+    yfirst = tl.full([BT, P], 2147483647, tl.int32)
     if COMPARE:
         cslot = tl.load(cmp_slot + lay).to(tl.int64)
     t0 = 0
@@ -233,14 +238,9 @@ def _chunked_scan_kernel(
             yo_ref = ((ys + j - yf).to(tl.int64)[:, None] * L64 + lay) * HP + xc[None, :]
             yr = tl.load(y_ref + yo_ref, mask=inr[:, None], other=0)
             bad = (yr != y) & inr[:, None]
-            # output mismatches folded a chunk at a time, and only where there are some: nothing held
-            # across the chunks (session 41: the element-wise tallies it held spilled 1.5 KB a thread)
-            if tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0) > 0:
-                cnt = tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0)
-                worst = tl.max(tl.max(tl.where(bad, tl.abs(yr - y), 0), axis=1), axis=0)
-                first = tl.min(tl.min(tl.where(bad, (j - yf).to(tl.int32)[:, None], 2147483647), axis=1), axis=0)
-                _fold(stats + ((n_cmp + b) * L64 + lay) * 3, cnt > 0, cnt.to(tl.int64), worst.to(tl.int64),
-                      first.to(tl.int64))
+            worst = tl.maximum(ybad >> 20, tl.where(bad, tl.abs(yr - y), 0))
+            ybad = (worst << 20) | ((ybad & 0xFFFFF) + bad.to(tl.int32))
+            yfirst = tl.minimum(yfirst, tl.where(bad, (j - yf).to(tl.int32)[:, None], 2147483647))
         h = (A_end * h + _digit_dot(*_digits(tl.trans(W_end)), Bh, Bl)) % QQ
         last = t1 - 1
         if (et == last) | (ct == last):
@@ -275,6 +275,11 @@ def _chunked_scan_kernel(
                     ci += 1
                     ct = tl.load(cmp_t + ci, mask=ci < ce, other=-1)
         t0 = t1
+    if COMPARE:
+        cnt = tl.sum(tl.sum(ybad & 0xFFFFF, axis=1), axis=0)
+        worst = tl.max(tl.max(ybad >> 20, axis=1), axis=0)
+        first = tl.min(tl.min(yfirst, axis=1), axis=0)
+        _fold(stats + ((n_cmp + b) * L64 + lay) * 3, cnt > 0, cnt.to(tl.int64), worst.to(tl.int64), first.to(tl.int64))
 
 
 def token_parts(tokens: torch.Tensor, q: int) -> torch.Tensor:
