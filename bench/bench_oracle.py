@@ -43,7 +43,7 @@ from hybridsim.kernels.ceilings import best_seconds, measure  # noqa: E402
 from hybridsim.layers.exact import prepare_rope  # noqa: E402
 from hybridsim.layers.gqa import GQAProbe  # noqa: E402
 from hybridsim.layers.mla import MLAProbe  # noqa: E402
-from hybridsim.oracle import GQAOracle, MLAOracle  # noqa: E402
+from hybridsim.oracle import WEIGHTS_SHARE, GQAOracle, MLAOracle  # noqa: E402
 from hybridsim.presets import build_preset  # noqa: E402
 
 ORACLE_SCORES = 1 << 26  # as the executor sizes the GQA oracle's batches (engine/attn_exec.py)
@@ -121,7 +121,8 @@ def mla_step(f64: float, sweep: bool = True) -> list[dict]:
                 digits.TILE = case[1]
             oracle = MLAOracle(probes, torch.device("cuda"), fused=case is not None,
                                digit_scores=case is not None and case[0].startswith("digit"),
-                               digit_values=case is not None and case[0] == "digits")
+                               digit_values=case is not None and case[0] == "digits",
+                               weights_within=2e-2 * WEIGHTS_SHARE)  # (a bf16 run's, as deepseek_v3's)
             assert case is None or oracle.digit_values == (case[0] == "digits")
             got = oracle.expected(rows)
             if want is None:

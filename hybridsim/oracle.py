@@ -45,6 +45,10 @@ from .layers.mla import LATENT_SHIFT, ROPE_SHIFT, MLAProbe, MLAStack
 # at twice plus 2**14 pairs (2.2 batches a step), 1.19 times at these (6.0 batches a step).
 PAD_WORK = 1.25
 SMALL_BATCH = 1 << 14
+# The most the MLA oracle's rounded weights (its values' products on int8: ``DenseOracle``) may move an output, as a
+# share of the check's tolerance (over the values' spread: a bound proven, n 2**-31 over n keys, not estimated).
+# bf16's 2e-2 allows rows up to 42,949 keys; fp32's 1e-5 none (their values' products stay float64).
+WEIGHTS_SHARE = 1e-3
 
 
 @dataclass
@@ -162,13 +166,15 @@ class DenseOracle:
     once into a bounded float32 workspace (``WORKSPACE_ELEMS``) that all its tiles read.
     MLA: a long prefill chunk's per-head keys are projected once (exactly: int32 from int8 products,
     or float32) and one kernel attends over them (``_expected_latent``): its scores exact from int8
-    digits where the tables' bounds allow (``kernels/digit_attention_f64.py``, its ``digits_fit``), and
-    then its values' products too (``value_digits_fit``: the softmax weights rounded to integers of
-    2**-30, each output within n 2**-31 max|v| of float64's), else all in float64."""
+    digits where the tables' bounds allow (``kernels/digit_attention_f64.py``, its ``digits_fit``), else all
+    in float64; and then its values' products too where the values fit their digits (``value_digits_fit``)
+    and the row's proven rounding bound is within ``weights_within`` (the executor: ``WEIGHTS_SHARE`` of the
+    check's tolerance): the softmax weights rounded to integers of 2**-30, each output within n 2**-31 of
+    the values' spread from float64's over the row's n keys (``value_digits_for``)."""
 
     def __init__(self, stack, device: torch.device, budget_elems: int = 1 << 27, work_bound: bool | None = None,
                  memo_bytes: int = 0, fused: bool | None = None, absorbed_kernel: bool = False,
-                 digit_scores: bool | None = None, digit_values: bool | None = None):
+                 digit_scores: bool | None = None, digit_values: bool | None = None, weights_within: float = 0.0):
         self.stack = stack
         self.device = device
         # batching for a machine where the work, not the calls, is the cost (default: a CPU)
@@ -182,9 +188,16 @@ class DenseOracle:
         self.absorbed_kernel = absorbed_kernel  # (MLA, fused: see _expected_latent)
         # (MLA, fused: expanded rows' scores exact from int8 digits where the tables' bounds allow; False: float64)
         self.digit_scores = self.mla and fused and digit_scores is not False and _digits_fit(stack)
-        # (and their values' products from digits, the weights integers; False: float64 products)
+        # (and their values' products from digits, the weights integers, where the rounding's bound is within
+        # ``weights_within``; False: float64 products)
         self.digit_values = self.digit_scores and digit_values is not False and _value_digits_fit(stack)
+        self.weights_within = weights_within
         self.stack32 = stack.cast(torch.float32) if fused and not self.mla else None  # the GQA kernel's tables
+
+    def value_digits_for(self, n_keys: int) -> bool:
+        """Whether an expanded row over ``n_keys`` keys takes its values' products from digits, its weights
+        rounded (``weights_within``)."""
+        return self.digit_values and _weights_bound(n_keys) <= self.weights_within
 
     def forget(self, key) -> None:
         """A request that left (finished, preempted): its kept keys go."""
@@ -403,13 +416,14 @@ class DenseOracle:
         H = st.heads
         per_head = n * (g.qk_nope_head_dim + g.v_head_dim)  # 4-byte elements of a head's keys and values, at most
         group = max(1, min(H, self.budget // per_head))
+        value_digits = self.value_digits_for(n)
         for layer in range(st.layers):
             qd = query_digits(*st.query_tables(), tok_d, pos_d, n, layer, first=c)  # (k, H, 2 N + 3 R), from token ids
             parts, kr = key_parts(*st.key_tables(), g.qk_rope_head_dim, tok_d, pos_d, n, layer)
             w_k, w_v = st.expansion_weights(layer)
             for h0 in range(0, H, group):
                 heads = slice(h0, min(H, h0 + group))
-                kd, vv = expand_digits(parts, w_k, w_v, heads, self.digit_values)  # exact integers or their digits
+                kd, vv = expand_digits(parts, w_k, w_v, heads, value_digits)  # exact integers or their digits
                 digit_attention(qd[:, heads], kd, kr, vv, [0], [k], [0], [c], st.scale,
                                 st.query_unit * st.nope_key_unit, st.rope_unit * st.rope_unit, out=o[layer, :, heads],
                                 unit_value=st.value_unit)
@@ -424,6 +438,14 @@ def _digits_fit(stack: MLAStack) -> bool:
     g = stack.geo
     return (digits_fit(stack.integer_bounds, g.qk_nope_head_dim, g.qk_rope_head_dim, g.v_head_dim, g.kv_lora_rank)
             and expand_widths_fit(g.kv_lora_rank))
+
+
+def _weights_bound(n_keys: int) -> float:
+    """The most rounding the weights to integers of 2**-WEIGHT_BITS moves an output over ``n_keys`` keys, over
+    the values' spread: n 2**-(WEIGHT_BITS + 1) (``kernels/digit_attention_f64``: each weight off by at most
+    half a unit, their sum at least one whole)."""
+    from .kernels.digit_attention_f64 import WEIGHT_BITS
+    return n_keys * 2.0 ** -(WEIGHT_BITS + 1)
 
 
 def _value_digits_fit(stack: MLAStack) -> bool:
@@ -540,12 +562,16 @@ MLA_ORACLE_ELEMS = 1 << 28  # float64 elements of one MLA oracle batch: scores a
 
 def MLAOracle(probes: list[MLAProbe], device: torch.device, budget_elems: int = MLA_ORACLE_ELEMS,
               work_bound: bool | None = None, fused: bool | None = None, absorbed_kernel: bool = False,
-              digit_scores: bool | None = None, digit_values: bool | None = None) -> DenseOracle:
+              digit_scores: bool | None = None, digit_values: bool | None = None,
+              weights_within: float = 0.0) -> DenseOracle:
     """Dense float64 attention over the committed tokens of every MLA layer (``digit_scores`` False: the
     fused path's expanded rows take float64 scores even where exact int8 digits would do; ``digit_values``
-    False: float64 products of their weights and values, where the values' digits would do)."""
+    False: float64 products of their weights and values, where the values' digits would do;
+    ``weights_within``: how far rounding the weights may move an output, over the values' spread, for the
+    values' digits to be taken (0: never; the executor passes ``WEIGHTS_SHARE`` of its tolerance))."""
     return DenseOracle(MLAStack(probes, device), device, budget_elems, work_bound, fused=fused,
-                       absorbed_kernel=absorbed_kernel, digit_scores=digit_scores, digit_values=digit_values)
+                       absorbed_kernel=absorbed_kernel, digit_scores=digit_scores, digit_values=digit_values,
+                       weights_within=weights_within)
 
 
 def GQAOracle(probes: list[GQAProbe], device: torch.device, budget_elems: int = 1 << 26,

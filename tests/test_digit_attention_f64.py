@@ -17,7 +17,7 @@ from hybridsim.kernels import digit_attention_f64 as da  # noqa: E402
 from hybridsim.kernels.latent_attention_f64 import latent_attention  # noqa: E402
 from hybridsim.layers.mla import MLAProbe, dense_reference  # noqa: E402
 from hybridsim.model import MLAGeometry  # noqa: E402
-from hybridsim.oracle import MLAOracle  # noqa: E402
+from hybridsim.oracle import WEIGHTS_SHARE, MLAOracle  # noqa: E402
 
 from .helpers import compile_for_hopper  # noqa: E402
 
@@ -94,9 +94,9 @@ def _check_kernel(device: str, H: int, DN: int, DR: int, DV: int, rows, values: 
     assert written.any() and torch.equal(torch.isfinite(got), written)  # every row's queries, nothing else
     torch.testing.assert_close(got[written], want[written], rtol=1e-12, atol=1e-13)
     # the float64 kernel on the same values (its scores summed in float64): the same outputs, or with the
-    # weights integers within n 2**-31 max|v| (n: a row's keys, at most)
+    # weights integers within n 2**-31 of the values' spread (n: a row's keys, at most)
     f64 = latent_attention(q[None], k[None], (v.double() * unit_v)[None], *meta, 0.31)[0]
-    bound = max(p0 + ql for ql, p0 in zip(meta[1], meta[3])) * 2.0 ** -31 * float(v.abs().max()) * unit_v
+    bound = max(p0 + ql for ql, p0 in zip(meta[1], meta[3])) * 2.0 ** -31 * float(v.max() - v.min()) * unit_v
     torch.testing.assert_close(got[written], f64[written], rtol=1e-12, atol=bound if values == "digits" else 1e-13)
     if values == "digits":  # (and the weights' rounding shows: not float64's outputs to float64 rounding)
         assert float((got[written] - f64[written]).abs().max()) > 1e-12 * float(f64[written].abs().max())
@@ -122,46 +122,55 @@ GEO32 = MLAGeometry(layers=2, heads=2, kv_lora_rank=64, qk_rope_head_dim=32, qk_
 
 
 def _oracle_rows(monkeypatch, digit_scores, budget: int = 1 << 28, probes=None, device: str = "cpu",
-                 digit_values=None):
+                 digit_values=None, weights_within: float = 0.0):
     probes = probes or [MLAProbe(GEO, layer, seed=3) for layer in range(2)]
     device = torch.device(device)
-    oracle = MLAOracle(probes, device, budget, fused=True, digit_scores=digit_scores, digit_values=digit_values)
+    oracle = MLAOracle(probes, device, budget, fused=True, digit_scores=digit_scores, digit_values=digit_values,
+                       weights_within=weights_within)
     monkeypatch.setattr(oracle.stack, "expands", lambda b, q, n, bounded=True: q > 8)
     launches = []
     real = da.digit_attention
-    monkeypatch.setattr(da, "digit_attention", lambda qd, kd, *a, **kw: launches.append(kd.shape[1]) or
-                        real(qd, kd, *a, **kw))
+    monkeypatch.setattr(da, "digit_attention", lambda qd, kd, kr, v, *a, **kw: launches.append((kd.shape[1], v.dtype))
+                        or real(qd, kd, kr, v, *a, **kw))
     g = np.random.default_rng(4)
     rows = [(g.integers(0, 60_000, size=c + k).astype(np.int64), c, k) for c, k in [(0, 40), (30, 27), (20, 2)]]
     return oracle, rows, oracle.expected(rows), launches, probes
 
 
+BF16_WITHIN = 2e-2 * WEIGHTS_SHARE  # what the executor allows the weights' rounding in a bf16 run
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("digit_scores,budget,geo,digit_values", [
-    (None, 1 << 28, GEO, None), (None, 3_000, GEO, None), (False, 1 << 28, GEO, None), (None, 1 << 28, GEO32, None),
-    (None, 3_000, GEO32, None), (None, 1 << 28, GEO32, False)],
+@pytest.mark.parametrize("digit_scores,budget,geo,digit_values,within", [
+    (None, 1 << 28, GEO, None, BF16_WITHIN), (None, 3_000, GEO, None, BF16_WITHIN), (False, 1 << 28, GEO, None, 0.0),
+    (None, 1 << 28, GEO32, None, BF16_WITHIN), (None, 3_000, GEO32, None, BF16_WITHIN),
+    (None, 1 << 28, GEO32, False, BF16_WITHIN), (None, 1 << 28, GEO32, None, 1e-5 * WEIGHTS_SHARE)],
     ids=["digits", "digits-head-groups", "float64-scores", "digit-values", "digit-values-head-groups",
-         "digit-scores-float64-values"])
-def test_oracle_expanded_rows_take_digit_scores(monkeypatch, digit_scores, budget, geo, digit_values, device):
+         "digit-scores-float64-values", "fp32-tolerance-float64-values"])
+def test_oracle_expanded_rows_take_digit_scores(monkeypatch, digit_scores, budget, geo, digit_values, within, device):
     """Expanded rows take the digits where the tables' bounds allow (unless told not to), a layer at a
     time and, with a small budget, a group of heads a launch, and their values' digits where those fit
-    too (a width the products take: 32, not 24); every path gives the definition's values, to float64
-    rounding, or with the weights integers of 2**-30 within n 2**-31 max|v| (n: the row's keys)."""
+    too (a width the products take: 32, not 24) and the rounding's bound is within what the check allows
+    (a bf16 run's, not an fp32 run's); every path gives the definition's values, to float64 rounding, or
+    with the weights integers of 2**-30 within n 2**-31 of the values' spread (n: the row's keys)."""
     probes = [MLAProbe(geo, layer, seed=3) for layer in range(2)]
     oracle, rows, got, launches, probes = _oracle_rows(monkeypatch, digit_scores, budget, probes, device,
-                                                       digit_values)
+                                                       digit_values, within)
     assert oracle.digit_scores == (digit_scores is not False)
     assert oracle.digit_values == (geo is GEO32 and digit_values is not False)
+    rounded = oracle.value_digits_for(70)  # (the expanded rows' keys: 40 and 57)
+    assert rounded == (oracle.digit_values and within == BF16_WITHIN)
     if digit_scores is False:
         assert launches == []
     else:
         heads = geo.heads if budget > 1 << 20 else 1  # 3,000 // (70 keys x 88) = 0: a head a launch
-        assert launches == [heads] * (2 * geo.layers * geo.heads // heads)  # two expanded rows
-    v_max = oracle.stack.integer_bounds["v"] * oracle.stack.value_unit
+        values = torch.int8 if rounded else torch.int32  # (the values as digits, or as integers)
+        assert launches == [(heads, values)] * (2 * geo.layers * geo.heads // heads)  # two expanded rows
+    spread = 2 * oracle.stack.integer_bounds["v"] * oracle.stack.value_unit
     for (toks, c, k), out in zip(rows, got):
         for layer, p in enumerate(probes):
             want = dense_reference(p, torch.from_numpy(toks), torch.arange(c, c + k))
-            atol = (c + k) * 2.0 ** -31 * v_max if oracle.digit_values and k > 8 else 1e-12  # (k > 8: expanded)
+            atol = (c + k) * 2.0 ** -31 * spread if rounded and k > 8 else 1e-12  # (k > 8: the expanded rows)
             torch.testing.assert_close(out[layer].cpu(), want, rtol=1e-12, atol=atol)
 
 

@@ -24,7 +24,7 @@ from ..config import Scenario
 from ..kernels.segments import bits_differ, rel_errors
 from ..layers.exact import pages_digest, prepare_rope
 from ..layers.mla import MLAProbe
-from ..oracle import MLAOracle
+from ..oracle import WEIGHTS_SHARE, MLAOracle
 from ..sched.plan import StepPlan
 from .cache import BlockMap, PagedTensor, block_table
 from .compare import TOLERANCE, error_pairs, tally_outputs
@@ -61,7 +61,7 @@ class MLAExecution:
         self.workspace = max(workspace_tokens // self.bs, 1) * self.bs
         self.tol = TOLERANCE[lg.dtype]
         self.low_precision = lg.dtype in ("bfloat16", "float16")
-        self.oracle = MLAOracle(cpu_probes, device)
+        self.oracle = MLAOracle(cpu_probes, device, weights_within=self.tol * WEIGHTS_SHARE)
         for dtype in (torch.float32, torch.float64):  # the executor's projections and the oracle's
             prepare_rope(lg.qk_rope_head_dim, scenario.scheduler.max_model_len, device, dtype)
         self.timings = {"mla": 0.0, "mla_oracle": 0.0}
