@@ -49,6 +49,8 @@ SMALL_BATCH = 1 << 14
 # share of the check's tolerance (over the values' spread: a bound proven, n 2**-31 over n keys, not estimated).
 # bf16's 2e-2 allows rows up to 42,949 keys; fp32's 1e-5 none (their values' products stay float64).
 WEIGHTS_SHARE = 1e-3
+STATE_DTYPE = torch.int16  # the Mamba oracle's own states: residues mod Q, below 2**15
+assert Q < 1 << 15
 
 
 @dataclass
@@ -71,10 +73,6 @@ class OracleRow:
     k: int  # committed by this step (outputs of positions c..c+k-1 are compared)
     y_start: int  # where the system's outputs of this row start in y_ref
     compares: list[StateCompare] = field(default_factory=list)
-
-
-STATE_DTYPE = torch.int16  # the Mamba oracle's own states (residues mod Q < 2**15)
-assert Q < 1 << 15
 
 
 class MambaOracle:

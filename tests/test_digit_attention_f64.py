@@ -92,11 +92,16 @@ def _check_kernel(device: str, H: int, DN: int, DR: int, DV: int, rows, values: 
     assert got.data_ptr() == out.data_ptr()
     written = torch.isfinite(want)
     assert written.any() and torch.equal(torch.isfinite(got), written)  # every row's queries, nothing else
-    torch.testing.assert_close(got[written], want[written], rtol=1e-12, atol=1e-13)
+    spread = float(v.max() - v.min()) * unit_v
+    # (integer weights: the device's exp and torch's may differ in a last bit, and where a weight lies that
+    # close to half a unit it rounds the other way: an output moves by at most 2**-30 of the spread a flip;
+    # a wrong rounding rule or block would move it by about n times that)
+    flips = 4 * 2.0 ** -30 * spread if values == "digits" else 0.0
+    torch.testing.assert_close(got[written], want[written], rtol=1e-12, atol=1e-13 + flips)
     # the float64 kernel on the same values (its scores summed in float64): the same outputs, or with the
     # weights integers within n 2**-31 of the values' spread (n: a row's keys, at most)
     f64 = latent_attention(q[None], k[None], (v.double() * unit_v)[None], *meta, 0.31)[0]
-    bound = max(p0 + ql for ql, p0 in zip(meta[1], meta[3])) * 2.0 ** -31 * float(v.max() - v.min()) * unit_v
+    bound = max(p0 + ql for ql, p0 in zip(meta[1], meta[3])) * 2.0 ** -31 * spread
     torch.testing.assert_close(got[written], f64[written], rtol=1e-12, atol=bound if values == "digits" else 1e-13)
     if values == "digits":  # (and the weights' rounding shows: not float64's outputs to float64 rounding)
         assert float((got[written] - f64[written]).abs().max()) > 1e-12 * float(f64[written].abs().max())

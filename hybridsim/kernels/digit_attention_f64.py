@@ -62,6 +62,7 @@ DIGIT_MAX = digit_capacity(3)
 Q_NOPE_DIGITS, K_DIGITS = 2, 3
 V_DIGITS = 3  # the values' digits, where they come as digits
 WEIGHT_BITS = 30  # the softmax weights' integers then: of 2**-30, in four digits (2**30 < digit_capacity(4))
+_WEIGHT_SCALE = tl.constexpr(2.0 ** WEIGHT_BITS)  # (what a kernel may read of a module's globals)
 # (queries a program takes, keys a block, warps, pipeline stages), the fastest of six on an H200 for
 # bench_oracle's DeepSeek-V3 prefill chunks: 86.3 ms; 16 x 32 keys 109.2, 16 x 128 109.6 (1 stage) and
 # 112.2 (2), 8 warps 147.2 (bench/RESULTS.md). 32 or 64 queries spill registers (the float64 values'
@@ -88,11 +89,17 @@ def digits_fit(bounds: dict[str, float], nope: int, rope: int, value: int, kv_lo
             and b["q_nope"] * b["k_nope"] * nope < 2.0 ** 53 and b["q_pe"] * b["k_pe"] * rope < 2.0 ** 53)
 
 
+def value_width_fits(value: int) -> bool:
+    """Whether ``digit_attention`` takes values of this width as digits: a power of two, at least 16 (one
+    product takes the whole row)."""
+    return value >= 16 and value & (value - 1) == 0
+
+
 def value_digits_fit(bounds: dict[str, float], value: int) -> bool:
     """Whether the values' integers (``MLAStack.integer_bounds``' "v") fit ``V_DIGITS`` digits and their
-    width is one the products take whole (a power of two, at least 16): then the oracle hands
-    ``digit_attention`` their digits and its values' products run on the int8 tensor cores."""
-    return bounds["v"] <= digit_capacity(V_DIGITS) and value >= 16 and value & (value - 1) == 0
+    width is one the kernel takes (``value_width_fits``): then the oracle may hand ``digit_attention``
+    their digits and its values' products run on the int8 tensor cores."""
+    return bounds["v"] <= digit_capacity(V_DIGITS) and value_width_fits(value)
 
 
 def split_digits_reference(x: torch.Tensor, unit: float, count: int) -> torch.Tensor:
@@ -325,7 +332,7 @@ def _integer_values(s, m_i, l_i, acc, vd, head, key0, DV: tl.constexpr, BN: tl.c
     powers joined there (each pair's sum below 2**21: below 2**31), the three joined in float64."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp(m_i - m_new)
-    w = (tl.exp(s - m_new[:, None]) * 1073741824.0 + 0.5).to(tl.int32)  # 2**WEIGHT_BITS; in [0, 2**30]: floor
+    w = (tl.exp(s - m_new[:, None]) * _WEIGHT_SCALE + 0.5).to(tl.int32)  # (in [0, 2**30]: the cast floors)
     l_i = l_i * alpha + tl.sum(w.to(tl.float64), 1)
     w0, w = _next_digit(w)
     w1, w = _next_digit(w)
@@ -388,7 +395,7 @@ def digit_attention(qd: torch.Tensor, kd: torch.Tensor, kr: torch.Tensor, v: tor
     if digits:
         assert qd.shape[-1] == Q_NOPE_DIGITS * DN + K_DIGITS * DR and kd.shape[1] == v.shape[0] == H
         DV = DVC = v.shape[1] // V_DIGITS
-        assert value_digits_fit({"v": 0.0}, DV), "digit_attention: the values' digits' width"
+        assert value_width_fits(DV), "digit_attention: the values' digits' width"
         assert all(k % 16 == 0 for k in k_start), "digit_attention: a value tile's keys start 16-byte aligned"
     else:
         assert qd.shape[-1] == Q_NOPE_DIGITS * DN + K_DIGITS * DR and kd.shape[1] == v.shape[1] == H
