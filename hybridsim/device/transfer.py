@@ -35,12 +35,7 @@ class PinnedRing:
     def put(self, a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         n = a.nbytes
         if self.off + n > RING_SEGMENT:
-            events = []
-            for stream in self.streams.values():
-                ev = torch.cuda.Event()
-                ev.record(stream)
-                events.append(ev)
-            self.done[self.seg] = events
+            self.done[self.seg] = events_after(self.streams.values())
             self.streams = {}
             self.seg = (self.seg + 1) % RING_SEGMENTS
             self.off = 0
@@ -59,6 +54,16 @@ _RINGS: dict[torch.device, PinnedRing] = {}
 
 
 _NP_DTYPES: dict = {}
+
+
+def events_after(streams) -> list:
+    """One CUDA event recorded on each of ``streams``, after the work queued there so far."""
+    events = []
+    for stream in streams:
+        event = torch.cuda.Event()
+        event.record(stream)
+        events.append(event)
+    return events
 
 
 def _numpy_dtype(dtype: torch.dtype):

@@ -18,6 +18,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .transfer import events_after
+
 Tally = Callable[[torch.Tensor], None]
 Item = tuple[torch.Tensor, Tally, Optional[torch.cuda.Stream]]  # (result, its tally, the stream that made it)
 
@@ -82,9 +84,4 @@ def _start_copies(items: list[Item]):
             streams[stream.cuda_stream] = stream
             result = host
         out.append((result, tally))
-    done = []
-    for stream in streams.values():
-        event = torch.cuda.Event()
-        event.record(stream)
-        done.append(event)
-    return out, done
+    return out, events_after(streams.values())

@@ -391,14 +391,15 @@ def digit_attention(qd: torch.Tensor, kd: torch.Tensor, kr: torch.Tensor, v: tor
     nq, H, _ = qd.shape
     DN, DR = kd.shape[-1] // K_DIGITS, kr.shape[-1] // K_DIGITS
     BQ, BN, warps, stages = TILE
+    assert qd.shape[-1] == Q_NOPE_DIGITS * DN + K_DIGITS * DR
     digits = v.dtype == torch.int8
     if digits:
-        assert qd.shape[-1] == Q_NOPE_DIGITS * DN + K_DIGITS * DR and kd.shape[1] == v.shape[0] == H
+        assert kd.shape[1] == v.shape[0] == H
         DV = DVC = v.shape[1] // V_DIGITS
         assert value_width_fits(DV), "digit_attention: the values' digits' width"
         assert all(k % 16 == 0 for k in k_start), "digit_attention: a value tile's keys start 16-byte aligned"
     else:
-        assert qd.shape[-1] == Q_NOPE_DIGITS * DN + K_DIGITS * DR and kd.shape[1] == v.shape[1] == H
+        assert kd.shape[1] == v.shape[1] == H
         DV = v.shape[-1]
         DVC = max(16, triton.next_power_of_2(triton.cdiv(DV, 4)))
     o = torch.empty((nq, H, DV), dtype=torch.float64, device=qd.device) if out is None else out

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..device.transfer import to_device
 from .attention_triton import (_pow2, _sm_count, combine_splits, launch_reshape_and_cache,
                                plan_paged_attention, run_paged_attention)
 from .mla_gluon import gluon_applies, launch_gluon_split
@@ -344,7 +345,6 @@ class TritonKernels(ReferenceKernels):
         scan_triton(tables, launch)
 
     def state_copy(self, conv, temporal, table, items):
-        from ..device.transfer import to_device
         fused_state_copy(conv, temporal, to_device(table.to(torch.int64), conv.device).contiguous(),
                          to_device(items.to(torch.int64), conv.device).contiguous())
 
