@@ -191,15 +191,13 @@ def main() -> None:
     if a.sync_phases and torch.cuda.is_available():
         # the engine's phase timers read the clock after the device has finished what was queued:
         # each phase then holds its own device time, not whichever phase waits for it later
-        import hybridsim.engine.attn_exec as ae
-        import hybridsim.engine.mamba_exec as me
-        import hybridsim.engine.mla_exec as mle
+        import hybridsim.device.clock as clk  # (the executor's phases: device/clock.py's PhaseClock)
         import hybridsim.device.verdicts as ve
 
         def synced() -> float:
             torch.cuda.synchronize()
             return perf_counter()
-        mods = (ae, me, mle, ve)
+        mods = (clk, ve)
         for m in mods:
             m.perf_counter = synced
         calls = [_timed_call(spec) for spec in a.time_calls.split(",") if spec]

@@ -41,6 +41,7 @@ class ReplayResult:
     digests: dict = field(default_factory=dict)
     kernel_timings: Optional[dict] = None  # GPU runs: per-kernel CUDA-event timings
     memory: Optional[dict] = None  # the memory plan and, on a GPU, the measured peak
+    device_timings: Optional[dict] = None  # GPU replays: the executor's phases' device time (device/clock.py)
 
     @property
     def failed(self) -> bool:
@@ -52,6 +53,8 @@ class ReplayResult:
                 "checks": self.checks.as_list(),
                 "first_divergence": dict(sorted(self.checks.divergence.items(), key=lambda kv: kv[1])),
                 "timings": [{"phase": k, "total_s": round(v, 6)} for k, v in self.timings.items()],
+                **({"device_timings": [{"phase": k, "total_s": round(v, 6)} for k, v in self.device_timings.items()]}
+                   if self.device_timings is not None else {}),
                 "kernel_timings": self.kernel_timings, "memory": self.memory}
 
 
@@ -128,7 +131,7 @@ def replay_trace(path: str | Path, *, check: str = "full", bugs: Optional[set[st
     return ReplayResult(Path(path), len(tr.steps), len(tr.requests), checks, wall, notes,
                         {"verify schedule": t_verify, **ex.timings},
                         ex.state_digests(), ex.kernel_timer.summary() if ex.kernel_timer is not None else None,
-                        ex.memory_report())
+                        ex.memory_report(), ex.device_timings)
 
 
 def _refuse_uncopied_hits(steps, block_size: int, path) -> None:

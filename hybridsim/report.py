@@ -13,7 +13,7 @@ from rich.table import Table
 
 from .fidelity import FidelityReport
 from .model import ModelGeometry
-from .runner import RunResult
+from .runner import ORACLE_PHASES, RunResult
 
 
 def _human_bytes(n: int) -> str:
@@ -138,17 +138,36 @@ def replay_table(res) -> Table:
 
 
 def timings_table(res: RunResult) -> Table:
-    t = Table(title="host timings", title_justify="left")
-    for col in ("phase", "total", "per step"):
+    """Host time of each phase; on a GPU, beside it, each executor phase's device time a step and its share of
+    the phases' device total (``device/clock.py``), the oracle phases' share in the caption."""
+    dev = {d["phase"]: d["total_s"] for d in res.device_timings} if res.device_timings is not None else None
+    t = Table(title="host timings" if dev is None else "timings: host, and on the device", title_justify="left")
+    cols = ("phase", "total", "per step") + (("device / step", "share") if dev is not None else ())
+    for col in cols:
         t.add_column(col, justify="left" if col == "phase" else "right", no_wrap=True)
     steps = max(res.stats.steps, 1)
-    rows = [("schedule", res.schedule_s), ("update", res.update_s)]
-    rows += [(f"execute: {d['phase']}", d["total_s"]) for d in res.timings]
-    rows.append(("whole loop", res.wall_s))
-    for name, total in rows:
-        t.add_row(name, f"{total * 1e3:,.1f} ms", f"{total / steps * 1e6:,.1f} µs")
+    rows = [("schedule", res.schedule_s, None), ("update", res.update_s, None)]
+    rows += [(f"execute: {d['phase']}", d["total_s"], d["phase"]) for d in res.timings]
+    rows.append(("whole loop", res.wall_s, None))
+    dev_total = sum(dev.values()) if dev else 0.0
+    for name, total, phase in rows:
+        cells = [name, f"{total * 1e3:,.1f} ms", f"{total / steps * 1e6:,.1f} µs"]
+        if dev is not None:
+            d = dev.get(phase) if phase is not None else (dev_total if name == "whole loop" else None)
+            cells += ["" if d is None else f"{d / steps * 1e6:,.1f} µs",
+                      "" if d is None or not dev_total else f"{100 * d / dev_total:.1f}%"]
+        t.add_row(*cells)
+    notes = []
+    if dev is not None:
+        share = res.oracle_device_share
+        notes.append("device: CUDA events on the run's stream where each phase starts and ends (a phase's time "
+                     "includes the device waiting for its launches); the whole loop's: the phases' sum"
+                     + (f"; the oracles ({', '.join(p for p in dev if p in ORACLE_PHASES)}) "
+                        f"{100 * share:.1f}% of it" if share is not None else ""))
     if res.kernel_builds:
-        t.caption = builds_caption(res.kernel_builds, res.kernel_compiles)
+        notes.append(builds_caption(res.kernel_builds, res.kernel_compiles))
+    if notes:
+        t.caption = "; ".join(notes)
     return t
 
 

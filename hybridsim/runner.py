@@ -47,6 +47,7 @@ class RunResult:
     workload: Workload
     trace_path: Optional[Path] = None
     timings: list[dict] = field(default_factory=list)
+    device_timings: Optional[list[dict]] = None  # GPU runs: the executor's phases' device time (device/clock.py)
     steps: list[StepRecord] = field(default_factory=list)
     kernel_timings: Optional[dict] = None  # GPU runs: per-kernel CUDA-event timings
     executed: bool = False  # steps executed and/or checked: wall_s is not planning alone
@@ -60,6 +61,11 @@ class RunResult:
     @property
     def failed(self) -> bool:
         return self.checks.failed
+
+    @property
+    def oracle_device_share(self) -> Optional[float]:
+        """The oracle phases' share of the executor phases' device time (GPU runs; None elsewhere)."""
+        return oracle_share(self.device_timings) if self.device_timings is not None else None
 
     def as_dict(self) -> dict:
         steps = max(self.stats.steps, 1)
@@ -78,6 +84,8 @@ class RunResult:
                 {"phase": "wall", "total_s": round(self.wall_s, 6),
                  "steps_per_s": round(self.stats.steps / self.wall_s, 1) if self.wall_s else None},
             ],
+            **({"device_timings": self.device_timings, "oracle_device_share": self.oracle_device_share}
+               if self.device_timings is not None else {}),
             "kernel_timings": self.kernel_timings,
             **({"kernel_builds": self.kernel_builds} if self.kernel_builds is not None else {}),
             **({"kernel_prebuild": self.kernel_prebuild} if self.kernel_prebuild is not None else {}),
@@ -85,6 +93,15 @@ class RunResult:
             "memory": self.memory,
             **({"plan": self.planner} if self.planner else {}),
         }
+
+
+ORACLE_PHASES = ("oracle", "attn_oracle", "mla_oracle")  # the executor's phases that run the oracles
+
+
+def oracle_share(phases: list[dict]) -> Optional[float]:
+    """The oracle phases' share of the phases' total time ([{"phase", "total_s"}]); None with no time at all."""
+    total = sum(d["total_s"] for d in phases)
+    return sum(d["total_s"] for d in phases if d["phase"] in ORACLE_PHASES) / total if total > 0 else None
 
 
 def check_workload_fits(loaded: LoadedScenario, wl: Workload) -> None:
@@ -200,6 +217,9 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
     res.whole_block_hit_tokens = whole_block_hit_tokens(s, wl)  # (planning only: after the timed loop)
     if executor is not None:
         res.timings = [{"phase": k, "total_s": round(v, 6)} for k, v in executor.timings.items()]
+        dev = executor.device_timings
+        if dev is not None:
+            res.device_timings = [{"phase": k, "total_s": round(v, 6)} for k, v in dev.items()]
         if executor.kernel_timer is not None:
             res.kernel_timings = executor.kernel_timer.summary()
         res.memory = executor.memory_report()

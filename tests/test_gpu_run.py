@@ -32,9 +32,15 @@ def test_gpu_run_and_replay_report_kernel_timings(tmp_path):
                         record=trace)
     assert not res.failed
     _assert_timings(res.kernel_timings)
+    # each executor phase's device time (CUDA events), every phase the host timed, the oracles' share of it
+    dev = {d["phase"]: d["total_s"] for d in res.device_timings}
+    assert list(dev) == [d["phase"] for d in res.timings if d["phase"] not in ("device wait", "verdicts")]
+    assert all(v > 0 for k, v in dev.items() if k != "copies") and sum(dev.values()) < res.wall_s
+    assert 0 < res.oracle_device_share < 1 and res.as_dict()["oracle_device_share"] == res.oracle_device_share
     rep = replay_trace(trace, kernels="triton", device="cuda")
     assert not rep.failed
     _assert_timings(rep.kernel_timings)
+    assert set(rep.device_timings) == set(dev) and rep.as_dict()["device_timings"]
 
 
 def test_a_second_identical_run_builds_no_kernel():

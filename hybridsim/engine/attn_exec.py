@@ -18,7 +18,6 @@ Checks, after the step's outcome (one device-to-host transfer for all of them):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from time import perf_counter
 from typing import Optional
 
 import numpy as np
@@ -34,6 +33,7 @@ from ..sched.plan import StepPlan
 from .cache import BlockMap, PageArena, PagedTensor, block_table
 from .mamba_state import Bugs
 from .compare import TOLERANCE, error_pairs, tally_outputs
+from ..device.clock import PhaseClock
 from ..device.verdicts import Verdicts
 from ..device.transfer import to_device, upload
 
@@ -92,7 +92,7 @@ class AttentionExecution:
         self.tol = TOLERANCE[geo.dtype]
         self.holders: dict[int, set[str]] = {}  # block -> live requests whose attention rows hold it
         self.rejected: dict[str, int] = {}  # drafts the last step rejected, per request (rejected_kv_visible)
-        self.timings = {"attn": 0.0, "attn_oracle": 0.0}
+        self.clock = PhaseClock(device, ("attn", "attn_oracle"))
         self.verdicts = Verdicts(0)  # (the executor hands every part its shared one)
 
     # ------------------------------------------------------------------ request lifecycle
@@ -139,8 +139,15 @@ class AttentionExecution:
                         clean += 1
         tally.passed(clean)
 
+    @property
+    def timings(self) -> dict[str, float]:
+        return self.clock.host
+
     def forward(self, plan: StepPlan, reqs, inputs: list[np.ndarray]) -> AttentionForward:
-        t0 = perf_counter()
+        with self.clock.phase("attn"):
+            return self._forward(plan, reqs, inputs)
+
+    def _forward(self, plan: StepPlan, reqs, inputs: list[np.ndarray]) -> AttentionForward:
         dev, bs = self.device, self.bs
         ns = [s.num_scheduled_tokens for s in plan.scheduled]
         cs = [s.num_computed_tokens for s in plan.scheduled]
@@ -181,7 +188,6 @@ class AttentionExecution:
         hit_rows = [i for i, s in enumerate(plan.scheduled) if s.is_new and s.num_computed_tokens > 0]
         hit_bad = self._compare_hits(plan, reqs, hit_rows, tables) if hit_rows else None
         self._hold(plan, reqs)
-        self.timings["attn"] += perf_counter() - t0
         return AttentionForward(outs, starts, hit_rows, [-(-cs[i] // bs) for i in hit_rows], hit_bad)
 
     def _compare_hits(self, plan: StepPlan, reqs, hit_rows: list[int], tables) -> torch.Tensor:
@@ -210,9 +216,8 @@ class AttentionExecution:
 
     # ------------------------------------------------------------------ checks
     def check(self, plan: StepPlan, reqs, fwd: AttentionForward, committed: list[int]) -> None:
-        t0 = perf_counter()
-        self.compare(plan, fwd, committed, self.expected(plan, reqs, committed))
-        self.timings["attn_oracle"] += perf_counter() - t0
+        with self.clock.phase("attn_oracle"):
+            self.compare(plan, fwd, committed, self.expected(plan, reqs, committed))
 
     def expected(self, plan: StepPlan, reqs, committed: list[int]) -> list[torch.Tensor]:
         """The oracle's outputs of every committed token (from token ids alone: nothing the step wrote)."""

@@ -132,18 +132,33 @@ class Executor:
     @property
     def timings(self) -> dict[str, float]:
         out: dict[str, float] = {}
-        for part in (self.mamba, self.attn, self.mla):
-            if part is not None:
-                out.update(part.timings)
+        for part in self._parts():
+            out.update(part.timings)
         if self.verdicts.lag:
             out["device wait"] = self.verdicts.wait_s  # the host waiting for the step a lag behind to finish
             out["verdicts"] = self.verdicts.tally_s  # reading a step's results back, one step late, and tallying
+        return out
+
+    def _parts(self) -> list:
+        return [p for p in (self.mamba, self.attn, self.mla) if p is not None]
+
+    @property
+    def device_timings(self) -> Optional[dict[str, float]]:
+        """On a GPU, each phase's device time in seconds (``device/clock.py``: CUDA events at its start and
+        end), the phases whose events have completed; complete after ``finish``. None on a CPU."""
+        if self.device.type != "cuda":
+            return None
+        out: dict[str, float] = {}
+        for part in self._parts():
+            out.update(part.clock.device)
         return out
 
     def finish(self) -> None:
         """Tally what is still pending: call after the last step, before reading the checks."""
         with torch.inference_mode():
             self.verdicts.drain()
+        for part in self._parts():
+            part.clock.collect(wait=True)
         if self.finish_notes is not None:
             self.finish_notes()
 
@@ -162,6 +177,8 @@ class Executor:
             if flush is not None:
                 flush(plan.step)
             self.verdicts.end_step()
+            for part in self._parts():  # (the phases' device times whose events have completed: no waiting)
+                part.clock.collect()
 
     def _step(self, plan: StepPlan, outcome: StepOutcome) -> None:
         if self.mamba is not None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from time import perf_counter
 from typing import Optional
 
 import numpy as np
@@ -33,6 +32,7 @@ from ..sched.plan import StepOutcome, StepPlan, prefill_end
 from .cache import BlockMap, MambaStateCache, PageArena
 from .mamba_state import TRACKERS, Bugs, Copy, RowPlan
 from .metadata import chunk_metadata, chunk_metadata_varlen
+from ..device.clock import PhaseClock
 from ..device.verdicts import Verdicts
 from ..device.transfer import upload
 
@@ -90,11 +90,15 @@ class MambaExecution:
         self.page_bytes = scenario.cache.page_size_bytes or geo.state_bytes(self.S)
         self.int32_pages = "int32_block_offset" in bugs
         self.last_copies = 0
-        self.timings = {"mamba": 0.0, "copies": 0.0, "oracle": 0.0}
+        self.clock = PhaseClock(device, ("mamba", "copies", "oracle"))
         self.verdicts = Verdicts(0)  # (the executor hands every part its shared one)
         self.output_digest: Optional["hashlib._Hash"] = None  # set to collect a digest of every checked output
 
     # ------------------------------------------------------------------ request lifecycle
+    @property
+    def timings(self) -> dict[str, float]:
+        return self.clock.host
+
     def cleanup(self, finished, preempted, resumed) -> None:
         self.tracker.cleanup(finished, preempted, resumed)
         for rid in list(finished) + list(preempted):
@@ -153,7 +157,10 @@ class MambaExecution:
         name (one row per request and Mamba group) and one item per (copy, layer)."""
         if not copies:
             return
-        t0 = perf_counter()
+        with self.clock.phase("copies"):
+            self._apply_copies(copies, step)
+
+    def _apply_copies(self, copies: list[tuple[object, Copy]], step: int) -> None:
         self.last_copies += len(copies) * self.L
         index: dict[tuple[str, int], int] = {}
         table: list[dict[int, int]] = []
@@ -182,13 +189,9 @@ class MambaExecution:
                               torch.tensor(items, dtype=torch.int64))
         except ValueError as e:  # copies that depend on each other: the bookkeeping collided
             raise BadAccess(f"step {step}: {e}") from None
-        finally:
-            self.timings["copies"] += perf_counter() - t0
 
     # ------------------------------------------------------------------ forward
     def forward(self, plan: StepPlan, reqs, inputs: list[np.ndarray]) -> Forward:
-        from ..kernels.probe_scan import ScanBuilder
-
         self._check_partial_hits(plan, reqs)
         plans: list[RowPlan] = []
         for s, r in zip(plan.scheduled, reqs):
@@ -201,7 +204,13 @@ class MambaExecution:
                 self.tracker.checkpoint(p, end)
             plans.append(p)
         self.apply_copies([(r, cp) for r, p in zip(reqs, plans) for cp in p.pre], plan.step)
-        t0 = perf_counter()  # (the copies have their own timing)
+        with self.clock.phase("mamba"):  # (the copies have their own phase)
+            return self._scan(plan, reqs, inputs, plans)
+
+    def _scan(self, plan: StepPlan, reqs, inputs: list[np.ndarray], plans: list[RowPlan]) -> Forward:
+        """The step's rows through the provider's scan, from their states in the cache."""
+        from ..kernels.probe_scan import ScanBuilder
+
         L = self.L
         b = ScanBuilder(L)
         none = [-1] * L
@@ -231,7 +240,6 @@ class MambaExecution:
         launch, _ = b.build(window, self.cache.conv.data, self.cache.temporal.data, self.slot_of_layer,
                             self.device, y_out=y, y_start=upload(y_start, self.device))
         self.k.mamba_scan(self.tables, launch)
-        self.timings["mamba"] += perf_counter() - t0
         return Forward(plans, y, y_start)
 
     def _check_partial_hits(self, plan: StepPlan, reqs) -> None:
@@ -248,13 +256,12 @@ class MambaExecution:
                 rows.append(row)
         if not rows:
             return
-        t0 = perf_counter()
-        cache = (self.cache.conv.data, self.cache.temporal.data, self.slot_of_layer)
-        stats, tags = self.oracle.check(rows, cache, torch.zeros(1, self.L, self.HP, dtype=torch.int32,
-                                                                 device=self.device))
-        step = plan.step
-        self.verdicts.add(stats, lambda st: self._tally(step, rows, st, tags))
-        self.timings["oracle"] += perf_counter() - t0
+        with self.clock.phase("oracle"):
+            cache = (self.cache.conv.data, self.cache.temporal.data, self.slot_of_layer)
+            stats, tags = self.oracle.check(rows, cache, torch.zeros(1, self.L, self.HP, dtype=torch.int32,
+                                                                     device=self.device))
+            step = plan.step
+            self.verdicts.add(stats, lambda st: self._tally(step, rows, st, tags))
 
     def _unit_checkpoint(self, p: RowPlan, r, step: int) -> None:
         """Partial-block prefix hits: a chunk that can export the state at the prompt's unit
@@ -296,10 +303,15 @@ class MambaExecution:
         return post
 
     def after(self, plan: StepPlan, outcome: StepOutcome, reqs, committed: list[int], fwd: Forward) -> None:
-        finished = set(outcome.finished)
         post = self.post_copies(plan, outcome, reqs, fwd)
         self.apply_copies(post, plan.step)
-        t0 = perf_counter()
+        with self.clock.phase("oracle"):
+            self._check_step(plan, outcome, reqs, committed, fwd, post)
+
+    def _check_step(self, plan: StepPlan, outcome: StepOutcome, reqs, committed: list[int], fwd: Forward,
+                    post: list) -> None:
+        """The oracle over every row's committed tokens: outputs, the states the step left, its copies."""
+        finished = set(outcome.finished)
         blk_tally = self.checks.get("ssm.cached_blocks")
         rows: list[OracleRow] = []
         for i, (s, r, p) in enumerate(zip(plan.scheduled, reqs, fwd.plans)):
@@ -336,7 +348,6 @@ class MambaExecution:
             if idx:
                 fp = fingerprint_rows(fwd.y[upload(idx, self.device)])
                 self.verdicts.add(fp, lambda h: self.output_digest.update(h.numpy().tobytes()))
-        self.timings["oracle"] += perf_counter() - t0
 
     def _compare(self, row: OracleRow, r, step: int, kind: str, pos: int, col: int, off: int, tcol: int) -> None:
         try:

@@ -13,7 +13,6 @@ a step come back to the host in one transfer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from time import perf_counter
 from typing import Optional
 
 import numpy as np
@@ -29,6 +28,7 @@ from ..sched.plan import StepPlan
 from .cache import BlockMap, PagedTensor, block_table
 from .compare import TOLERANCE, error_pairs, tally_outputs
 from .mamba_state import Bugs
+from ..device.clock import PhaseClock
 from ..device.verdicts import Verdicts
 from ..device.matmul import matmul_tf32
 from ..device.transfer import to_device, upload
@@ -64,7 +64,7 @@ class MLAExecution:
         self.oracle = MLAOracle(cpu_probes, device, weights_within=self.tol * WEIGHTS_SHARE)
         for dtype in (torch.float32, torch.float64):  # the executor's projections and the oracle's
             prepare_rope(lg.qk_rope_head_dim, scenario.scheduler.max_model_len, device, dtype)
-        self.timings = {"mla": 0.0, "mla_oracle": 0.0}
+        self.clock = PhaseClock(device, ("mla", "mla_oracle"))
         self.verdicts = Verdicts(0)  # (the executor hands every part its shared one)
 
     # ------------------------------------------------------------------ forward
@@ -72,8 +72,15 @@ class MLAExecution:
         """The step's block table of one group as cache rows, uploaded once."""
         return to_device(block_table(plan, reqs, self.blocks, group, self.bs), self.device)
 
+    @property
+    def timings(self) -> dict[str, float]:
+        return self.clock.host
+
     def forward(self, plan: StepPlan, reqs, inputs: list[np.ndarray], meta) -> MLAForward:
-        t0 = perf_counter()
+        with self.clock.phase("mla"):
+            return self._forward(plan, reqs, inputs, meta)
+
+    def _forward(self, plan: StepPlan, reqs, inputs: list[np.ndarray], meta) -> MLAForward:
         dev = self.device
         ns = [s.num_scheduled_tokens for s in plan.scheduled]
         cs = [s.num_computed_tokens for s in plan.scheduled]
@@ -127,7 +134,6 @@ class MLAExecution:
         partial = [i for i, s in enumerate(plan.scheduled) if s.is_new and s.num_computed_tokens % self.bs]
         if partial:
             self._check_partial_hits(plan, reqs, partial, tables)
-        self.timings["mla"] += perf_counter() - t0
         return MLAForward(outs, paths)
 
     def _check_partial_hits(self, plan: StepPlan, reqs, hit_rows: list[int], tables) -> None:
@@ -214,9 +220,8 @@ class MLAExecution:
 
     # ------------------------------------------------------------------ checks
     def check(self, plan: StepPlan, reqs, fwd: MLAForward, committed: list[int]) -> None:
-        t0 = perf_counter()
-        self.compare(plan, fwd, committed, self.expected(plan, reqs, committed))
-        self.timings["mla_oracle"] += perf_counter() - t0
+        with self.clock.phase("mla_oracle"):
+            self.compare(plan, fwd, committed, self.expected(plan, reqs, committed))
 
     def expected(self, plan: StepPlan, reqs, committed: list[int]) -> list[torch.Tensor]:
         """The oracle's outputs of every committed token (from token ids alone: nothing the step wrote)."""

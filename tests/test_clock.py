@@ -1,0 +1,84 @@
+"""The executor's phase clock (device/clock.py) and the timings table that reports it."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from rich.console import Console
+
+from hybridsim import report
+from hybridsim.config import load_scenario
+from hybridsim.device.clock import PhaseClock
+from hybridsim.runner import oracle_share, plan_scenario
+
+from .conftest import REPO
+
+
+def test_host_time_by_phase_and_phases_do_not_nest():
+    clock = PhaseClock(torch.device("cpu"), ("a", "b"))
+    with clock.phase("b"):
+        time.sleep(0.02)
+    with clock.phase("b"):
+        time.sleep(0.01)
+    assert list(clock.host) == ["a", "b"] and clock.host["a"] == 0.0 and 0.03 <= clock.host["b"] < 1.0
+    assert clock.device is None  # (a CPU's device time is its host time)
+    with pytest.raises(RuntimeError, match="do not nest"):
+        with clock.phase("a"):
+            with clock.phase("b"):
+                pass
+    with pytest.raises(ValueError):  # a phase that raises still counts, and the clock is usable after it
+        with clock.phase("a"):
+            raise ValueError
+    with clock.phase("a"):
+        pass
+    assert clock.host["a"] > 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_device_time_is_the_phase_work_not_the_host_launch():
+    """A phase that only queues a long matmul chain: its host time is the launch, its device time the
+    work; read without waiting only once the work is done."""
+    clock = PhaseClock(torch.device("cuda"), ("work", "idle"))
+    x = torch.randn(4096, 4096, device="cuda")
+    x = x @ x * 1e-3  # (the library's first call sets itself up on the host: not this test's subject)
+    torch.cuda.synchronize()
+    with clock.phase("work"):
+        for _ in range(20):
+            x = x @ x * 1e-3
+    with clock.phase("idle"):
+        pass
+    clock.collect()  # (most likely still running: nothing waits)
+    pending = clock.device["work"] == 0.0
+    clock.collect(wait=True)
+    t0 = time.perf_counter()
+    torch.cuda.synchronize()
+    assert time.perf_counter() - t0 < 1e-3  # (collect(wait=True) left nothing running)
+    assert clock.device["work"] > 5 * clock.host["work"] or not pending
+    assert clock.device["work"] > 1e-4 and clock.device["idle"] < clock.device["work"] / 10
+
+
+def test_timings_table_with_device_columns_fits_80_columns():
+    """A CPU run given device timings as a GPU run has them: the table adds each phase's device time a step and
+    its share, the whole loop's as the phases' sum, and says the oracles' share under it."""
+    res = plan_scenario(load_scenario(REPO / "scenarios/quickstart.yaml"), kernels="reference", device="cpu")
+    assert res.device_timings is None and res.oracle_device_share is None
+    assert "device" not in " ".join(c.header for c in report.timings_table(res).columns)
+    res.device_timings = [{"phase": "mamba", "total_s": 3.0}, {"phase": "copies", "total_s": 0.5},
+                          {"phase": "oracle", "total_s": 2.0}, {"phase": "mla", "total_s": 3.5},
+                          {"phase": "mla_oracle", "total_s": 1.0}]
+    assert res.oracle_device_share == pytest.approx(0.3)
+    assert oracle_share([{"phase": "oracle", "total_s": 0.0}]) is None
+    console = Console(width=80, record=True, color_system=None)
+    console.print(report.timings_table(res))
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 80
+    steps = res.stats.steps
+    row = next(line for line in text.splitlines() if "execute: mla_oracle" in line)
+    assert f"{1e6 / steps:,.1f} µs" in row and "10.0%" in row
+    whole = next(line for line in text.splitlines() if "whole loop" in line)
+    assert f"{1e7 / steps:,.1f} µs" in whole and "100.0%" in whole
+    assert "(oracle, mla_oracle) 30.0% of it" in " ".join(text.split())
+    assert res.as_dict()["oracle_device_share"] == pytest.approx(0.3)
