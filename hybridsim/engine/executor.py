@@ -29,6 +29,7 @@ from .mamba_state import Bugs
 from .metadata import build_batch
 from .memory import arena_layout
 from .mla_exec import MLAExecution
+from ..device.clock import PhaseClock
 from ..device.verdicts import Verdicts
 
 
@@ -120,6 +121,8 @@ class Executor:
                                     scenario.execution.mla_workspace_tokens)
         # on a GPU the step's verdicts are read one step late (device/verdicts.py)
         self.verdicts = Verdicts(1 if self.device.type == "cuda" else 0)
+        # checked kernels: the step's end runs the references kept for it (GQA decode rows) and compares
+        self.clock = PhaseClock(self.device, ("kernel checks",) if hasattr(kernels, "flush") else ())
         for part in (self.mamba, self.attn, self.mla, kernels):
             if part is not None and hasattr(part, "verdicts"):
                 part.verdicts = self.verdicts
@@ -132,15 +135,16 @@ class Executor:
     @property
     def timings(self) -> dict[str, float]:
         out: dict[str, float] = {}
-        for part in self._parts():
-            out.update(part.timings)
+        for clock in self._clocks():
+            out.update(clock.host)
         if self.verdicts.lag:
             out["device wait"] = self.verdicts.wait_s  # the host waiting for the step a lag behind to finish
             out["verdicts"] = self.verdicts.tally_s  # reading a step's results back, one step late, and tallying
         return out
 
-    def _parts(self) -> list:
-        return [p for p in (self.mamba, self.attn, self.mla) if p is not None]
+    def _clocks(self) -> list[PhaseClock]:
+        """The layer kinds' phase clocks, then the executor's own (the kernel checks at a step's end)."""
+        return [p.clock for p in (self.mamba, self.attn, self.mla) if p is not None] + [self.clock]
 
     @property
     def device_timings(self) -> Optional[dict[str, float]]:
@@ -149,16 +153,16 @@ class Executor:
         if self.device.type != "cuda":
             return None
         out: dict[str, float] = {}
-        for part in self._parts():
-            out.update(part.clock.device)
+        for clock in self._clocks():
+            out.update(clock.device)
         return out
 
     def finish(self) -> None:
         """Tally what is still pending: call after the last step, before reading the checks."""
         with torch.inference_mode():
             self.verdicts.drain()
-        for part in self._parts():
-            part.clock.collect(wait=True)
+        for clock in self._clocks():
+            clock.collect(wait=True)
         if self.finish_notes is not None:
             self.finish_notes()
 
@@ -175,10 +179,11 @@ class Executor:
         finally:
             flush = getattr(self.k, "flush", None)  # checked kernels: the step's verdicts, one transfer
             if flush is not None:
-                flush(plan.step)
+                with self.clock.phase("kernel checks"):
+                    flush(plan.step)
             self.verdicts.end_step()
-            for part in self._parts():  # (the phases' device times whose events have completed: no waiting)
-                part.clock.collect()
+            for clock in self._clocks():  # (the phases' device times whose events have completed: no waiting)
+                clock.collect()
 
     def _step(self, plan: StepPlan, outcome: StepOutcome) -> None:
         if self.mamba is not None:
