@@ -3,6 +3,8 @@ was called in, on the pages it touched; a correct one passes with real compariso
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from hybridsim.checks import Checks
@@ -98,3 +100,34 @@ def test_many_copies_are_checked_in_bounded_batches(monkeypatch):
         assert tally.count == 2 * 6 and tally.failures == fails  # 6 batches of one request's two copies
         if not fails:
             assert torch.equal(c, want_c) and torch.equal(t, want_t)
+
+
+class Sleepy(ReferenceKernels):
+    """The reference, its merge taking a known time: what the clock must attribute."""
+
+    name = "sleepy"
+
+    def __init__(self, merge_s: float):
+        super().__init__()
+        self.merge_s = merge_s
+
+    def merge_states(self, *a, **k):
+        time.sleep(self.merge_s)
+        return super().merge_states(*a, **k)
+
+
+def test_the_checks_own_work_is_a_phase_of_its_own_inside_the_callers():
+    """With the executor's clock the references and comparisons are the ``kernel checks`` phase, and their
+    time comes off the phase that called the kernel: the kernel's merge (20 ms) stays the layer's, the
+    reference's (50 ms) is the checks'."""
+    from hybridsim.device.clock import PhaseClock
+    from hybridsim.kernels.checked import CHECKS_PHASE
+    clock = PhaseClock(torch.device("cpu"), ("layer", CHECKS_PHASE))
+    k = CheckedKernels(Sleepy(0.02), Checks())
+    k.ref = Sleepy(0.05)
+    k.clock = clock
+    with clock.phase("layer"):
+        _calls(k, torch.Generator().manual_seed(0))
+    k.flush(0)
+    assert 0.05 <= clock.host[CHECKS_PHASE] < 0.5
+    assert 0.02 <= clock.host["layer"] < 0.05

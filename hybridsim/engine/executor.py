@@ -30,6 +30,7 @@ from .metadata import build_batch
 from .memory import arena_layout
 from .mla_exec import MLAExecution
 from ..device.clock import PhaseClock
+from ..kernels.checked import CHECKS_PHASE, CheckedKernels
 from ..device.verdicts import Verdicts
 
 
@@ -121,8 +122,14 @@ class Executor:
                                     scenario.execution.mla_workspace_tokens)
         # on a GPU the step's verdicts are read one step late (device/verdicts.py)
         self.verdicts = Verdicts(1 if self.device.type == "cuda" else 0)
-        # checked kernels: the step's end runs the references kept for it (GQA decode rows) and compares
-        self.clock = PhaseClock(self.device, ("kernel checks",) if hasattr(kernels, "flush") else ())
+        # one phase clock for every part (device/clock.py), the checked kernels' references and comparisons
+        # a phase of their own wherever they run (inside a layer's forward too: its time comes off the layer's)
+        parts = [p for p in (self.mamba, self.attn, self.mla) if p is not None]
+        checked = isinstance(kernels, CheckedKernels)
+        self.clock = PhaseClock(self.device, tuple(n for p in parts for n in p.clock.host)
+                                + ((CHECKS_PHASE,) if checked else ()))
+        for part in parts + ([kernels] if checked else []):
+            part.clock = self.clock
         for part in (self.mamba, self.attn, self.mla, kernels):
             if part is not None and hasattr(part, "verdicts"):
                 part.verdicts = self.verdicts
@@ -134,35 +141,23 @@ class Executor:
 
     @property
     def timings(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for clock in self._clocks():
-            out.update(clock.host)
+        out = dict(self.clock.host)
         if self.verdicts.lag:
             out["device wait"] = self.verdicts.wait_s  # the host waiting for the step a lag behind to finish
             out["verdicts"] = self.verdicts.tally_s  # reading a step's results back, one step late, and tallying
         return out
 
-    def _clocks(self) -> list[PhaseClock]:
-        """The layer kinds' phase clocks, then the executor's own (the kernel checks at a step's end)."""
-        return [p.clock for p in (self.mamba, self.attn, self.mla) if p is not None] + [self.clock]
-
     @property
     def device_timings(self) -> Optional[dict[str, float]]:
         """On a GPU, each phase's device time in seconds (``device/clock.py``: CUDA events at its start and
         end), the phases whose events have completed; complete after ``finish``. None on a CPU."""
-        if self.device.type != "cuda":
-            return None
-        out: dict[str, float] = {}
-        for clock in self._clocks():
-            out.update(clock.device)
-        return out
+        return dict(self.clock.device) if self.clock.device is not None else None
 
     def finish(self) -> None:
         """Tally what is still pending: call after the last step, before reading the checks."""
         with torch.inference_mode():
             self.verdicts.drain()
-        for clock in self._clocks():
-            clock.collect(wait=True)
+        self.clock.collect(wait=True)
         if self.finish_notes is not None:
             self.finish_notes()
 
@@ -179,11 +174,9 @@ class Executor:
         finally:
             flush = getattr(self.k, "flush", None)  # checked kernels: the step's verdicts, one transfer
             if flush is not None:
-                with self.clock.phase("kernel checks"):
-                    flush(plan.step)
+                flush(plan.step)
             self.verdicts.end_step()
-            for clock in self._clocks():  # (the phases' device times whose events have completed: no waiting)
-                clock.collect()
+            self.clock.collect()  # (the phases' device times whose events have completed: no waiting)
 
     def _step(self, plan: StepPlan, outcome: StepOutcome) -> None:
         if self.mamba is not None:

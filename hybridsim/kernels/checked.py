@@ -10,6 +10,7 @@ to the host in one transfer (a sync per comparison would serialise the whole run
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,7 @@ from .segments import LARGE, bits_differ, rel_errors, segment_ids
 LOW_PRECISION_TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 REFERENCE_MAX_QUERIES = 16  # mla_decode calls with more query tokens a request are prefill rows (see mla_decode)
 REFERENCE_ROWS = 8  # paged_attention rows a call re-runs through the reference (the oracle checks every row)
+CHECKS_PHASE = "kernel checks"  # the executor's phase (device/clock.py) of the references and comparisons
 STAGED_PAGES = 256  # state pages one checked state_copy batch copies for the reference (about 1 GB at real sizes)
 BLOCK_COPY_STAGED = 64  # (slot, page) pairs one checked block_copy batch stages for the reference
 
@@ -61,6 +63,11 @@ class CheckedKernels:
         self.paged: list[_PagedCall] = []  # paged_attention calls whose reference runs at flush
         self._paged_steps = 0
         self.verdicts = Verdicts(0)  # (an executor hands it its shared one)
+        self.clock = None  # (and its phase clock: the checks' own work a phase, CHECKS_PHASE)
+
+    def _checking(self):
+        """The checks' own work (references, staging, comparisons) as the executor's ``CHECKS_PHASE``."""
+        return self.clock.phase(CHECKS_PHASE) if self.clock is not None else nullcontext()
 
     def _exact(self, name: str, got: torch.Tensor, want: torch.Tensor) -> None:
         """Bit-exact, NaN where NaN. Large pairs (state pages) are decided on the device now, so
@@ -96,6 +103,10 @@ class CheckedKernels:
         """Tally every comparison of the step: one pass over the tolerance comparisons
         (segmented reductions), one device-to-host transfer (through ``verdicts``: on a GPU
         the executor reads it one step late)."""
+        with self._checking():
+            self._flush(step)
+
+    def _flush(self, step: int) -> None:
         self._run_paged_references()
         self._small_exact_verdicts()
         self._paged_steps += 1
@@ -162,8 +173,6 @@ class CheckedKernels:
         where = {key: i for i, key in enumerate(touched)}
         sl_idx = upload([k[0] for k in touched], conv.device)
         pg_idx = upload([k[1] for k in touched], conv.device)
-        ref_c = conv[sl_idx, pg_idx].unsqueeze(0).clone()  # (1, pages, ...): one slot of touched pages
-        ref_t = temporal[sl_idx, pg_idx].unsqueeze(0).clone()
         # every (slot, page) gets its own page of the small copy; the table names those pages
         local = torch.zeros(len(it), t.shape[1], dtype=torch.int64)
         for k, (r, sl) in enumerate(zip(rows.tolist(), slots.tolist())):
@@ -172,11 +181,15 @@ class CheckedKernels:
         local_items = it.clone()
         local_items[:, 0] = torch.arange(len(it))
         local_items[:, 1] = 0
-        self.ref.state_copy(ref_c, ref_t, local, local_items)
+        with self._checking():
+            ref_c = conv[sl_idx, pg_idx].unsqueeze(0).clone()  # (1, pages, ...): one slot of touched pages
+            ref_t = temporal[sl_idx, pg_idx].unsqueeze(0).clone()
+            self.ref.state_copy(ref_c, ref_t, local, local_items)
         self.inner.state_copy(conv, temporal, table, items if len(batch) == len(it_all) else
                               items.index_select(0, sel.to(items.device)))
-        self._exact("state_copy", conv[sl_idx, pg_idx], ref_c[0])
-        self._exact("state_copy", temporal[sl_idx, pg_idx], ref_t[0])
+        with self._checking():
+            self._exact("state_copy", conv[sl_idx, pg_idx], ref_c[0])
+            self._exact("state_copy", temporal[sl_idx, pg_idx], ref_t[0])
 
     def block_copy(self, pages, pairs):
         """The reference copies staged copies of just the pages involved, and the kernel's
@@ -193,30 +206,35 @@ class CheckedKernels:
         touched = sorted(set(p.flatten().tolist()))
         where = {b: i for i, b in enumerate(touched)}
         idx = torch.tensor(touched, dtype=torch.int64, device=pages.device)
-        staged = pages[:, idx].clone()
         local = torch.tensor([[where[a], where[b]] for a, b in p.tolist()], dtype=torch.int64)
-        self.ref.block_copy(staged, local)
+        with self._checking():
+            staged = pages[:, idx].clone()
+            self.ref.block_copy(staged, local)
         self.inner.block_copy(pages, p)
-        dst = p[:, 1].to(pages.device)
-        self._exact("block_copy", pages[:, dst], staged[:, local[:, 1].to(pages.device)])
+        with self._checking():
+            dst = p[:, 1].to(pages.device)
+            self._exact("block_copy", pages[:, dst], staged[:, local[:, 1].to(pages.device)])
 
     def concat_and_cache(self, entries, slots, cache):
         """Compared on the slots written: each holds its entry in the cache's dtype."""
         self._run_paged_references()  # (the references read the caches as the kernels saw them)
         self.inner.concat_and_cache(entries, slots, cache)
-        got = cache.view(-1, cache.shape[-1])[slots.to(cache.device, torch.int64)]
-        self._exact("cache_ops", got, entries.to(cache.device, cache.dtype))
+        with self._checking():
+            got = cache.view(-1, cache.shape[-1])[slots.to(cache.device, torch.int64)]
+            self._exact("cache_ops", got, entries.to(cache.device, cache.dtype))
 
     def gather_cache(self, cache, block_row, start, length):
         got = self.inner.gather_cache(cache, block_row, start, length)
-        self._exact("cache_ops", got, self.ref.gather_cache(cache, block_row, start, length))
+        with self._checking():
+            self._exact("cache_ops", got, self.ref.gather_cache(cache, block_row, start, length))
         return got
 
     def merge_states(self, o_a, lse_a, o_b, lse_b, base2_bug=False, unguarded=False):
         got = self.inner.merge_states(o_a, lse_a, o_b, lse_b, base2_bug=base2_bug, unguarded=unguarded)
-        want = self.ref.merge_states(o_a, lse_a, o_b, lse_b, base2_bug=base2_bug, unguarded=unguarded)
-        self._close("merge_states", got[0], want[0], 1e-6)
-        self._close("merge_states", got[1], want[1], 1e-6)
+        with self._checking():
+            want = self.ref.merge_states(o_a, lse_a, o_b, lse_b, base2_bug=base2_bug, unguarded=unguarded)
+            self._close("merge_states", got[0], want[0], 1e-6)
+            self._close("merge_states", got[1], want[1], 1e-6)
         return got
 
     def attention_partial(self, *a, **k):
@@ -229,10 +247,11 @@ class CheckedKernels:
         """Compared on the slots written: each holds its token's K and V in the cache's dtype."""
         self._run_paged_references()  # (the references read the caches as the kernels saw them)
         self.inner.reshape_and_cache(key, value, slots, k_cache, v_cache)
-        s = slots.to(k_cache.device, torch.int64)
-        bs = k_cache.shape[1]
-        self._exact("reshape_and_cache", k_cache[s // bs, s % bs], key.to(k_cache.device, k_cache.dtype))
-        self._exact("reshape_and_cache", v_cache[s // bs, s % bs], value.to(v_cache.device, v_cache.dtype))
+        with self._checking():
+            s = slots.to(k_cache.device, torch.int64)
+            bs = k_cache.shape[1]
+            self._exact("reshape_and_cache", k_cache[s // bs, s % bs], key.to(k_cache.device, k_cache.dtype))
+            self._exact("reshape_and_cache", v_cache[s // bs, s % bs], value.to(v_cache.device, v_cache.dtype))
 
     def paged_attention(self, q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale,
                         max_seq_len=None, num_splits=0, past_end_bug=False):
@@ -258,8 +277,10 @@ class CheckedKernels:
         tol = max(self.tol, LOW_PRECISION_TOL.get(k_cache.dtype, 0.0))
         key = (id(block_table), id(query_start_loc), id(seq_lens), tuple(rows.tolist()), float(scale), past_end_bug,
                q.shape[1:], q.dtype, k_cache.shape[1:], k_cache.dtype)
+        with self._checking():
+            kept = got.index_select(0, tok_d.to(got.device))
         self.paged.append(_PagedCall(key, rows, q, (k_cache, v_cache), block_table, qsl, seq_lens, scale, past_end_bug,
-                                     tok_d, got.index_select(0, tok_d.to(got.device)), tol))
+                                     tok_d, kept, tol))
         return got
 
     def _run_paged_references(self) -> None:
@@ -271,17 +292,22 @@ class CheckedKernels:
         for c in self.paged:
             groups.setdefault(c.key, []).append(c)
         self.paged = []
-        for calls in groups.values():
-            c0 = calls[0]
-            qlen = c0.query_start_loc[1:] - c0.query_start_loc[:-1]
-            sub_qsl = torch.zeros(len(c0.rows) + 1, dtype=torch.int64)
-            sub_qsl[1:] = torch.cumsum(qlen[c0.rows], 0)
-            table = c0.block_table.index_select(0, upload(c0.rows, c0.block_table.device))
-            want = paged_attention_layers([c.q.index_select(0, c.tok) for c in calls], [c.caches for c in calls], table,
-                                          sub_qsl, c0.seq_lens.to("cpu", torch.int64)[c0.rows], c0.scale,
-                                          past_end_bug=c0.past_end_bug)
-            for c, w in zip(calls, want):
-                self._close("paged_attention", c.got, w, c.tol)
+        with self._checking():
+            for calls in groups.values():
+                self._paged_reference(calls)
+
+    def _paged_reference(self, calls: list[_PagedCall]) -> None:
+        """One group of calls sharing rows, table and lengths: the reference over them at once, compared."""
+        c0 = calls[0]
+        qlen = c0.query_start_loc[1:] - c0.query_start_loc[:-1]
+        sub_qsl = torch.zeros(len(c0.rows) + 1, dtype=torch.int64)
+        sub_qsl[1:] = torch.cumsum(qlen[c0.rows], 0)
+        table = c0.block_table.index_select(0, upload(c0.rows, c0.block_table.device))
+        want = paged_attention_layers([c.q.index_select(0, c.tok) for c in calls], [c.caches for c in calls], table,
+                                      sub_qsl, c0.seq_lens.to("cpu", torch.int64)[c0.rows], c0.scale,
+                                      past_end_bug=c0.past_end_bug)
+        for c, w in zip(calls, want):
+            self._close("paged_attention", c.got, w, c.tol)
 
     def mla_decode(self, q_lat, q_pe, cache, block_table, seq_lens, kv_lora_rank, scale, num_splits=0,
                    max_seq_len=None):
@@ -292,11 +318,12 @@ class CheckedKernels:
                                     max_seq_len=max_seq_len)
         if q_lat.shape[1] > REFERENCE_MAX_QUERIES:
             return got
-        want = self.ref.mla_decode(q_lat, q_pe, cache, block_table, seq_lens, kv_lora_rank, scale, num_splits,
-                                   max_seq_len=max_seq_len)
-        # the reference computes in fp32; a bf16/fp16 cache feeds the kernel's matrix units in
-        # that precision, so the bar is the dtype's (SPEC §7: rel. err <= 2e-2 for bf16)
-        tol = max(self.tol, LOW_PRECISION_TOL.get(cache.dtype, 0.0))
-        self._close("mla_decode", got[0], want[0], tol)
-        self._close("mla_decode", got[1], want[1], tol)
+        with self._checking():
+            want = self.ref.mla_decode(q_lat, q_pe, cache, block_table, seq_lens, kv_lora_rank, scale, num_splits,
+                                       max_seq_len=max_seq_len)
+            # the reference computes in fp32; a bf16/fp16 cache feeds the kernel's matrix units in
+            # that precision, so the bar is the dtype's (SPEC §7: rel. err <= 2e-2 for bf16)
+            tol = max(self.tol, LOW_PRECISION_TOL.get(cache.dtype, 0.0))
+            self._close("mla_decode", got[0], want[0], tol)
+            self._close("mla_decode", got[1], want[1], tol)
         return got
