@@ -2,8 +2,8 @@
 
 The host's clock around a phase measures launching its work, and whatever wait for the device
 happens inside it: on a GPU, where a phase's kernels run after the host has moved on, it says little
-about what the phase costs the device (``deepseek_v3_mooncake`` on an H200: 85 ms a step of host time
-in its MLA layers against about 120 on the device, 100 in the oracle against about 70). Here a phase
+about what the phase costs the device (``deepseek_v3_mooncake`` on an H200: 54 ms a step of host time
+in its MLA layers against 84 on the device, 99 in the oracle against 70). Here a phase
 also records a CUDA event on the current stream where it starts and where it ends; the device time
 between the two is the phase's, read once the end event has completed (at a later step's end, or at
 the run's), so nothing waits for it. A phase's device time includes the device idling while the host
