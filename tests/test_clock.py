@@ -34,14 +34,12 @@ def test_host_time_by_phase_and_an_inner_phase_comes_off_the_outer():
         time.sleep(0.01)
     assert 0.02 <= clock.host["a"] < 0.05  # its own 20 ms, not the 60 ms inside it
     assert 0.06 <= clock.host["b"] - before["b"] < 0.09
-    clock.declare("c", "a")
-    assert list(clock.host) == ["a", "b", "c"]
     with pytest.raises(ValueError):  # a phase that raises still counts, and the clock is usable after it
         with clock.phase("c"):
             raise ValueError
     with clock.phase("c"):
         pass
-    assert clock.host["c"] > 0.0 and not clock._open
+    assert list(clock.host) == ["a", "b", "c"] and clock.host["c"] > 0.0  # (a phase not declared: listed last)
 
 
 @pytest.mark.gpu

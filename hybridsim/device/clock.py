@@ -43,13 +43,6 @@ class PhaseClock:
         self._pending: deque[tuple[str, torch.cuda.Event, torch.cuda.Event, list]] = deque()
         self._open: list[_Open] = []
 
-    def declare(self, *phases: str) -> None:
-        """Phases the tables list (in this order, after those declared before) even if never entered."""
-        for name in phases:
-            self.host.setdefault(name, 0.0)
-            if self.device is not None:
-                self.device.setdefault(name, 0.0)
-
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Time what runs inside as phase ``name``. A phase entered inside another takes its time out of the

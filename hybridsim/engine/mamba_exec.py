@@ -94,11 +94,11 @@ class MambaExecution:
         self.verdicts = Verdicts(0)  # (the executor hands every part its shared one)
         self.output_digest: Optional["hashlib._Hash"] = None  # set to collect a digest of every checked output
 
-    # ------------------------------------------------------------------ request lifecycle
     @property
     def timings(self) -> dict[str, float]:
         return self.clock.host
 
+    # ------------------------------------------------------------------ request lifecycle
     def cleanup(self, finished, preempted, resumed) -> None:
         self.tracker.cleanup(finished, preempted, resumed)
         for rid in list(finished) + list(preempted):
