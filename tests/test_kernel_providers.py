@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -113,9 +114,12 @@ def test_kernels_check_fails_a_wrong_plugin_with_exit_1(tmp_path):
 def test_a_plugin_provider_runs_a_scenario_under_the_checks(tmp_path):
     """A run with a plugin's provider is checked like any other: the wrong merge is caught."""
     r = hs("run", SCENARIOS / "mla_long_context.yaml", "--kernels", "badplug", "--max-steps", "2",
-           env_extra=_plugin(tmp_path, "badplug", BAD_MERGE))
+           "--json", tmp_path / "run.json", env_extra=_plugin(tmp_path, "badplug", BAD_MERGE))
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
     assert "kernel.merge_states" in r.stdout and "badplug merge_states off the reference" in r.stdout
+    # the checks' own work (the references, the comparisons) timed as a phase apart from the layers'
+    timed = {t["phase"]: t["total_s"] for t in json.loads((tmp_path / "run.json").read_text())["timings"]}
+    assert timed["execute: kernel checks"] > 0 and "execute: kernel checks" in r.stdout
 
 
 def test_kernels_check_triton_under_the_interpreter():

@@ -18,7 +18,6 @@ import argparse
 import gc
 import sys
 from pathlib import Path
-from time import perf_counter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -51,16 +50,15 @@ def check_beside(phase: str, held):
     then the stream waits for the system's step and ``compare`` runs there too. ``held(fwd)``: the
     system's tensors the comparison reads (kept from the main stream's allocator until it has)."""
     def check(self, plan, reqs, fwd, committed):
-        t0 = perf_counter()
-        main, side = torch.cuda.current_stream(self.device), _side(self.device)
-        ready = torch.cuda.Event()
-        ready.record(main)
-        _hold(held(fwd), side)
-        with torch.cuda.stream(side):
-            expected = self.expected(plan, reqs, committed)
-            side.wait_event(ready)
-            self.compare(plan, fwd, committed, expected)
-        self.timings[phase] += perf_counter() - t0
+        with self.clock.phase(phase):  # (its device time: the main stream's, not the side stream's work)
+            main, side = torch.cuda.current_stream(self.device), _side(self.device)
+            ready = torch.cuda.Event()
+            ready.record(main)
+            _hold(held(fwd), side)
+            with torch.cuda.stream(side):
+                expected = self.expected(plan, reqs, committed)
+                side.wait_event(ready)
+                self.compare(plan, fwd, committed, expected)
     return check
 
 

@@ -62,6 +62,7 @@ class AttentionForward:
 
 
 class AttentionExecution:
+    PHASES = ("attn", "attn_oracle")  # what its clock times: the layers, the oracle
     def __init__(self, scenario: Scenario, groups, kernels, checks: Checks, bugs: Bugs, device: torch.device,
                  blocks: BlockMap, arena: Optional[PageArena] = None):
         geo = scenario.geometry().attention
@@ -92,7 +93,7 @@ class AttentionExecution:
         self.tol = TOLERANCE[geo.dtype]
         self.holders: dict[int, set[str]] = {}  # block -> live requests whose attention rows hold it
         self.rejected: dict[str, int] = {}  # drafts the last step rejected, per request (rejected_kv_visible)
-        self.clock = PhaseClock(device, ("attn", "attn_oracle"))
+        self.clock = PhaseClock(device, self.PHASES)  # (the executor hands every part its shared one)
         self.verdicts = Verdicts(0)  # (the executor hands every part its shared one)
 
     # ------------------------------------------------------------------ request lifecycle
@@ -138,10 +139,6 @@ class AttentionExecution:
                     else:
                         clean += 1
         tally.passed(clean)
-
-    @property
-    def timings(self) -> dict[str, float]:
-        return self.clock.host
 
     def forward(self, plan: StepPlan, reqs, inputs: list[np.ndarray]) -> AttentionForward:
         with self.clock.phase("attn"):

@@ -126,13 +126,13 @@ class Executor:
         # a phase of their own wherever they run (inside a layer's forward too: its time comes off the layer's)
         parts = [p for p in (self.mamba, self.attn, self.mla) if p is not None]
         checked = isinstance(kernels, CheckedKernels)
-        self.clock = PhaseClock(self.device, tuple(n for p in parts for n in p.clock.host)
+        self.clock = PhaseClock(self.device, tuple(n for p in parts for n in p.PHASES)
                                 + ((CHECKS_PHASE,) if checked else ()))
-        for part in parts + ([kernels] if checked else []):
-            part.clock = self.clock
-        for part in (self.mamba, self.attn, self.mla, kernels):
-            if part is not None and hasattr(part, "verdicts"):
+        for part in (*parts, kernels):
+            if hasattr(part, "verdicts"):
                 part.verdicts = self.verdicts
+            if hasattr(part, "clock"):
+                part.clock = self.clock
 
     @property
     def last_copies(self) -> int:

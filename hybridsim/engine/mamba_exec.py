@@ -56,6 +56,7 @@ WHAT = {"hit": ("ssm.cached_blocks", "prefix hit"), "run": ("ssm.running_state",
 
 
 class MambaExecution:
+    PHASES = ("mamba", "copies", "oracle")  # what its clock times: the layers, the state copies, the oracle
     def __init__(self, scenario: Scenario, groups, kernels, checks: Checks, check: str, bugs: Bugs,
                  device: torch.device, blocks: BlockMap, oracle_scan, arena: Optional[PageArena] = None):
         geo = scenario.geometry().mamba
@@ -90,13 +91,9 @@ class MambaExecution:
         self.page_bytes = scenario.cache.page_size_bytes or geo.state_bytes(self.S)
         self.int32_pages = "int32_block_offset" in bugs
         self.last_copies = 0
-        self.clock = PhaseClock(device, ("mamba", "copies", "oracle"))
+        self.clock = PhaseClock(device, self.PHASES)  # (the executor hands every part its shared one)
         self.verdicts = Verdicts(0)  # (the executor hands every part its shared one)
         self.output_digest: Optional["hashlib._Hash"] = None  # set to collect a digest of every checked output
-
-    @property
-    def timings(self) -> dict[str, float]:
-        return self.clock.host
 
     # ------------------------------------------------------------------ request lifecycle
     def cleanup(self, finished, preempted, resumed) -> None:

@@ -43,6 +43,7 @@ class MLAForward:
 
 
 class MLAExecution:
+    PHASES = ("mla", "mla_oracle")  # what its clock times: the layers, the oracle
     def __init__(self, scenario: Scenario, groups, kernels, checks: Checks, bugs: Bugs, device: torch.device,
                  blocks: BlockMap, workspace_tokens: int = 256):
         lg = scenario.geometry().mla
@@ -64,17 +65,13 @@ class MLAExecution:
         self.oracle = MLAOracle(cpu_probes, device, weights_within=self.tol * WEIGHTS_SHARE)
         for dtype in (torch.float32, torch.float64):  # the executor's projections and the oracle's
             prepare_rope(lg.qk_rope_head_dim, scenario.scheduler.max_model_len, device, dtype)
-        self.clock = PhaseClock(device, ("mla", "mla_oracle"))
+        self.clock = PhaseClock(device, self.PHASES)  # (the executor hands every part its shared one)
         self.verdicts = Verdicts(0)  # (the executor hands every part its shared one)
 
     # ------------------------------------------------------------------ forward
     def _block_table(self, plan: StepPlan, reqs, group: int) -> torch.Tensor:
         """The step's block table of one group as cache rows, uploaded once."""
         return to_device(block_table(plan, reqs, self.blocks, group, self.bs), self.device)
-
-    @property
-    def timings(self) -> dict[str, float]:
-        return self.clock.host
 
     def forward(self, plan: StepPlan, reqs, inputs: list[np.ndarray], meta) -> MLAForward:
         with self.clock.phase("mla"):
