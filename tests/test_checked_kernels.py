@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridsim.checks import Checks
 from hybridsim.kernels.checked import REFERENCE_MAX_QUERIES, CheckedKernels
-from hybridsim.kernels.reference import ReferenceKernels
+from hybridsim.kernels.reference import (LENGTH_PAD, LENGTH_SLACK, ReferenceKernels, length_groups,
+                                         takes_host_lengths)
 
 
 class Wrong(ReferenceKernels):
@@ -131,3 +135,111 @@ def test_the_checks_own_work_is_a_phase_of_its_own_inside_the_callers():
     k.flush(0)
     assert 0.05 <= clock.host[CHECKS_PHASE] < 0.5
     assert 0.02 <= clock.host["layer"] < 0.05
+
+
+# ------------------------------------------------------------------ MLA decode's reference in length groups
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 5000), min_size=0, max_size=40), st.sampled_from([0, 256, 4096]))
+def test_length_groups_hold_every_row_once_within_their_padding_bound(lens, slack):
+    groups = length_groups(lens, slack)
+    assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+    for g in groups:
+        assert g == sorted(g) and g
+        assert len(g) * max(lens[i] for i in g) <= LENGTH_PAD * sum(lens[i] for i in g) + slack
+    if lens and len(set(lens)) == 1:
+        assert len(groups) == 1  # rows of one length: one call, no padding
+
+
+def _spread_case(gen, B: int, nq: int, lens: list[int], page: int = 8, H: int = 3, L: int = 32, R: int = 8):
+    """A latent cache of bf16 pages in shuffled order, every page no row names NaN (a padded read
+    of one would reach the outputs), and fresh random queries."""
+    blocks = [-(-n // page) for n in lens]
+    pages = sum(blocks) + 2
+    cache = torch.full((pages, page, L + R), float("nan"), dtype=torch.bfloat16)
+    table = torch.zeros(B, max(blocks), dtype=torch.int64)
+    perm = (torch.randperm(pages - 1, generator=gen) + 1).tolist()
+    for b, nb in enumerate(blocks):
+        for j in range(nb):
+            p = perm.pop()
+            table[b, j] = p
+            cache[p] = torch.randn(page, L + R, generator=gen).to(torch.bfloat16)
+    return (torch.randn(B, nq, H, L, generator=gen), torch.randn(B, nq, H, R, generator=gen), cache, table,
+            torch.tensor(lens))
+
+
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("nq", [1, 2])
+def test_the_reference_in_length_groups_gives_each_row_what_one_call_does(nq, dev):
+    gen = torch.Generator().manual_seed(5 + nq)
+    lens = [7000, 9, 1300, 6500, 2, 640, 6990, 17, 3000, 5]  # spread: several groups at either slack
+    q_lat, q_pe, cache, table, seq = (x.to(dev) for x in _spread_case(gen, len(lens), nq, lens))
+    ref = ReferenceKernels()
+    assert len(length_groups(lens, LENGTH_SLACK[dev])) >= 2
+    want = ref.mla_decode(q_lat, q_pe, cache, table, seq, 32, 0.17, max_seq_len=max(lens))
+    got = ref.mla_decode_by_length(q_lat, q_pe, cache, table, seq, lens, 32, 0.17)
+    assert not torch.isnan(got[0]).any() and not torch.isnan(got[1]).any()
+    assert torch.allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+    assert torch.allclose(got[1], want[1], rtol=1e-5, atol=1e-6)
+
+
+class OffOnOneRow(ReferenceKernels):
+    """An MLA decode off on one row only (the call's ``row``-th)."""
+
+    name = "off-on-one-row"
+
+    def __init__(self, row: int):
+        super().__init__()
+        self.row = row
+
+    def mla_decode(self, *a, **k):
+        out, lse = super().mla_decode(*a, **k)
+        out[self.row] += 0.1
+        return out, lse
+
+
+@pytest.mark.parametrize("row", [None, 1, 4, 9])
+def test_the_checks_with_host_lengths_pass_a_correct_kernel_and_catch_any_one_wrong_row(row):
+    """The checks given the lengths on the host compare every row against its group's reference: a
+    correct kernel passes; one wrong in a single row, short or long, is caught."""
+    gen = torch.Generator().manual_seed(11)
+    lens = [700, 9, 130, 650, 2, 64, 699, 17, 300, 5]
+    q_lat, q_pe, cache, table, seq = _spread_case(gen, len(lens), 2, lens)
+    checks = Checks()
+    k = CheckedKernels(ReferenceKernels() if row is None else OffOnOneRow(row), checks)
+    assert takes_host_lengths(k) and not takes_host_lengths(ReferenceKernels())
+    k.mla_decode(q_lat, q_pe, cache, table, seq, 32, 0.17, max_seq_len=max(lens), seq_lens_cpu=lens)
+    k.flush(3)
+    t = checks.tallies["kernel.mla_decode"]
+    assert t.count == 2 and t.failures == (0 if row is None else 1), t
+    if row is None:
+        assert 0 < t.max_rel_err < 1e-5  # (a real comparison: the groups' sums in another order)
+
+
+def test_an_mla_run_hands_the_checks_its_decode_rows_lengths_on_the_host(monkeypatch):
+    """The executor passes each decode call's lengths on the host (``seq_lens_cpu``) to kernels that take
+    them, the same lengths as the device's, and the run's decode rows pass their kernel checks."""
+    import hybridsim.execute as execute
+    from hybridsim.config import load_scenario
+    from hybridsim.runner import plan_scenario
+    from tests.conftest import REPO
+
+    class Plugin(ReferenceKernels):  # (checked: not the reference provider itself)
+        name = "plugin"
+
+    monkeypatch.setattr(execute, "resolve_kernels", lambda requested, notes: Plugin())
+    seen = []
+    inner = ReferenceKernels.mla_decode_by_length
+
+    def spy(self, q_lat, q_pe, cache, table, seq_lens, seq_lens_cpu, *a, **k):
+        seen.append((list(seq_lens_cpu), seq_lens.tolist()))
+        return inner(self, q_lat, q_pe, cache, table, seq_lens, seq_lens_cpu, *a, **k)
+
+    monkeypatch.setattr(ReferenceKernels, "mla_decode_by_length", spy)
+    loaded = load_scenario(REPO / "scenarios" / "mla_long_context.yaml")
+    s = loaded.scenario
+    loaded.scenario = s.model_copy(update={"execution": s.execution.model_copy(update={"max_steps": 40})})
+    res = plan_scenario(loaded, device="cpu")
+    t = res.checks.tallies["kernel.mla_decode"]
+    assert seen and all(host == dev for host, dev in seen)
+    assert t.count > 0 and t.failures == 0

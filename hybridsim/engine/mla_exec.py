@@ -33,7 +33,7 @@ from ..device.verdicts import Verdicts
 from ..device.matmul import matmul_tf32
 from ..device.transfer import to_device, upload
 
-from ..kernels.reference import takes_causal
+from ..kernels.reference import takes_causal, takes_host_lengths
 
 
 @dataclass
@@ -49,6 +49,7 @@ class MLAExecution:
         lg = scenario.geometry().mla
         self.k = kernels
         self.partial_causal = takes_causal(kernels)  # (the new tokens' mask promised causal where understood)
+        self.host_lengths = takes_host_lengths(kernels)  # (the decode rows' lengths passed on the host too)
         self.checks = checks
         self.bugs = bugs
         self.device = device
@@ -111,9 +112,11 @@ class MLAExecution:
                 qp = q_pe[sel].view(len(idx), n, probe.geo.heads, -1)
                 lens = [cs[i] + n for i in idx]
                 rows_d = to_device(torch.tensor(idx, dtype=torch.int64), dev)
+                hint = {"seq_lens_cpu": lens} if self.host_lengths else {}
                 o_lat, _ = self.k.mla_decode(q_lat, qp, cache, table.index_select(0, rows_d),
                                              to_device(torch.tensor(lens, dtype=torch.int64), dev),
-                                             probe.geo.kv_lora_rank, probe.scale, num_splits=0, max_seq_len=max(lens))
+                                             probe.geo.kv_lora_rank, probe.scale, num_splits=0, max_seq_len=max(lens),
+                                             **hint)
                 with matmul_tf32(tf32):  # (float32 sums of TF32 products: well inside the 16-bit tolerance)
                     o = probe.unabsorb(o_lat)
                 for j, i in enumerate(idx):

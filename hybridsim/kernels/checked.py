@@ -310,17 +310,27 @@ class CheckedKernels:
             self._close("paged_attention", c.got, w, c.tol)
 
     def mla_decode(self, q_lat, q_pe, cache, block_table, seq_lens, kv_lora_rank, scale, num_splits=0,
-                   max_seq_len=None):
+                   max_seq_len=None, seq_lens_cpu=None):
         """Decode and speculative-verification calls (up to ``REFERENCE_MAX_QUERIES`` query tokens a
-        request) are re-run through the reference. Longer calls are prefill rows sent through the
-        decode path only to compare it with the prefill path (``mla.paths``), which checks them."""
+        request) are re-run through the reference, every row. Longer calls are prefill rows sent through the
+        decode path only to compare it with the prefill path (``mla.paths``), which checks them.
+
+        ``seq_lens_cpu``: the same lengths on the host (vLLM's attention metadata carries them beside
+        the device's for the same reason), a hint only the checks take (the executor passes it where the
+        kernels' ``mla_decode`` names it): the reference then runs in length groups, each padded to its own
+        longest row (``ReferenceKernels.mla_decode_by_length``), where one call pads every row to the
+        call's longest; reading the device's lengths back instead would make the host wait for the step."""
         got = self.inner.mla_decode(q_lat, q_pe, cache, block_table, seq_lens, kv_lora_rank, scale, num_splits,
                                     max_seq_len=max_seq_len)
         if q_lat.shape[1] > REFERENCE_MAX_QUERIES:
             return got
         with self._checking():
-            want = self.ref.mla_decode(q_lat, q_pe, cache, block_table, seq_lens, kv_lora_rank, scale, num_splits,
-                                       max_seq_len=max_seq_len)
+            if seq_lens_cpu is not None:
+                want = self.ref.mla_decode_by_length(q_lat, q_pe, cache, block_table, seq_lens, seq_lens_cpu,
+                                                     kv_lora_rank, scale, num_splits)
+            else:
+                want = self.ref.mla_decode(q_lat, q_pe, cache, block_table, seq_lens, kv_lora_rank, scale,
+                                           num_splits, max_seq_len=max_seq_len)
             # the reference computes in fp32; a bf16/fp16 cache feeds the kernel's matrix units in
             # that precision, so the bar is the dtype's (SPEC §7: rel. err <= 2e-2 for bf16)
             tol = max(self.tol, LOW_PRECISION_TOL.get(cache.dtype, 0.0))

@@ -6,15 +6,39 @@ Block ids are widened to int64 before any address arithmetic.
 
 from __future__ import annotations
 
+from typing import Sequence
 
 import torch
 
+from ..device.transfer import upload
 from . import paged_attention as paged
 from .probe_scan import scan_reference
 
 NEG_INF = float("-inf")
 SCORE_ELEMS = 1 << 27  # mla_decode materialises scores of at most this many elements at once
+LENGTH_PAD = 1.25  # ``length_groups``: a group's padded keys at most this many times its real ones (plus slack)
+LENGTH_SLACK = {"cuda": 4096, "cpu": 256}  # keys of padding one call's fixed cost pays for (a call: ten launches)
 PARTIAL_SCORE_ELEMS = 1 << 26  # attention_partial's callers keep its score matrix within this many elements
+
+
+def length_groups(lens: Sequence[int], slack: int) -> list[list[int]]:
+    """Rows of a batched call (their key counts ``lens``) in groups, each padded to its own longest row:
+    a group's rows times its longest stay within ``LENGTH_PAD`` times its real keys plus ``slack``.
+    Every row in exactly one group, each group's rows in their order in the call. Why: ``mla_decode``
+    pads every row to the call's longest, and a decode batch's lengths spread widely (over
+    deepseek_v3_mooncake's schedule, 5.8 times the real keys)."""
+    order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
+    groups: list[list[int]] = []
+    start = 0
+    while start < len(order):
+        longest = real = lens[order[start]]
+        end = start + 1
+        while end < len(order) and (end - start + 1) * longest <= LENGTH_PAD * (real + lens[order[end]]) + slack:
+            real += lens[order[end]]
+            end += 1
+        groups.append(sorted(order[start:end]))
+        start = end
+    return groups
 
 
 def _softmax_lse(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,6 +65,18 @@ def takes_causal(provider) -> bool:
         provider = provider.inner
     try:
         return "causal" in inspect.signature(provider.attention_partial).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def takes_host_lengths(kernels) -> bool:
+    """Whether ``kernels.mla_decode`` takes ``seq_lens_cpu``, the lengths on the host beside the device's
+    (the checked kernels do, for their reference's length groups); not looked through wrappers: the
+    call goes to the outermost."""
+    import inspect
+
+    try:
+        return "seq_lens_cpu" in inspect.signature(kernels.mla_decode).parameters
     except (TypeError, ValueError):
         return False
 
@@ -260,6 +296,32 @@ class ReferenceKernels:
         for sp in range(splits):  # merged in split order
             out, lse = self.merge_states(out, lse, o_part[sp], l_part[sp])
         return out, lse
+
+    def mla_decode_by_length(self, q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                             block_table: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: Sequence[int],
+                             kv_lora_rank: int, scale: float, num_splits: int = 0):
+        """``mla_decode`` with the rows in ``length_groups`` of their lengths (``seq_lens_cpu``: the same
+        lengths, on the host), one call a group, each padded only to its own longest row: each row's
+        result is what ``mla_decode`` gives it, up to float32 rounding (the products' and the softmax's
+        sums may run in another order at another padded length). Returns o_lat, lse in the rows' order."""
+        lens = [int(n) for n in seq_lens_cpu]
+        assert len(lens) == q_lat.shape[0], "mla_decode_by_length: one host length a row"
+        dev = q_lat.device
+        groups = length_groups(lens, LENGTH_SLACK.get(dev.type, LENGTH_SLACK["cpu"]))
+        if len(groups) <= 1:
+            return self.mla_decode(q_lat, q_pe, cache, block_table, seq_lens, kv_lora_rank, scale, num_splits,
+                                   max_seq_len=max(lens, default=0))
+        o = torch.empty(q_lat.shape[:3] + (kv_lora_rank,), dtype=q_lat.dtype, device=dev)
+        lse = torch.empty(q_lat.shape[:3], dtype=q_lat.dtype, device=dev)
+        for g in groups:
+            idx = upload(g, dev)
+            go, gl = self.mla_decode(q_lat.index_select(0, idx), q_pe.index_select(0, idx), cache,
+                                     block_table.index_select(0, idx.to(block_table.device)),
+                                     seq_lens.index_select(0, idx.to(seq_lens.device)), kv_lora_rank, scale,
+                                     num_splits, max_seq_len=max(lens[i] for i in g))
+            o.index_copy_(0, idx, go)
+            lse.index_copy_(0, idx, gl)
+        return o, lse
 
     def mla_decode_one(self, q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_row: torch.Tensor,
                        seq_len: int, kv_lora_rank: int, scale: float, num_splits: int = 1):
