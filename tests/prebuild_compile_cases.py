@@ -1,5 +1,5 @@
 """The parts of ``device/prebuild.py`` that build kernels for sm_90 with Triton's compiler (no GPU
-needed): a variant described from a build and rebuilt from the description in a worker thread
+needed): a variant described from a build and rebuilt from the description in a worker process
 under the same cache key, a stale description reported, a process's variants listed, an
 abandoned prebuild, the cache lookup. Run by ``test_prebuild.test_builds_for_hopper`` in a process
 without the Triton interpreter: once interpreted kernels have run in a process (the suite runs
@@ -59,6 +59,12 @@ def _entries(cache: Path) -> set[str]:
     return set(os.listdir(cache)) if cache.exists() else set()
 
 
+def _kernel_entries(cache: Path) -> set[str]:
+    """The cache's entries holding a build of the test kernel (not a launcher's: where the CUDA driver
+    is there, a built variant's launcher is an entry of its own)."""
+    return {e for e in _entries(cache) if (cache / e / "_scale_kernel.json").exists()}
+
+
 def test_described_variant_rebuilds_under_the_same_key(tmp_path, monkeypatch):
     cache = tmp_path / "triton-cache"
     monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
@@ -71,7 +77,7 @@ def test_described_variant_rebuilds_under_the_same_key(tmp_path, monkeypatch):
     built_by_launch = _entries(cache)
     assert built_by_launch
 
-    # an empty cache, the variant built from its description in a worker thread, as a run builds it
+    # an empty cache, the variant built from its description in a worker process, as a run builds it
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "fresh"))
     run = pb.Prebuild([d, {**d, "kernel": f"{MODULE}:_no_such_kernel"}], "test", workers=2)
     report = run.wait()
@@ -124,7 +130,7 @@ def test_an_abandoned_prebuild_drops_its_queue(tmp_path, monkeypatch):
     run.abandon()
     run.pool.shutdown(wait=True)  # (the two under way)
     assert sum(f.cancelled() for f in run.futures) >= len(variants) - 2
-    assert len(_entries(tmp_path / "c2")) <= 2
+    assert len(_kernel_entries(tmp_path / "c2")) <= 2
 
 
 def test_in_cache_tells_a_built_variant_from_a_missing_one(tmp_path, monkeypatch):
@@ -139,3 +145,4 @@ def test_in_cache_tells_a_built_variant_from_a_missing_one(tmp_path, monkeypatch
     assert not pb.in_cache(d)
     assert pb.PrebuildReport(3, 0, cached=3, source="kv.json").note() is None  # (a warm machine: nothing to say)
     assert "; 2 were in Triton's cache;" in pb.PrebuildReport(3, 1, cached=2, workers=1, source="kv.json").note()
+    assert "; 1 was in Triton's cache;" in pb.PrebuildReport(3, 2, cached=1, workers=1, source="kv.json").note()

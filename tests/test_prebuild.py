@@ -208,3 +208,17 @@ def test_a_launcher_is_loaded_only_after_the_driver_helpers(monkeypatch):
     monkeypatch.setattr(nv, "PyCUtensorMap", None)
     pb._build_launcher(Compiled())
     assert order == []
+
+
+@pytest.mark.parametrize("kind", ["processes", "threads"])
+def test_a_prebuild_reports_its_workers_and_what_they_could_not_build(kind):
+    """Worker processes (the default, forked where the system forks) or threads: either way every listed
+    variant is attempted and each one that cannot be built is reported (these name no module)."""
+    from hybridsim.device import prebuild as pb
+
+    run = pb.Prebuild([{"kernel": f"hybridsim.nope_{k}:kernel"} for k in "abc"], "kv.json", workers=2, kind=kind)
+    report = run.wait()
+    assert report.kind == kind == report.as_dict()["kind"] and pb.WORKERS == "processes"
+    assert (report.listed, report.built, len(report.failed)) == (3, 0, 3)
+    assert all("ModuleNotFoundError" in why for why in report.failed)
+    assert f"(2 {kind};" in report.note()

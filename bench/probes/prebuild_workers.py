@@ -1,10 +1,11 @@
 """How fast a kernel variants list builds ahead of a run's loop (``hybridsim/device/prebuild.py``), by
-the kind of worker: threads in the run's own process (what a run uses: no imports, Triton's compiler
-holding the GIL for part of each build), or processes forked from a server that imported the kernels'
-modules once (what session 36 tried first). Each mode runs in a fresh process (torch and hybridsim imported first, as in a run) with an
+the kind of worker: processes forked from the run's own process (what a run uses since session 43:
+nothing imported again), threads in it (Triton's compiler holding the interpreter for much of each
+build), processes from a fork server that imports the kernels' modules first (session 36's), or one at
+a time. Each mode runs in a fresh process (torch and hybridsim imported first, as in a run) with an
 empty Triton cache; one list of the package's (by its label), each variant once.
 
-    python3 bench/probes/prebuild_workers.py [--label nemotron-h-8b-mooncake] [--workers 16] [--modes processes,threads,serial]
+    python3 bench/probes/prebuild_workers.py [--label nemotron-h-8b-mooncake] [--workers 16] [--modes processes,threads,forkserver,serial]
 
 Prints seconds per mode and the slowest variants. Needs Triton's NVIDIA tool chain, no GPU.
 """
@@ -29,21 +30,22 @@ def child(label: str, mode: str, workers: int) -> dict:
     lists = pb.read_lists(pb.SHIPPED, "the package's lists")
     entries = next(lst["variants"] for lst in lists.values() if lst["label"] == label)
     t0 = time.perf_counter()
-    if mode == "threads":
-        report = pb.Prebuild(entries, "probe", workers=workers).wait()
+    if mode in ("processes", "threads"):  # (what a run does: processes forked from it, or threads)
+        report = pb.Prebuild(entries, "probe", workers=workers, kind=mode).wait()
         failed, slowest = report.failed, report.slowest
-    else:
-        if mode == "processes":
-            import multiprocessing
-            from concurrent.futures import ProcessPoolExecutor
+    elif mode == "forkserver":  # (session 36's processes: a fork server that imports the kernels' modules first)
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
 
-            ctx = multiprocessing.get_context("forkserver")
-            ctx.set_forkserver_preload(["triton", "triton.compiler",
-                                        *sorted({e["kernel"].partition(":")[0] for e in entries})])
-            with ProcessPoolExecutor(workers, mp_context=ctx) as ex:
-                results = list(ex.map(pb.build, entries))
-        else:
-            results = [pb.build(e) for e in entries]
+        ctx = multiprocessing.get_context("forkserver")
+        modules = sorted({e["kernel"].partition(":")[0] for e in entries})
+        ctx.set_forkserver_preload(["triton", "triton.compiler", *modules])
+        with ProcessPoolExecutor(workers, mp_context=ctx) as ex:
+            results = list(ex.map(pb.build, entries))
+        failed = [why for why, _ in results if why]
+        slowest = sorted(((e["kernel"], t) for e, (_, t) in zip(entries, results)), key=lambda kt: -kt[1])[:5]
+    else:
+        results = [pb.build(e) for e in entries]
         failed = [why for why, _ in results if why]
         slowest = sorted(((e["kernel"], t) for e, (_, t) in zip(entries, results)), key=lambda kt: -kt[1])[:5]
     return {"mode": mode, "variants": len(entries), "failed": failed, "seconds": time.perf_counter() - t0,
@@ -54,7 +56,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--label", default="nemotron-h-8b-mooncake")
     ap.add_argument("--workers", type=int, default=16)
-    ap.add_argument("--modes", default="processes,threads,serial")
+    ap.add_argument("--modes", default="processes,threads,serial")  # (also: forkserver)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:

@@ -6,7 +6,7 @@ that is most of a first run: nemotron_h_8b_mooncake's loop took 51.4 s the first
 H100 (62.5 s end to end) against 9-10 s with the cache warm, 17 variants compiled one by one. Which variants a run needs follows
 from its configuration (geometry, cache, provider, checks), not from its workload, so a run can
 list the variants it loaded (``--kernel-variants FILE``), and a later run of the same configuration
-builds that list up front, many at once in worker threads, into Triton's disk cache, where the
+builds that list up front, many at once in worker processes, into Triton's disk cache, where the
 loop's launches then find them. The package ships such lists for its real-scale scenarios
 (``kernel_variants.json``).
 
@@ -24,6 +24,7 @@ import hashlib
 import importlib
 import json
 import sys
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -249,14 +250,16 @@ class PrebuildReport:
     source: str = ""
     slowest: list = field(default_factory=list)  # [(kernel, seconds)], longest first: what bounds ``seconds``
     cached: int = 0  # listed variants Triton's cache held already (not built again)
+    kind: str = "threads"  # the workers: "threads" or "processes"
 
     def note(self) -> Optional[str]:
         """What the run's notes say: nothing where every listed variant was in the cache already."""
         if not self.built and not self.failed:
             return None
         s = (f"built {self.built:,} of {self.listed:,} kernel variants ahead of the loop in {self.seconds:.1f} s "
-             f"({self.workers} thread{'s' * (self.workers != 1)}"
-             + (f"; {self.cached:,} were in Triton's cache" if self.cached else "") + f"; the list: {self.source})")
+             f"({self.workers} {self.kind if self.workers != 1 else {'threads': 'thread'}.get(self.kind, 'process')}"
+             + (f"; {self.cached:,} {'was' if self.cached == 1 else 'were'} in Triton's cache" if self.cached else "")
+             + f"; the list: {self.source})")
         if self.failed:
             s += (f"; {len(self.failed):,} could not be built (the kernels changed since the list was made; the loop "
                   f"builds what it needs): {self.failed[0]}")
@@ -265,31 +268,41 @@ class PrebuildReport:
     def as_dict(self) -> dict:
         return {"listed": self.listed, "built": self.built, "cached": self.cached, "failed": self.failed,
                 "seconds": round(self.seconds, 3),
-                "workers": self.workers, "source": self.source,
+                "workers": self.workers, "kind": self.kind, "source": self.source,
                 "slowest": [[k, round(t, 2)] for k, t in self.slowest]}
 
 
 class Prebuild:
-    """Variants building in worker threads while the caller goes on; ``wait`` before the loop.
+    """Variants building in worker processes (or threads) while the caller goes on; ``wait`` before the loop.
 
-    Threads, not processes: Triton's compiler lets go of the interpreter for most of a build (its
-    passes, LLVM, ptxas), and threads share the run's imports. On an H100's host (16 cores) the
-    nemotron_h_8b_mooncake list (24 variants) built in 9.8 s in 16 threads against 14.5 s in 16
-    processes forked from a server that had imported the kernels (32.6 s one at a time), deepseek's
-    (26) in 5.8 s against 8.2 (``bench/probes/prebuild_workers.py``)."""
+    Processes forked from the run itself where the system forks (Linux): each starts with the run's
+    imports (Triton, the kernels' modules) in its memory, imports nothing again and touches no GPU (a
+    description names its target). Threads share one interpreter, and Triton's code generation and
+    passes hold it: on an H200's host nemotron_h_8b_mooncake's 24 variants took 10.9-11.4 s in 16 threads
+    where one at a time they sum to 32.9 s (the slowest 4.6 s), and a trivial kernel started last took 7 s
+    (session 43, ``bench/probes/startup_timeline.py``). Session 36's processes (14.5 s against 9.8 on an
+    H100's host, ``bench/probes/prebuild_workers.py``) came from a fork server that imported torch and the
+    kernels' modules first. ``kind`` "threads": the old way (and the way where fork is missing)."""
 
-    def __init__(self, entries: list[dict], source: str, workers: Optional[int] = None, cached: int = 0):
+    def __init__(self, entries: list[dict], source: str, workers: Optional[int] = None, cached: int = 0,
+                 kind: Optional[str] = None):
         self.entries = entries
         self.source = source
         self.cached = cached
         self.workers = max(1, min(len(entries), workers or usable_cores()))
         self.t0 = perf_counter()
-        self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="hybridsim-prebuild")
-        self.futures: list[Future] = [self.pool.submit(build, e) for e in entries]
+        self.pool, self.kind = _pool(self.workers, kind or WORKERS)
+        with warnings.catch_warnings():  # (Python 3.12 warns of forking a process that has threads: the
+            warnings.simplefilter("ignore", DeprecationWarning)  # workers only compile and write files)
+            self.futures: list[Future] = [self.pool.submit(build, e) for e in entries]
 
     def abandon(self) -> None:
         """The run stops before its loop: queued builds are dropped (the ones under way finish,
-        a few seconds at most: a thread cannot be stopped)."""
+        a few seconds at most: a worker cannot be stopped mid-build). Each queued build is cancelled here:
+        a process pool's shutdown leaves that to its manager thread, and a later shutdown call would
+        take the order back."""
+        for f in self.futures:
+            f.cancel()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     def wait(self) -> PrebuildReport:
@@ -298,14 +311,30 @@ class Prebuild:
             try:
                 why, seconds = f.result()
                 took.append((e["kernel"], seconds))
-            except Exception as err:  # (cannot happen: ``build`` returns its failures; kept for safety)
+            except Exception as err:  # (a worker process lost; ``build`` itself returns its failures)
                 why = f"{e.get('kernel', '?')}: {type(err).__name__}: {err}"
             if why:
                 failed.append(why)
         self.pool.shutdown()
         return PrebuildReport(len(self.entries) + self.cached, len(self.entries) - len(failed), failed,
                               perf_counter() - self.t0, self.workers, self.source,
-                              sorted(took, key=lambda kt: -kt[1])[:5], self.cached)
+                              sorted(took, key=lambda kt: -kt[1])[:5], self.cached, self.kind)
+
+
+WORKERS = "processes"  # ``Prebuild``'s workers by default
+
+
+def _pool(workers: int, kind: str):
+    """The workers' pool and its kind: processes forked from this one where the system can fork, else threads."""
+    if kind == "processes":
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        try:
+            return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")), "processes"
+        except ValueError:  # (no fork here: threads)
+            pass
+    return ThreadPoolExecutor(workers, thread_name_prefix="hybridsim-prebuild"), "threads"
 
 
 # ----------------------------------------------------------------------------- lists on disk
