@@ -13,7 +13,7 @@ from rich.table import Table
 
 from .fidelity import FidelityReport
 from .model import ModelGeometry
-from .runner import ORACLE_PHASES, RunResult
+from .runner import RunResult
 
 
 def _human_bytes(n: int) -> str:
@@ -162,7 +162,7 @@ def timings_table(res: RunResult) -> Table:
         share = res.oracle_device_share
         notes.append("device: CUDA events on the run's stream where each phase starts and ends (a phase's time "
                      "includes the device waiting for its launches); the whole loop's: the phases' sum"
-                     + (f"; the oracles ({', '.join(p for p in dev if p in ORACLE_PHASES)}) "
+                     + (f"; the oracles ({', '.join(p for p in dev if p in res.oracle_phases)}) "
                         f"{100 * share:.1f}% of it" if share is not None else ""))
     if res.kernel_builds:
         notes.append(builds_caption(res.kernel_builds, res.kernel_compiles))

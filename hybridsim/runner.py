@@ -48,6 +48,7 @@ class RunResult:
     trace_path: Optional[Path] = None
     timings: list[dict] = field(default_factory=list)
     device_timings: Optional[list[dict]] = None  # GPU runs: the executor's phases' device time (device/clock.py)
+    oracle_phases: tuple[str, ...] = ()  # which of the executor's phases run the oracles (its layer kinds say)
     steps: list[StepRecord] = field(default_factory=list)
     kernel_timings: Optional[dict] = None  # GPU runs: per-kernel CUDA-event timings
     executed: bool = False  # steps executed and/or checked: wall_s is not planning alone
@@ -65,7 +66,7 @@ class RunResult:
     @property
     def oracle_device_share(self) -> Optional[float]:
         """The oracle phases' share of the executor phases' device time (GPU runs; None elsewhere)."""
-        return oracle_share(self.device_timings) if self.device_timings is not None else None
+        return oracle_share(self.device_timings, self.oracle_phases) if self.device_timings is not None else None
 
     def as_dict(self) -> dict:
         steps = max(self.stats.steps, 1)
@@ -95,13 +96,10 @@ class RunResult:
         }
 
 
-ORACLE_PHASES = ("oracle", "attn_oracle", "mla_oracle")  # the executor's phases that run the oracles
-
-
-def oracle_share(phases: list[dict]) -> Optional[float]:
-    """The oracle phases' share of the phases' total time ([{"phase", "total_s"}]); None with no time at all."""
+def oracle_share(phases: list[dict], oracle_phases: tuple[str, ...]) -> Optional[float]:
+    """The share of the phases' total time ([{"phase", "total_s"}]) in ``oracle_phases``; None with no time at all."""
     total = sum(d["total_s"] for d in phases)
-    return sum(d["total_s"] for d in phases if d["phase"] in ORACLE_PHASES) / total if total > 0 else None
+    return sum(d["total_s"] for d in phases if d["phase"] in oracle_phases) / total if total > 0 else None
 
 
 def check_workload_fits(loaded: LoadedScenario, wl: Workload) -> None:
@@ -218,6 +216,7 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
     if executor is not None:
         res.timings = [{"phase": k, "total_s": round(v, 6)} for k, v in executor.timings.items()]
         dev = executor.device_timings
+        res.oracle_phases = executor.oracle_phases
         if dev is not None:
             res.device_timings = [{"phase": k, "total_s": round(v, 6)} for k, v in dev.items()]
         if executor.kernel_timer is not None:

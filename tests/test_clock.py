@@ -74,12 +74,13 @@ def test_timings_table_with_device_columns_fits_80_columns():
     its share, the whole loop's as the phases' sum, and says the oracles' share under it."""
     res = plan_scenario(load_scenario(REPO / "scenarios/quickstart.yaml"), kernels="reference", device="cpu")
     assert res.device_timings is None and res.oracle_device_share is None
+    assert res.oracle_phases == ("oracle", "mla_oracle")  # (quickstart's layer kinds: Mamba and MLA)
     assert "device" not in " ".join(c.header for c in report.timings_table(res).columns)
     res.device_timings = [{"phase": "mamba", "total_s": 3.0}, {"phase": "copies", "total_s": 0.5},
                           {"phase": "oracle", "total_s": 2.0}, {"phase": "mla", "total_s": 3.5},
                           {"phase": "mla_oracle", "total_s": 1.0}]
     assert res.oracle_device_share == pytest.approx(0.3)
-    assert oracle_share([{"phase": "oracle", "total_s": 0.0}]) is None
+    assert oracle_share([{"phase": "oracle", "total_s": 0.0}], ("oracle",)) is None
     console = Console(width=80, record=True, color_system=None)
     console.print(report.timings_table(res))
     text = console.export_text()

@@ -128,6 +128,7 @@ class Executor:
         checked = isinstance(kernels, CheckedKernels)
         self.clock = PhaseClock(self.device, tuple(n for p in parts for n in p.PHASES)
                                 + ((CHECKS_PHASE,) if checked else ()))
+        self.oracle_phases = tuple(n for p in parts for n in p.ORACLE_PHASES)  # (the oracles' share of the loop)
         for part in (*parts, kernels):
             if hasattr(part, "verdicts"):
                 part.verdicts = self.verdicts

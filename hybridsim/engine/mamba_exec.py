@@ -57,6 +57,7 @@ WHAT = {"hit": ("ssm.cached_blocks", "prefix hit"), "run": ("ssm.running_state",
 
 class MambaExecution:
     PHASES = ("mamba", "copies", "oracle")  # what its clock times: the layers, the state copies, the oracle
+    ORACLE_PHASES = ("oracle",)  # (of those, the oracle's: the runs' oracle share)
     def __init__(self, scenario: Scenario, groups, kernels, checks: Checks, check: str, bugs: Bugs,
                  device: torch.device, blocks: BlockMap, oracle_scan, arena: Optional[PageArena] = None):
         geo = scenario.geometry().mamba

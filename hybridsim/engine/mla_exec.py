@@ -44,6 +44,7 @@ class MLAForward:
 
 class MLAExecution:
     PHASES = ("mla", "mla_oracle")  # what its clock times: the layers, the oracle
+    ORACLE_PHASES = ("mla_oracle",)  # (of those, the oracle's: the runs' oracle share)
     def __init__(self, scenario: Scenario, groups, kernels, checks: Checks, bugs: Bugs, device: torch.device,
                  blocks: BlockMap, workspace_tokens: int = 256):
         lg = scenario.geometry().mla
