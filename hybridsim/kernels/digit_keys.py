@@ -101,6 +101,7 @@ def key_parts_reference(key1: torch.Tensor, key2: torch.Tensor, rope: int, tok: 
 # what _expand_digits_kernel stores: the integers (keys, heads, D) int32; their digits (keys, heads, 3 D) int8;
 # their digits with the keys last (heads, 3 D, keys) int8 (the values' products take them so)
 INTEGERS, DIGITS, DIGITS_KEYS_LAST = 0, 1, 2
+_STORE_DIGITS, _STORE_KEYS_LAST = tl.constexpr(DIGITS), tl.constexpr(DIGITS_KEYS_LAST)  # (what a kernel may read)
 
 
 @triton.jit(do_not_specialize=["h0"])
@@ -126,11 +127,11 @@ def _expand_digits_kernel(parts, w, out, h0, LR: tl.constexpr, D: tl.constexpr, 
     for k0 in range(0, LR, BK):
         a = parts.load([0, r0, k0]).reshape(BM, BK)
         acc = tl.dot(a, tl.trans(w.load([h0 + h, c0, k0]).reshape(BN, BK)), acc, out_dtype=tl.int32)
-    if STORE == 1:
+    if STORE == _STORE_DIGITS:
         for d in tl.static_range(_DIGITS):
             dig, acc = _next_digit(acc)
             out.store([r0, h, d * D + c0], dig.to(tl.int8).reshape(BM, 1, BN))
-    elif STORE == 2:
+    elif STORE == _STORE_KEYS_LAST:
         for d in tl.static_range(_DIGITS):
             dig, acc = _next_digit(acc)
             out.store([h, d * D + c0, r0], tl.trans(dig.to(tl.int8)).reshape(1, BN, BM))
