@@ -324,6 +324,14 @@ class Prebuild:
 WORKERS = "processes"  # ``Prebuild``'s workers by default
 
 
+def _quiet_on_interrupt() -> None:
+    """A worker process ends at Ctrl-C as the system ends a process, without Python's traceback: the
+    terminal interrupts the run and its workers together, and the run says what happened once."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _pool(workers: int, kind: str):
     """The workers' pool and its kind: processes forked from this one where the system can fork, else threads."""
     if kind == "processes":
@@ -331,7 +339,8 @@ def _pool(workers: int, kind: str):
         from concurrent.futures import ProcessPoolExecutor
 
         try:
-            return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")), "processes"
+            return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                                       initializer=_quiet_on_interrupt), "processes"
         except ValueError:  # (no fork here: threads)
             pass
     return ThreadPoolExecutor(workers, thread_name_prefix="hybridsim-prebuild"), "threads"
