@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -222,3 +224,27 @@ def test_a_prebuild_reports_its_workers_and_what_they_could_not_build(kind):
     assert (report.listed, report.built, len(report.failed)) == (3, 0, 3)
     assert all("ModuleNotFoundError" in why for why in report.failed)
     assert f"(2 {kind};" in report.note()
+
+
+def test_a_worker_process_ends_quietly_at_ctrl_c(tmp_path):
+    """Ctrl-C reaches the run and its build workers together: each worker ends as the system ends a
+    process, with no Python traceback of its own (sixteen of them would bury the run's one message)."""
+    script = tmp_path / "interrupted.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, signal, sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        from hybridsim.device import prebuild as pb
+        pb.build = lambda entry: (time.sleep(30), (None, 30.0))[1]  # (forked: the workers run this)
+        run = pb.Prebuild([{{"kernel": f"k{{i}}"}} for i in range(4)], "t", workers=2, kind="processes")
+        time.sleep(1.0)
+        procs = list(run.pool._processes.values())
+        for p in procs:
+            os.kill(p.pid, signal.SIGINT)
+        for p in procs:
+            p.join(10)
+        print("exit codes", sorted(p.exitcode for p in procs), flush=True)
+        os._exit(0)
+    """))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert f"exit codes {[-signal.SIGINT] * 2}" in r.stdout, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and "KeyboardInterrupt" not in r.stderr, r.stderr
