@@ -226,14 +226,18 @@ def test_a_prebuild_reports_its_workers_and_what_they_could_not_build(kind):
     assert f"(2 {kind};" in report.note()
 
 
-def test_a_worker_process_ends_quietly_at_ctrl_c(tmp_path):
+@pytest.mark.parametrize("run_ignores_it", [False, True])
+def test_a_worker_process_ends_quietly_at_ctrl_c(tmp_path, run_ignores_it):
     """Ctrl-C reaches the run and its build workers together: each worker ends as the system ends a
-    process, with no Python traceback of its own (sixteen of them would bury the run's one message)."""
+    process, with no Python traceback of its own (sixteen of them would bury the run's one message). A run
+    that ignores Ctrl-C (started in the background) keeps its workers too: they alone must not end."""
     script = tmp_path / "interrupted.py"
     script.write_text(textwrap.dedent(f"""
         import os, signal, sys, time
         sys.path.insert(0, {str(REPO)!r})
         from hybridsim.device import prebuild as pb
+        if {run_ignores_it}:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         pb.build = lambda entry: (time.sleep(30), (None, 30.0))[1]  # (forked: the workers run this)
         run = pb.Prebuild([{{"kernel": f"k{{i}}"}} for i in range(4)], "t", workers=2, kind="processes")
         time.sleep(1.0)
@@ -241,10 +245,13 @@ def test_a_worker_process_ends_quietly_at_ctrl_c(tmp_path):
         for p in procs:
             os.kill(p.pid, signal.SIGINT)
         for p in procs:
-            p.join(10)
-        print("exit codes", sorted(p.exitcode for p in procs), flush=True)
+            p.join(3)
+        print("exit codes", sorted(-1 if p.exitcode is None else p.exitcode for p in procs), flush=True)
+        for p in procs:
+            p.kill()
         os._exit(0)
     """))
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
-    assert f"exit codes {[-signal.SIGINT] * 2}" in r.stdout, r.stdout + r.stderr
+    want = [-1, -1] if run_ignores_it else [-signal.SIGINT] * 2  # (-1: still running)
+    assert f"exit codes {want}" in r.stdout, r.stdout + r.stderr
     assert "Traceback" not in r.stderr and "KeyboardInterrupt" not in r.stderr, r.stderr

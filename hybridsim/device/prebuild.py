@@ -326,10 +326,13 @@ WORKERS = "processes"  # ``Prebuild``'s workers by default
 
 def _quiet_on_interrupt() -> None:
     """A worker process ends at Ctrl-C as the system ends a process, without Python's traceback: the
-    terminal interrupts the run and its workers together, and the run says what happened once."""
+    terminal interrupts the run and its workers together, and the run says what happened once. Only
+    where the run itself takes Ctrl-C (Python's handler, inherited): a run that ignores it (started in
+    the background, under nohup) keeps its workers ignoring it too, or they alone would end."""
     import signal
 
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _pool(workers: int, kind: str):
