@@ -125,8 +125,8 @@ def oracle_scan_for(device: torch.device):
 class KernelLists:
     """A run's kernel variants ahead of its loop (``device/prebuild.py``): the list recorded for its
     configuration, from the user's ``--kernel-variants`` file or the package's, built in worker
-    processes (``prebuild.Prebuild``) while the executor is set up; after the loop, the user's file's list for it set to
-    what the run used. Only where kernels are built: on a GPU."""
+    processes (``prebuild.Prebuild``) while the executor is set up; after the loop, the user's file's
+    list for it set to what the run used. Only where kernels are built: on a GPU."""
 
     def __init__(self, s: Scenario, kernels: str, device: str, check: str, bugs: set[str],
                  user_file=None, user_lists: Optional[dict] = None):

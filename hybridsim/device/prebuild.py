@@ -256,8 +256,9 @@ class PrebuildReport:
         """What the run's notes say: nothing where every listed variant was in the cache already."""
         if not self.built and not self.failed:
             return None
+        workers = self.kind if self.workers != 1 else {"threads": "thread", "processes": "process"}[self.kind]
         s = (f"built {self.built:,} of {self.listed:,} kernel variants ahead of the loop in {self.seconds:.1f} s "
-             f"({self.workers} {self.kind if self.workers != 1 else {'threads': 'thread'}.get(self.kind, 'process')}"
+             f"({self.workers} {workers}"
              + (f"; {self.cached:,} {'was' if self.cached == 1 else 'were'} in Triton's cache" if self.cached else "")
              + f"; the list: {self.source})")
         if self.failed:
