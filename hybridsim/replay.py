@@ -22,6 +22,7 @@ from .config import Scenario
 from .errors import InputError
 from .bugs import check_bugs_apply, inapplicable_bugs
 from .execute import KernelLists, make_executor
+from .runner import phase_rows
 from .trace import Trace, read_trace
 from .trace_verify import CHECK as VERIFY_CHECK, verify_trace
 from .vllm_recorded import is_vllm_recording
@@ -52,9 +53,8 @@ class ReplayResult:
                                                      "wall_s": round(self.wall_s, 6), "notes": self.notes},
                 "checks": self.checks.as_list(),
                 "first_divergence": dict(sorted(self.checks.divergence.items(), key=lambda kv: kv[1])),
-                "timings": [{"phase": k, "total_s": round(v, 6)} for k, v in self.timings.items()],
-                **({"device_timings": [{"phase": k, "total_s": round(v, 6)} for k, v in self.device_timings.items()]}
-                   if self.device_timings is not None else {}),
+                "timings": phase_rows(self.timings),
+                **({"device_timings": phase_rows(self.device_timings)} if self.device_timings is not None else {}),
                 "kernel_timings": self.kernel_timings, "memory": self.memory}
 
 

@@ -96,6 +96,11 @@ class RunResult:
         }
 
 
+def phase_rows(seconds: dict[str, float]) -> list[dict]:
+    """Phases' times ({phase: seconds}) as ``--json`` rows: [{"phase", "total_s"}]."""
+    return [{"phase": k, "total_s": round(v, 6)} for k, v in seconds.items()]
+
+
 def oracle_share(phases: list[dict], oracle_phases: tuple[str, ...]) -> Optional[float]:
     """The share of the phases' total time ([{"phase", "total_s"}]) in ``oracle_phases``; None with no time at all."""
     total = sum(d["total_s"] for d in phases)
@@ -214,11 +219,11 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
     from .units import whole_block_hit_tokens
     res.whole_block_hit_tokens = whole_block_hit_tokens(s, wl)  # (planning only: after the timed loop)
     if executor is not None:
-        res.timings = [{"phase": k, "total_s": round(v, 6)} for k, v in executor.timings.items()]
+        res.timings = phase_rows(executor.timings)
         dev = executor.device_timings
         res.oracle_phases = executor.oracle_phases
         if dev is not None:
-            res.device_timings = [{"phase": k, "total_s": round(v, 6)} for k, v in dev.items()]
+            res.device_timings = phase_rows(dev)
         if executor.kernel_timer is not None:
             res.kernel_timings = executor.kernel_timer.summary()
         res.memory = executor.memory_report()
