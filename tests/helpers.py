@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import torch
+
 from hybridsim.config import parse_scenario
 from hybridsim.simulate import Simulation
 from hybridsim.workload import build_workload
@@ -44,3 +46,24 @@ def compile_for_hopper(script: str, *args: str) -> str:
         pytest.skip(f"no Triton NVIDIA tool chain here: {r.stderr.strip().splitlines()[-1]}")
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
+
+
+def mla_decode_case(B: int, nq: int, H: int, L: int, R: int, page: int, lens: list[int], dtype: torch.dtype,
+                    gen: torch.Generator, device="cpu"):
+    """An MLA decode call's inputs: a latent cache whose rows' pages lie in shuffled order, every page no
+    row names NaN (a read past a row's end reaches the outputs), and fresh random queries: q_lat (B, nq, H,
+    L), q_pe (B, nq, H, R), cache (pages, page, L + R) in ``dtype``, block table (B, most blocks), on ``device``."""
+    max_blocks = max(-(-n // page) for n in lens)
+    pages = B * max_blocks + 3
+    cache = torch.full((pages, page, L + R), float("nan"), dtype=dtype)
+    table = torch.zeros(B, max_blocks, dtype=torch.int64)
+    perm = torch.randperm(pages - 1, generator=gen) + 1
+    k = 0
+    for b, n in enumerate(lens):
+        for j in range(-(-n // page)):
+            table[b, j] = perm[k]
+            cache[perm[k]] = torch.randn(page, L + R, generator=gen).to(dtype)
+            k += 1
+    q_lat = torch.randn(B, nq, H, L, generator=gen)
+    q_pe = torch.randn(B, nq, H, R, generator=gen)
+    return q_lat.to(device), q_pe.to(device), cache.to(device), table.to(device)

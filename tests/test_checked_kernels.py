@@ -15,6 +15,8 @@ from hybridsim.kernels.checked import REFERENCE_MAX_QUERIES, CheckedKernels
 from hybridsim.kernels.reference import (LENGTH_PAD, LENGTH_SLACK, ReferenceKernels, length_groups,
                                          takes_host_lengths)
 
+from .helpers import mla_decode_case
+
 
 class Wrong(ReferenceKernels):
     """Each kernel off in one element."""
@@ -151,21 +153,9 @@ def test_length_groups_hold_every_row_once_within_their_padding_bound(lens, slac
         assert len(groups) == 1  # rows of one length: one call, no padding
 
 
-def _spread_case(gen, B: int, nq: int, lens: list[int], page: int = 8, H: int = 3, L: int = 32, R: int = 8):
-    """A latent cache of bf16 pages in shuffled order, every page no row names NaN (a padded read
-    of one would reach the outputs), and fresh random queries."""
-    blocks = [-(-n // page) for n in lens]
-    pages = sum(blocks) + 2
-    cache = torch.full((pages, page, L + R), float("nan"), dtype=torch.bfloat16)
-    table = torch.zeros(B, max(blocks), dtype=torch.int64)
-    perm = (torch.randperm(pages - 1, generator=gen) + 1).tolist()
-    for b, nb in enumerate(blocks):
-        for j in range(nb):
-            p = perm.pop()
-            table[b, j] = p
-            cache[p] = torch.randn(page, L + R, generator=gen).to(torch.bfloat16)
-    return (torch.randn(B, nq, H, L, generator=gen), torch.randn(B, nq, H, R, generator=gen), cache, table,
-            torch.tensor(lens))
+def _spread_case(gen, B: int, nq: int, lens: list[int], dev="cpu"):
+    """``mla_decode_case`` at small widths over a bf16 cache, and the rows' lengths on ``dev``."""
+    return (*mla_decode_case(B, nq, 3, 32, 8, 8, lens, torch.bfloat16, gen, dev), torch.tensor(lens, device=dev))
 
 
 @pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -173,7 +163,7 @@ def _spread_case(gen, B: int, nq: int, lens: list[int], page: int = 8, H: int = 
 def test_the_reference_in_length_groups_gives_each_row_what_one_call_does(nq, dev):
     gen = torch.Generator().manual_seed(5 + nq)
     lens = [7000, 9, 1300, 6500, 2, 640, 6990, 17, 3000, 5]  # spread: several groups at either slack
-    q_lat, q_pe, cache, table, seq = (x.to(dev) for x in _spread_case(gen, len(lens), nq, lens))
+    q_lat, q_pe, cache, table, seq = _spread_case(gen, len(lens), nq, lens, dev)
     ref = ReferenceKernels()
     assert len(length_groups(lens, LENGTH_SLACK[dev])) >= 2
     want = ref.mla_decode(q_lat, q_pe, cache, table, seq, 32, 0.17, max_seq_len=max(lens))
@@ -222,7 +212,7 @@ def test_an_mla_run_hands_the_checks_its_decode_rows_lengths_on_the_host(monkeyp
     import hybridsim.execute as execute
     from hybridsim.config import load_scenario
     from hybridsim.runner import plan_scenario
-    from tests.conftest import REPO
+    from .conftest import REPO
 
     class Plugin(ReferenceKernels):  # (checked: not the reference provider itself)
         name = "plugin"

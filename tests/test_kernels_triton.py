@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from .kernel_env import DEV, REF, TRI  # (first: the interpreter where there is no GPU)
+from .helpers import mla_decode_case  # noqa: E402
 
 from hybridsim.kernels.triton_kernels import fused_state_copy  # noqa: E402
 
@@ -121,20 +122,7 @@ def test_merge_states_with_guards():
 # ----------------------------------------------------------------------------- MLA decode
 
 def _mla_case(B, nq, H, L, R, page, lens, dtype, gen):
-    max_blocks = max(-(-n // page) for n in lens)
-    pages = B * max_blocks + 3
-    cache = torch.full((pages, page, L + R), float("nan"), dtype=dtype)
-    table = torch.zeros(B, max_blocks, dtype=torch.int64)
-    perm = torch.randperm(pages - 1, generator=gen) + 1
-    k = 0
-    for b, n in enumerate(lens):
-        for j in range(-(-n // page)):
-            table[b, j] = perm[k]
-            cache[perm[k]] = torch.randn(page, L + R, generator=gen).to(dtype)
-            k += 1
-    q_lat = torch.randn(B, nq, H, L, generator=gen)
-    q_pe = torch.randn(B, nq, H, R, generator=gen)
-    return q_lat.to(DEV), q_pe.to(DEV), cache.to(DEV), table.to(DEV)
+    return mla_decode_case(B, nq, H, L, R, page, lens, dtype, gen, DEV)
 
 
 @pytest.mark.parametrize("tma", [False, True], ids=["pointer-loads", "tensor-descriptors"])
