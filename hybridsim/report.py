@@ -159,11 +159,13 @@ def timings_table(res: RunResult) -> Table:
         t.add_row(*cells)
     notes = []
     if dev is not None:
-        share = res.oracle_device_share
+        share, checking = res.oracle_device_share, res.checking_device_share
         notes.append("device: CUDA events on the run's stream where each phase starts and ends (a phase's time "
                      "includes the device waiting for its launches); the whole loop's: the phases' sum"
                      + (f"; the oracles ({', '.join(p for p in dev if p in res.oracle_phases)}) "
-                        f"{100 * share:.1f}% of it" if share is not None else ""))
+                        f"{100 * share:.1f}% of it" if share is not None else "")
+                     + (f", checking in all ({', '.join(p for p in dev if p in res.check_phases)}) "
+                        f"{100 * checking:.1f}%, the system's own work the rest" if checking is not None else ""))
     if res.kernel_builds:
         notes.append(builds_caption(res.kernel_builds, res.kernel_compiles))
     if notes:

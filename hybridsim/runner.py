@@ -49,6 +49,7 @@ class RunResult:
     timings: list[dict] = field(default_factory=list)
     device_timings: Optional[list[dict]] = None  # GPU runs: the executor's phases' device time (device/clock.py)
     oracle_phases: tuple[str, ...] = ()  # which of the executor's phases run the oracles (its layer kinds say)
+    check_phases: tuple[str, ...] = ()  # which check rather than run the system: the oracles' and every other check's
     steps: list[StepRecord] = field(default_factory=list)
     kernel_timings: Optional[dict] = None  # GPU runs: per-kernel CUDA-event timings
     executed: bool = False  # steps executed and/or checked: wall_s is not planning alone
@@ -66,7 +67,13 @@ class RunResult:
     @property
     def oracle_device_share(self) -> Optional[float]:
         """The oracle phases' share of the executor phases' device time (GPU runs; None elsewhere)."""
-        return oracle_share(self.device_timings, self.oracle_phases) if self.device_timings is not None else None
+        return phase_share(self.device_timings, self.oracle_phases) if self.device_timings is not None else None
+
+    @property
+    def checking_device_share(self) -> Optional[float]:
+        """Every checking phase's share (the oracles, cross-checks such as ``mla_paths``, the kernel checks): what is
+        left is the system's own work (GPU runs; None elsewhere)."""
+        return phase_share(self.device_timings, self.check_phases) if self.device_timings is not None else None
 
     def as_dict(self) -> dict:
         steps = max(self.stats.steps, 1)
@@ -85,7 +92,8 @@ class RunResult:
                 {"phase": "wall", "total_s": round(self.wall_s, 6),
                  "steps_per_s": round(self.stats.steps / self.wall_s, 1) if self.wall_s else None},
             ],
-            **({"device_timings": self.device_timings, "oracle_device_share": self.oracle_device_share}
+            **({"device_timings": self.device_timings, "oracle_device_share": self.oracle_device_share,
+                "checking_device_share": self.checking_device_share}
                if self.device_timings is not None else {}),
             "kernel_timings": self.kernel_timings,
             **({"kernel_builds": self.kernel_builds} if self.kernel_builds is not None else {}),
@@ -101,10 +109,10 @@ def phase_rows(seconds: dict[str, float]) -> list[dict]:
     return [{"phase": k, "total_s": round(v, 6)} for k, v in seconds.items()]
 
 
-def oracle_share(phases: list[dict], oracle_phases: tuple[str, ...]) -> Optional[float]:
-    """The share of the phases' total time ([{"phase", "total_s"}]) in ``oracle_phases``; None with no time at all."""
+def phase_share(phases: list[dict], of: tuple[str, ...]) -> Optional[float]:
+    """The share of the phases' total time ([{"phase", "total_s"}]) in the phases ``of``; None with no time at all."""
     total = sum(d["total_s"] for d in phases)
-    return sum(d["total_s"] for d in phases if d["phase"] in oracle_phases) / total if total > 0 else None
+    return sum(d["total_s"] for d in phases if d["phase"] in of) / total if total > 0 else None
 
 
 def check_workload_fits(loaded: LoadedScenario, wl: Workload) -> None:
@@ -222,6 +230,7 @@ def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, chec
         res.timings = phase_rows(executor.timings)
         dev = executor.device_timings
         res.oracle_phases = executor.oracle_phases
+        res.check_phases = executor.check_phases
         if dev is not None:
             res.device_timings = phase_rows(dev)
         if executor.kernel_timer is not None:

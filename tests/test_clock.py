@@ -11,7 +11,7 @@ from rich.console import Console
 from hybridsim import report
 from hybridsim.config import load_scenario
 from hybridsim.device.clock import PhaseClock
-from hybridsim.runner import oracle_share, plan_scenario
+from hybridsim.runner import phase_share, plan_scenario
 
 from .conftest import REPO
 
@@ -76,11 +76,14 @@ def test_timings_table_with_device_columns_fits_80_columns():
     assert res.device_timings is None and res.oracle_device_share is None
     assert res.oracle_phases == ("oracle", "mla_oracle")  # (quickstart's layer kinds: Mamba and MLA)
     assert "device" not in " ".join(c.header for c in report.timings_table(res).columns)
+    # (the reference provider is not checked against itself: no kernel checks phase here)
+    assert res.check_phases == ("oracle", "mla_oracle", "mla_paths")
     res.device_timings = [{"phase": "mamba", "total_s": 3.0}, {"phase": "copies", "total_s": 0.5},
-                          {"phase": "oracle", "total_s": 2.0}, {"phase": "mla", "total_s": 3.5},
-                          {"phase": "mla_oracle", "total_s": 1.0}]
+                          {"phase": "oracle", "total_s": 2.0}, {"phase": "mla", "total_s": 2.5},
+                          {"phase": "mla_paths", "total_s": 1.0}, {"phase": "mla_oracle", "total_s": 1.0}]
     assert res.oracle_device_share == pytest.approx(0.3)
-    assert oracle_share([{"phase": "oracle", "total_s": 0.0}], ("oracle",)) is None
+    assert res.checking_device_share == pytest.approx(0.4)
+    assert phase_share([{"phase": "oracle", "total_s": 0.0}], ("oracle",)) is None
     console = Console(width=80, record=True, color_system=None)
     console.print(report.timings_table(res))
     text = console.export_text()
@@ -91,4 +94,17 @@ def test_timings_table_with_device_columns_fits_80_columns():
     whole = next(line for line in text.splitlines() if "whole loop" in line)
     assert f"{1e7 / steps:,.1f} µs" in whole and "100.0%" in whole
     assert "(oracle, mla_oracle) 30.0% of it" in " ".join(text.split())
+    assert "checking in all (oracle, mla_paths, mla_oracle) 40.0%" in " ".join(text.split())
     assert res.as_dict()["oracle_device_share"] == pytest.approx(0.3)
+    assert res.as_dict()["checking_device_share"] == pytest.approx(0.4)
+
+
+def test_decode_path_over_prefill_rows_is_a_checking_phase():
+    """The engine runs a prefill row through the prefill path only: the decode path's calls that serve no decode
+    row are there for ``mla.paths`` alone and are timed as ``mla_paths``, a checking phase, not the system's
+    ``mla``; the check itself still compares every prefill row's two paths."""
+    res = plan_scenario(load_scenario(REPO / "scenarios/quickstart.yaml"), kernels="reference", device="cpu")
+    host = {t["phase"]: t["total_s"] for t in res.timings}
+    assert host["mla_paths"] > 0 and host["mla"] > 0
+    paths = res.checks.tallies["mla.paths"]
+    assert paths.count > 0 and paths.failures == 0

@@ -37,6 +37,9 @@ def test_gpu_run_and_replay_report_kernel_timings(tmp_path):
     assert list(dev) == [d["phase"] for d in res.timings if d["phase"] not in ("device wait", "verdicts")]
     assert all(v > 0 for k, v in dev.items() if k != "copies") and sum(dev.values()) < res.wall_s
     assert 0 < res.oracle_device_share < 1 and res.as_dict()["oracle_device_share"] == res.oracle_device_share
+    # every check's share: the oracles', the MLA prefill rows' decode path (mla_paths) and the kernel checks'
+    assert {"mla_paths", "kernel checks"} <= set(res.check_phases)
+    assert res.oracle_device_share < res.checking_device_share < 1
     rep = replay_trace(trace, kernels="triton", device="cuda")
     assert not rep.failed
     _assert_timings(rep.kernel_timings)

@@ -184,7 +184,10 @@ class AttentionExecution:
             outs.append(self.k.paged_attention(q[layer], kc, vc, table, qsl, seq_t, self.stack.scale,
                                                max_seq_len=max(seq), past_end_bug=past_end))
         hit_rows = [i for i, s in enumerate(plan.scheduled) if s.is_new and s.num_computed_tokens > 0]
-        hit_bad = self._compare_hits(plan, reqs, hit_rows, tables) if hit_rows else None
+        hit_bad = None
+        if hit_rows:
+            with self.clock.phase("attn_oracle"):  # (the hits' K/V from their tokens: the oracle's comparison)
+                hit_bad = self._compare_hits(plan, reqs, hit_rows, tables)
         self._hold(plan, reqs)
         return AttentionForward(outs, starts, hit_rows, [-(-cs[i] // bs) for i in hit_rows], hit_bad)
 

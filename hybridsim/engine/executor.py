@@ -129,6 +129,9 @@ class Executor:
         self.clock = PhaseClock(self.device, tuple(n for p in parts for n in p.PHASES)
                                 + ((CHECKS_PHASE,) if checked else ()))
         self.oracle_phases = tuple(n for p in parts for n in p.ORACLE_PHASES)  # (the oracles' share of the loop)
+        # every phase that checks rather than runs the system: the oracles, the cross-checks, the kernel checks
+        self.check_phases = self.oracle_phases + tuple(n for p in parts for n in getattr(p, "CHECK_PHASES", ())) \
+            + ((CHECKS_PHASE,) if checked else ())
         for part in (*parts, kernels):
             if hasattr(part, "verdicts"):
                 part.verdicts = self.verdicts

@@ -8,6 +8,11 @@ decode row's output is the decode path's, a prefill row's the prefill path's, an
 prefill rows the two must agree (``mla.paths``). After the outcome every committed
 token's output is compared with the float64 oracle (``mla.output``); the comparisons of
 a step come back to the host in one transfer.
+
+The engine runs a prefill row through the prefill path only: the decode path's calls that
+serve no decode row exist for ``mla.paths`` alone, so the clock gives them a phase of their
+own (``mla_paths``: checking, not the system's work; a call that also serves a decode row
+stays the system's), and the hits' latent comparisons are the oracle's (``mla_oracle``).
 """
 
 from __future__ import annotations
@@ -43,8 +48,10 @@ class MLAForward:
 
 
 class MLAExecution:
-    PHASES = ("mla", "mla_oracle")  # what its clock times: the layers, the oracle
+    PHASES = ("mla", "mla_paths", "mla_oracle")  # what its clock times: the layers, the paths' cross-check, the oracle
     ORACLE_PHASES = ("mla_oracle",)  # (of those, the oracle's: the runs' oracle share)
+    CHECK_PHASES = ("mla_paths",)  # (and checks other than the oracle: with it, the runs' checking share)
+
     def __init__(self, scenario: Scenario, groups, kernels, checks: Checks, bugs: Bugs, device: torch.device,
                  blocks: BlockMap, workspace_tokens: int = 256):
         lg = scenario.geometry().mla
@@ -107,21 +114,9 @@ class MLAExecution:
             self.k.concat_and_cache(lat, slots, cache)
             decoded: list[Optional[torch.Tensor]] = [None] * len(ns)
             for n, idx in by_n.items():  # the absorbed decode path, one call per query count
-                sel = gather[n]
-                with matmul_tf32(tf32):  # (the kernel reads the absorbed queries in the cache's 16 bits)
-                    q_lat = probe.absorb(q_nope[sel]).to(torch.float32).view(len(idx), n, probe.geo.heads, -1)
-                qp = q_pe[sel].view(len(idx), n, probe.geo.heads, -1)
-                lens = [cs[i] + n for i in idx]
-                rows_d = to_device(torch.tensor(idx, dtype=torch.int64), dev)
-                hint = {"seq_lens_cpu": lens} if self.host_lengths else {}
-                o_lat, _ = self.k.mla_decode(q_lat, qp, cache, table.index_select(0, rows_d),
-                                             to_device(torch.tensor(lens, dtype=torch.int64), dev),
-                                             probe.geo.kv_lora_rank, probe.scale, num_splits=0, max_seq_len=max(lens),
-                                             **hint)
-                with matmul_tf32(tf32):  # (float32 sums of TF32 products: well inside the 16-bit tolerance)
-                    o = probe.unabsorb(o_lat)
-                for j, i in enumerate(idx):
-                    decoded[i] = o[j]
+                phase = "mla" if decode_rows.intersection(idx) else "mla_paths"  # (prefill rows only: a check's)
+                with self.clock.phase(phase):
+                    self._decode_path(probe, n, idx, gather[n], q_nope, q_pe, cache, table, cs, tf32, decoded)
             layer_out = []
             for i, (c, n) in enumerate(zip(cs, ns)):
                 if i in decode_rows:
@@ -134,8 +129,28 @@ class MLAExecution:
             outs.append(layer_out)
         partial = [i for i, s in enumerate(plan.scheduled) if s.is_new and s.num_computed_tokens % self.bs]
         if partial:
-            self._check_partial_hits(plan, reqs, partial, tables)
+            with self.clock.phase("mla_oracle"):  # (the hits' latents from their tokens: the oracle's comparison)
+                self._check_partial_hits(plan, reqs, partial, tables)
         return MLAForward(outs, paths)
+
+    def _decode_path(self, probe: MLAProbe, n: int, idx: list[int], sel: torch.Tensor, q_nope, q_pe, cache, table,
+                     cs: list[int], tf32: bool, decoded: list) -> None:
+        """The absorbed decode path for the rows ``idx`` of n queries each (their tokens ``sel``), in one
+        ``mla_decode`` call: each row's output into ``decoded``."""
+        dev = self.device
+        with matmul_tf32(tf32):  # (the kernel reads the absorbed queries in the cache's 16 bits)
+            q_lat = probe.absorb(q_nope[sel]).to(torch.float32).view(len(idx), n, probe.geo.heads, -1)
+        qp = q_pe[sel].view(len(idx), n, probe.geo.heads, -1)
+        lens = [cs[i] + n for i in idx]
+        rows_d = to_device(torch.tensor(idx, dtype=torch.int64), dev)
+        hint = {"seq_lens_cpu": lens} if self.host_lengths else {}
+        o_lat, _ = self.k.mla_decode(q_lat, qp, cache, table.index_select(0, rows_d),
+                                     to_device(torch.tensor(lens, dtype=torch.int64), dev),
+                                     probe.geo.kv_lora_rank, probe.scale, num_splits=0, max_seq_len=max(lens), **hint)
+        with matmul_tf32(tf32):  # (float32 sums of TF32 products: well inside the 16-bit tolerance)
+            o = probe.unabsorb(o_lat)
+        for j, i in enumerate(idx):
+            decoded[i] = o[j]
 
     def _check_partial_hits(self, plan: StepPlan, reqs, hit_rows: list[int], tables) -> None:
         """``mla.cached_blocks``: a hit that ends inside a block (partial-block prefix hits) hands
