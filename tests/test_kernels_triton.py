@@ -224,12 +224,15 @@ def test_gpu_mla_decode_deepseek_shapes_bf16(nq, page, splits):
 @pytest.mark.parametrize("impl", ["gluon", "seesaw", "triton"])
 @pytest.mark.parametrize("nq,H,lens,splits", [(1, 128, [4096, 1000, 2, 333, 0], 0), (2, 128, [700, 65, 3], 3),
                                               (4, 128, [130, 64, 4097], 0), (1, 40, [1000, 1, 77], 2),
-                                              (1, 128, [4096, 100, 0], 8)])
+                                              (1, 128, [4096, 100, 0], 8),
+                                              (48, 40, [48, 300, 1111], 0), (24, 128, [24, 900, 150], 2)])
 def test_gpu_mla_decode_both_split_kernels(impl, nq, H, lens, splits):
     """The Gluon (Hopper: the split kernel and the two-warp-group one) and Triton split kernels, each forced, at page 64: partial last tiles over
     NaN rows, a request with no key (0 and -inf), splits past short requests, spec-decode queries,
-    40 heads (a 64-row tile reaching into the next request's queries and past the last one), and
-    8 splits (the Gluon kernel merges 2 in its last program, more in the combine kernel)."""
+    40 heads (a 64-row tile reaching into the next request's queries and past the last one),
+    8 splits (the Gluon kernel merges 2 in its last program, more in the combine kernel), and a prefill
+    chunk's many queries (``mla.paths``: the Gluon kernel stops at each row tile's last visible key, so a
+    chunk that starts its sequence leaves later splits empty for its first tokens' rows)."""
     from hybridsim.kernels.mla_gluon import gluon_applies
 
     gen = torch.Generator().manual_seed(nq * 31 + H + len(lens))

@@ -71,6 +71,12 @@ if HAVE_GLUON:
 
         mt, sp, b, seq_len, k_start, k_end, n_tiles, table = _program_keys(seq_lens, block_table, max_blocks,
                                                                            keys_per_split, BLOCK_N)
+        # no tile past the one holding the key of the tile's last query row (keys beyond it are under the
+        # causal mask for every row here): a request of many query tokens (the decode path over a prefill
+        # chunk, ``mla.paths``) would walk every key for its first token's rows too, twice the tiles a
+        # chunk that starts the sequence needs. A split left with none writes 0 and -inf.
+        last_q = (gl.minimum(mt * BLOCK_M + BLOCK_M, M) - 1) // H
+        n_tiles = gl.minimum(n_tiles, gl.cdiv(gl.maximum(seq_len - nq + last_q + 1 - k_start, 0), BLOCK_N))
         pair = counters + 4 * (b * gl.num_programs(0) + mt)  # this row tile's counters (two splits)
 
         # ---- shared memory: queries once, a ring of latent tiles, P, barriers
