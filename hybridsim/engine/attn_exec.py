@@ -64,6 +64,7 @@ class AttentionForward:
 class AttentionExecution:
     PHASES = ("attn", "attn_oracle")  # what its clock times: the layers, the oracle
     ORACLE_PHASES = ("attn_oracle",)  # (of those, the oracle's: the runs' oracle share)
+    CHECK_PHASES: tuple[str, ...] = ()  # (no checks besides the oracle's run in a phase of their own)
     def __init__(self, scenario: Scenario, groups, kernels, checks: Checks, bugs: Bugs, device: torch.device,
                  blocks: BlockMap, arena: Optional[PageArena] = None):
         geo = scenario.geometry().attention

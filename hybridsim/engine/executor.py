@@ -130,7 +130,7 @@ class Executor:
                                 + ((CHECKS_PHASE,) if checked else ()))
         self.oracle_phases = tuple(n for p in parts for n in p.ORACLE_PHASES)  # (the oracles' share of the loop)
         # every phase that checks rather than runs the system: the oracles, the cross-checks, the kernel checks
-        self.check_phases = self.oracle_phases + tuple(n for p in parts for n in getattr(p, "CHECK_PHASES", ())) \
+        self.check_phases = self.oracle_phases + tuple(n for p in parts for n in p.CHECK_PHASES) \
             + ((CHECKS_PHASE,) if checked else ())
         for part in (*parts, kernels):
             if hasattr(part, "verdicts"):

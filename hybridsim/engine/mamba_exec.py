@@ -58,6 +58,7 @@ WHAT = {"hit": ("ssm.cached_blocks", "prefix hit"), "run": ("ssm.running_state",
 class MambaExecution:
     PHASES = ("mamba", "copies", "oracle")  # what its clock times: the layers, the state copies, the oracle
     ORACLE_PHASES = ("oracle",)  # (of those, the oracle's: the runs' oracle share)
+    CHECK_PHASES: tuple[str, ...] = ()  # (no checks besides the oracle's run in a phase of their own)
     def __init__(self, scenario: Scenario, groups, kernels, checks: Checks, check: str, bugs: Bugs,
                  device: torch.device, blocks: BlockMap, oracle_scan, arena: Optional[PageArena] = None):
         geo = scenario.geometry().mamba
