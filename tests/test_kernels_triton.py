@@ -127,10 +127,12 @@ def _mla_case(B, nq, H, L, R, page, lens, dtype, gen):
 
 @pytest.mark.parametrize("tma", [False, True], ids=["pointer-loads", "tensor-descriptors"])
 @pytest.mark.parametrize("nq,H,page,lens", [(1, 8, 16, [37, 1, 64]), (3, 5, 32, [33, 7, 96]),
-                                            (4, 16, 64, [130, 4])])
+                                            (4, 16, 64, [130, 4]), (20, 4, 16, [20, 70, 45])])
 def test_mla_decode_matches_reference(nq, H, page, lens, tma):
     """Both load paths: masked pointer loads, and whole page slices through tensor
-    descriptors (TMA on the GPU) with the partial last tile through pointer loads."""
+    descriptors (TMA on the GPU) with the partial last tile through pointer loads; and a prefill
+    chunk's 20 queries (two row tiles, each stopping at its last row's last visible key: a split
+    past a chunk that starts its sequence is empty for its first tokens' rows)."""
     gen = torch.Generator().manual_seed(nq * 7 + H)
     L, R = 64, 16
     lens = [max(n, nq) for n in lens]

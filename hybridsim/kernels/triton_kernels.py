@@ -284,16 +284,20 @@ def _mla_split_kernel(q_lat, q_pe, cache, kv_desc, kr_desc, block_table, seq_len
     acc_hi = tl.zeros([BLOCK_M, HALF], tl.float32)
     k_start = sp * keys_per_split
     k_end = tl.minimum(k_start + keys_per_split, seq_len)
+    # no tile at or past the tile's last query row's last visible key (the causal mask hides those keys from
+    # every row here: a prefill chunk through this path, ``mla.paths``, would walk them for its first tokens)
+    vis_end = tl.minimum(k_end, seq_len - nq + (tl.minimum(mt * BLOCK_M + BLOCK_M, M) - 1) // H + 1)
+    stop = k_start + tl.cdiv(tl.maximum(vis_end - k_start, 0), BLOCK_N) * BLOCK_N
     table = block_table + b * max_blocks
     if TMA:
         tail = k_start + tl.maximum(k_end - k_start, 0) // BLOCK_N * BLOCK_N
-        for n0 in tl.range(k_start, tail, BLOCK_N, num_stages=NUM_STAGES):
+        for n0 in tl.range(k_start, tl.minimum(tail, stop), BLOCK_N, num_stages=NUM_STAGES):
             row = tl.load(table + n0 // PAGE).to(tl.int32) * PAGE + n0 % PAGE
             kpos = n0 + tl.arange(0, BLOCK_N)
             m_i, l_i, acc_lo, acc_hi = _attend_tile(q_lo, q_hi, q_r, kv_desc.load([row, 0]), kv_desc.load([row, HALF]),
                                                     kr_desc.load([row, L]), kpos[None, :] <= qpos[:, None],
                                                     m_i, l_i, acc_lo, acc_hi, qk_scale_log2, LOW_PRECISION)
-        if tail < k_end:  # the partial last tile: rows past the end may hold anything, so zero them
+        if (tail < k_end) & (tail < stop):  # the partial last tile: rows past the end may hold anything: zero them
             row = tl.load(table + tail // PAGE).to(tl.int32) * PAGE + tail % PAGE
             kpos = tail + tl.arange(0, BLOCK_N)
             kmask = kpos < k_end
@@ -304,7 +308,7 @@ def _mla_split_kernel(q_lat, q_pe, cache, kv_desc, kr_desc, block_table, seq_len
                                                     kmask[None, :] & (kpos[None, :] <= qpos[:, None]),
                                                     m_i, l_i, acc_lo, acc_hi, qk_scale_log2, LOW_PRECISION)
     else:
-        for n0 in tl.range(k_start, k_end, BLOCK_N, num_stages=NUM_STAGES):
+        for n0 in tl.range(k_start, tl.minimum(k_end, stop), BLOCK_N, num_stages=NUM_STAGES):
             kpos = n0 + tl.arange(0, BLOCK_N)
             kmask = kpos < k_end
             blk = tl.load(table + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
