@@ -17,6 +17,9 @@ Here the layouts, shared buffers and barriers are explicit:
   of the 512 output columns (warps [4, 2] on the accumulator, 128 registers a thread);
 * the last partial tile has the rows past the sequence end zeroed in shared memory
   (unused cache rows may hold anything, NaN included), as the Triton kernel does;
+* a row tile stops at its last row's last visible key (bottom-right causal mask), as the Triton
+  kernel does: a prefill chunk sent through the decode path (``mla.paths``) would otherwise walk
+  every key of the chunk for its first tokens' rows;
 * the normalised result leaves through shared memory (the latent ring, free by then) as whole
   512-byte rows: the accumulator's own layout makes global accesses 4x as costly per byte;
 * with 2 splits the pair merges itself, no combine launch: in a one-wave grid each program
