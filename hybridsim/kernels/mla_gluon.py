@@ -220,10 +220,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _program_keys(seq_lens, block_table, max_blocks, keys_per_split, BLOCK_N: gl.constexpr):
         """This program's row tile, split and request, the request's length, the keys of its split
-        [k_start, k_end), their number of tiles and the request's block-table row. Row tiles go last
-        first: a request of many query tokens (a prefill chunk through the decode path) has its later
-        tokens' tiles walk the most keys, and they start first, the short ones filling in after."""
-        mt = gl.num_programs(0) - 1 - gl.program_id(0)
+        [k_start, k_end), their number of tiles and the request's block-table row."""
+        mt = gl.program_id(0)
         sp = gl.program_id(1)
         b = gl.program_id(2).to(gl.int64)
         seq_len = gl.load(seq_lens + b).to(gl.int32)

@@ -260,7 +260,7 @@ def _mla_split_kernel(q_lat, q_pe, cache, kv_desc, kr_desc, block_table, seq_len
     natural log. Bottom-right causal mask: query token t of nq sees keys up to
     seq_len - nq + t. A split with no visible key writes 0 and -inf.
     """
-    mt = tl.num_programs(0) - 1 - tl.program_id(0)  # (the last tokens' row tiles walk the most keys: first)
+    mt = tl.program_id(0)
     sp = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     num_b = tl.num_programs(2)
