@@ -22,7 +22,7 @@ from .config import Scenario
 from .errors import InputError
 from .bugs import check_bugs_apply, inapplicable_bugs
 from .execute import KernelLists, make_executor
-from .runner import phase_rows
+from .runner import phase_rows, phase_share
 from .trace import Trace, read_trace
 from .trace_verify import CHECK as VERIFY_CHECK, verify_trace
 from .vllm_recorded import is_vllm_recording
@@ -43,10 +43,20 @@ class ReplayResult:
     kernel_timings: Optional[dict] = None  # GPU runs: per-kernel CUDA-event timings
     memory: Optional[dict] = None  # the memory plan and, on a GPU, the measured peak
     device_timings: Optional[dict] = None  # GPU replays: the executor's phases' device time (device/clock.py)
+    oracle_phases: tuple[str, ...] = ()  # which of those run the oracles, and which check (as ``RunResult``'s)
+    check_phases: tuple[str, ...] = ()
 
     @property
     def failed(self) -> bool:
         return self.checks.failed
+
+    def device_shares(self) -> dict:
+        """The oracles' and every check's share of the phases' device time, as a run reports them (GPU replays)."""
+        if self.device_timings is None:
+            return {}
+        rows = phase_rows(self.device_timings)
+        return {"oracle_device_share": phase_share(rows, self.oracle_phases),
+                "checking_device_share": phase_share(rows, self.check_phases)}
 
     def as_dict(self) -> dict:
         return {"trace": str(self.path), "summary": {"steps": self.steps, "requests": self.requests,
@@ -55,7 +65,7 @@ class ReplayResult:
                 "first_divergence": dict(sorted(self.checks.divergence.items(), key=lambda kv: kv[1])),
                 "timings": phase_rows(self.timings),
                 **({"device_timings": phase_rows(self.device_timings)} if self.device_timings is not None else {}),
-                "kernel_timings": self.kernel_timings, "memory": self.memory}
+                **self.device_shares(), "kernel_timings": self.kernel_timings, "memory": self.memory}
 
 
 @dataclass
@@ -131,7 +141,7 @@ def replay_trace(path: str | Path, *, check: str = "full", bugs: Optional[set[st
     return ReplayResult(Path(path), len(tr.steps), len(tr.requests), checks, wall, notes,
                         {"verify schedule": t_verify, **ex.timings},
                         ex.state_digests(), ex.kernel_timer.summary() if ex.kernel_timer is not None else None,
-                        ex.memory_report(), ex.device_timings)
+                        ex.memory_report(), ex.device_timings, ex.oracle_phases, ex.check_phases)
 
 
 def _refuse_uncopied_hits(steps, block_size: int, path) -> None:

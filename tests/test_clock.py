@@ -11,6 +11,7 @@ from rich.console import Console
 from hybridsim import report
 from hybridsim.config import load_scenario
 from hybridsim.device.clock import PhaseClock
+from hybridsim.replay import replay_trace
 from hybridsim.runner import phase_share, plan_scenario
 
 from .conftest import REPO
@@ -108,3 +109,18 @@ def test_decode_path_over_prefill_rows_is_a_checking_phase():
     assert host["mla_paths"] > 0 and host["mla"] > 0
     paths = res.checks.tallies["mla.paths"]
     assert paths.count > 0 and paths.failures == 0
+
+
+def test_replay_reports_the_same_shares_as_a_run(tmp_path):
+    """A replay names the oracles' and the checking phases as the run does, and on a GPU (its device timings
+    given here as a GPU replay has them) reports their shares in ``--json`` as the run's ``--json`` does."""
+    trace = tmp_path / "q.jsonl"
+    res = plan_scenario(load_scenario(REPO / "scenarios/quickstart.yaml"), kernels="reference", device="cpu",
+                        record=trace)
+    rep = replay_trace(trace, kernels="reference", device="cpu")
+    assert (rep.oracle_phases, rep.check_phases) == (res.oracle_phases, res.check_phases)
+    assert "oracle_device_share" not in rep.as_dict()
+    rep.device_timings = {"mamba": 3.0, "copies": 0.5, "oracle": 2.0, "mla": 2.5, "mla_paths": 1.0, "mla_oracle": 1.0}
+    d = rep.as_dict()
+    assert d["oracle_device_share"] == pytest.approx(0.3) and d["checking_device_share"] == pytest.approx(0.4)
+
