@@ -22,7 +22,7 @@ from .config import Scenario
 from .errors import InputError
 from .bugs import check_bugs_apply, inapplicable_bugs
 from .execute import KernelLists, make_executor
-from .runner import phase_rows, phase_share
+from .runner import device_shares, phase_rows
 from .trace import Trace, read_trace
 from .trace_verify import CHECK as VERIFY_CHECK, verify_trace
 from .vllm_recorded import is_vllm_recording
@@ -50,22 +50,16 @@ class ReplayResult:
     def failed(self) -> bool:
         return self.checks.failed
 
-    def device_shares(self) -> dict:
-        """The oracles' and every check's share of the phases' device time, as a run reports them (GPU replays)."""
-        if self.device_timings is None:
-            return {}
-        rows = phase_rows(self.device_timings)
-        return {"oracle_device_share": phase_share(rows, self.oracle_phases),
-                "checking_device_share": phase_share(rows, self.check_phases)}
-
     def as_dict(self) -> dict:
+        dev = phase_rows(self.device_timings) if self.device_timings is not None else None
         return {"trace": str(self.path), "summary": {"steps": self.steps, "requests": self.requests,
                                                      "wall_s": round(self.wall_s, 6), "notes": self.notes},
                 "checks": self.checks.as_list(),
                 "first_divergence": dict(sorted(self.checks.divergence.items(), key=lambda kv: kv[1])),
                 "timings": phase_rows(self.timings),
-                **({"device_timings": phase_rows(self.device_timings)} if self.device_timings is not None else {}),
-                **self.device_shares(), "kernel_timings": self.kernel_timings, "memory": self.memory}
+                **({"device_timings": dev, **device_shares(dev, self.oracle_phases, self.check_phases)}
+                   if dev is not None else {}),
+                "kernel_timings": self.kernel_timings, "memory": self.memory}
 
 
 @dataclass

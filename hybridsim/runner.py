@@ -92,8 +92,8 @@ class RunResult:
                 {"phase": "wall", "total_s": round(self.wall_s, 6),
                  "steps_per_s": round(self.stats.steps / self.wall_s, 1) if self.wall_s else None},
             ],
-            **({"device_timings": self.device_timings, "oracle_device_share": self.oracle_device_share,
-                "checking_device_share": self.checking_device_share}
+            **({"device_timings": self.device_timings,
+                **device_shares(self.device_timings, self.oracle_phases, self.check_phases)}
                if self.device_timings is not None else {}),
             "kernel_timings": self.kernel_timings,
             **({"kernel_builds": self.kernel_builds} if self.kernel_builds is not None else {}),
@@ -113,6 +113,13 @@ def phase_share(phases: list[dict], of: tuple[str, ...]) -> Optional[float]:
     """The share of the phases' total time ([{"phase", "total_s"}]) in the phases ``of``; None with no time at all."""
     total = sum(d["total_s"] for d in phases)
     return sum(d["total_s"] for d in phases if d["phase"] in of) / total if total > 0 else None
+
+
+def device_shares(phases: list[dict], oracle_phases: tuple[str, ...], check_phases: tuple[str, ...]) -> dict:
+    """The oracles' and every check's share of the phases' device time, as a run's and a replay's ``--json``
+    give them."""
+    return {"oracle_device_share": phase_share(phases, oracle_phases),
+            "checking_device_share": phase_share(phases, check_phases)}
 
 
 def check_workload_fits(loaded: LoadedScenario, wl: Workload) -> None:

@@ -125,13 +125,11 @@ class Executor:
         # one phase clock for every part (device/clock.py), the checked kernels' references and comparisons
         # a phase of their own wherever they run (inside a layer's forward too: its time comes off the layer's)
         parts = [p for p in (self.mamba, self.attn, self.mla) if p is not None]
-        checked = isinstance(kernels, CheckedKernels)
-        self.clock = PhaseClock(self.device, tuple(n for p in parts for n in p.PHASES)
-                                + ((CHECKS_PHASE,) if checked else ()))
+        kernel_checks = (CHECKS_PHASE,) if isinstance(kernels, CheckedKernels) else ()
+        self.clock = PhaseClock(self.device, tuple(n for p in parts for n in p.PHASES) + kernel_checks)
         self.oracle_phases = tuple(n for p in parts for n in p.ORACLE_PHASES)  # (the oracles' share of the loop)
         # every phase that checks rather than runs the system: the oracles, the cross-checks, the kernel checks
-        self.check_phases = self.oracle_phases + tuple(n for p in parts for n in p.CHECK_PHASES) \
-            + ((CHECKS_PHASE,) if checked else ())
+        self.check_phases = self.oracle_phases + tuple(n for p in parts for n in p.CHECK_PHASES) + kernel_checks
         for part in (*parts, kernels):
             if hasattr(part, "verdicts"):
                 part.verdicts = self.verdicts
