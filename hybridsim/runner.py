@@ -124,10 +124,18 @@ def device_shares(phases: list[dict], oracle_phases: tuple[str, ...], check_phas
 
 def check_workload_fits(loaded: LoadedScenario, wl: Workload) -> None:
     """A workload is only known once built (a trace's once loaded): its longest request must fit
-    the pool, and the run must last until its first request arrives."""
+    the pool, the run must last until its first request arrives, and a ``preempt`` fault must name
+    its requests (one naming no request would preempt nothing, silently)."""
     s = loaded.scenario
     if not wl.requests:
         raise InputError("the workload has no requests", loaded.where("workload"))
+    ids = {r.req_id for r in wl.requests}
+    for i, f in enumerate(s.faults):
+        unknown = [rid for rid in getattr(f, "requests", ()) if rid not in ids]
+        if unknown:
+            raise InputError(f"faults.{i}.requests: {', '.join(map(repr, unknown))} "
+                             f"{'is' if len(unknown) == 1 else 'are'} not a request of this workload "
+                             f"({_id_span(wl)})", loaded.where("faults", i, "requests"))
     problem = blocks_problem(s, max(peak_tokens(s, len(r.prompt), r.max_tokens) for r in wl.requests))
     if problem:
         raise InputError(f"cache.num_blocks: {problem}", loaded.where("cache", "num_blocks"))
@@ -135,6 +143,14 @@ def check_workload_fits(loaded: LoadedScenario, wl: Workload) -> None:
     if first >= s.execution.max_steps:  # (a run of no steps: every check would pass having compared nothing)
         raise InputError(f"execution.max_steps: the run stops at step {s.execution.max_steps:,}, before the first "
                          f"request arrives (step {first:,}); nothing would run", loaded.where("execution", "max_steps"))
+
+
+def _id_span(wl: Workload) -> str:
+    """The workload's request ids, shortly: 'r0 .. r23' where they run so, else the first few."""
+    ids = [r.req_id for r in wl.requests]
+    if ids == [f"r{i}" for i in range(len(ids))]:
+        return f"{ids[0]} .. {ids[-1]}" if len(ids) > 1 else ids[0]
+    return ", ".join(ids[:4]) + (f", ... ({len(ids):,} requests)" if len(ids) > 4 else "")
 
 
 def plan_scenario(loaded: LoadedScenario, *, record: Optional[Path] = None, check: Optional[str] = None,

@@ -13,7 +13,7 @@ import gc
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 
@@ -101,6 +101,46 @@ class StallWatch:
         stats.stalled = True
         stats.notes.append(f"stalled: nothing schedulable for {STALL_STEPS} steps (at step {step})")
         return True
+
+
+class FaultBook:
+    """A scenario's faults by step, as every planner's loop applies them (ours, and another engine's
+    driven live), and what the run says of a fault that did nothing: a ``preempt`` fault acts only on
+    requests running at its step, and a fault at a step the run never reached never acted. An idle
+    stretch (nothing to schedule until the next arrival) is not skipped past a fault's step: a prefix
+    cache reset there still drops what was cached."""
+
+    def __init__(self, faults) -> None:
+        self.by_step: dict[int, list] = {}
+        for f in faults:
+            self.by_step.setdefault(f.at_step, []).append(f)
+        self.notes: list[str] = []
+
+    def __contains__(self, step: int) -> bool:
+        return step in self.by_step
+
+    def __getitem__(self, step: int) -> list:
+        return self.by_step[step]
+
+    def next_step(self, step: int, arrival: int) -> int:
+        """Where an idle loop at ``step`` goes on: the next arrival's step, or an earlier fault's."""
+        later = [s for s in self.by_step if step < s < arrival]
+        return max(step + 1, min(later, default=arrival))
+
+    def missed(self, step: int, names: list[str], why: Callable[[str], str]) -> None:
+        """A preempt fault's requests it could not preempt at ``step``, each with ``why`` (its state)."""
+        if names:
+            self.notes.append(f"fault at step {step}: preempt did not preempt "
+                              + "; ".join(f"{rid} ({why(rid)})" for rid in names)
+                              + ": it acts on running requests only")
+
+    def ended(self, last_step: int) -> list[str]:
+        """Notes for the faults past the run's last step, with the ones ``missed`` found."""
+        late = sorted(s for s in self.by_step if s > last_step)
+        if late:
+            self.notes.append(f"fault{'s' if len(late) > 1 else ''} at step{'s' if len(late) > 1 else ''} "
+                              f"{', '.join(map(str, late))} never acted: the run ended at step {last_step}")
+        return self.notes
 
 
 def kv_groups(s: Scenario) -> list[GroupSpec]:
@@ -251,9 +291,7 @@ class Simulation:
         self.schedule_s = 0.0
         self.update_s = 0.0
         self.last_tokens = (0, 0)  # (prefill, decode) tokens of the last step
-        self.faults: dict[int, list] = {}
-        for f in scenario.faults:
-            self.faults.setdefault(f.at_step, []).append(f)
+        self.faults = FaultBook(scenario.faults)
         self.stats = RunStats(requests=len(self.requests),
                               prompt_tokens=sum(r.num_prompt_tokens for r in self.requests))
         self.stats.notes.extend(workload.notes)
@@ -279,7 +317,7 @@ class Simulation:
             if not sched.has_work():
                 if nxt >= len(reqs):
                     break
-                step = max(step + 1, reqs[nxt].arrival_step)
+                step = self.faults.next_step(step, reqs[nxt].arrival_step)
                 continue
             t0 = perf_counter()
             plan = sched.schedule(step, fault_names, forced)
@@ -318,6 +356,7 @@ class Simulation:
         sched.sync()  # requests advanced in bulk: their counters and tokens, as of the last step
         stats.prefill_tokens = stats.scheduled_tokens - stats.decode_tokens
         stats.evictions = pool.evictions
+        stats.notes.extend(self.faults.ended(stats.last_step))
         unfinished = sum(1 for r in reqs if r.status != Status.FINISHED)
         if unfinished:
             stats.notes.append(f"{unfinished} request(s) unfinished at max_steps ({self.max_steps})")
@@ -385,6 +424,15 @@ class Simulation:
         self.last_tokens = (scheduled_tokens - decode_tokens, decode_tokens)
         return sampled, accepted
 
+    def _whereabouts(self, rid: str) -> str:
+        """Where a request stands, for a fault that could not preempt it."""
+        req = self.scheduler.requests.get(rid)
+        if req is None:  # (not arrived; or, in a shrunk trace's workload, gone)
+            arrival = next((r.arrival_step for r in self.requests if r.req_id == rid), None)
+            return "not in the workload" if arrival is None else f"arrives at step {arrival}"
+        return {Status.WAITING: "waiting", Status.PREEMPTED: "waiting to resume",
+                Status.FINISHED: "finished"}.get(req.status, req.status.name.lower())
+
     def _apply_faults(self, step: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
         names, forced = [], []
         for f in self.faults[step]:
@@ -397,6 +445,7 @@ class Simulation:
                 got = self.scheduler.force_preempt(f.requests)
                 self.stats.forced_preemptions += len(got)
                 names.append(f"preempt:{','.join(f.requests)}")
+                self.faults.missed(step, [r for r in f.requests if r not in got], self._whereabouts)
         return tuple(names), tuple(forced)
 
     def run(self) -> RunStats:

@@ -90,6 +90,20 @@ def test_corrupt_trace_exit_2_with_line(tmp_path):
     assert r.returncode == 2 and f"{t}:6" in r.stderr.replace("\n", "")
 
 
+def test_a_fault_naming_no_request_exit_2_with_its_line(tmp_path):
+    text = (REPO / "scenarios" / "quickstart.yaml").read_text()
+    assert "requests: [r11]" in text
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace("requests: [r11]", "requests: [r11, r99]"))
+    line = next(i for i, t in enumerate(bad.read_text().splitlines(), 1) if "r99" in t)
+    for args in (("validate", bad), ("run", bad, "-q", "--check", "off")):
+        r = hsi(*args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert _squeezed(f"{bad}:{line}: faults.1.requests: 'r99' is not a request of this workload (r0 .. r23)") \
+            in _squeezed(r.stderr), r.stderr
+        assert "Traceback" not in r.stderr
+
+
 def test_presets_lists_real_models():
     r = hsi("presets")
     assert r.returncode == 0

@@ -127,6 +127,37 @@ def test_reset_prefix_cache_fault_forces_resume_without_preempted_list():
     assert sim.checks.tallies["sched.invariants"].failures == 0
 
 
+def _two_apart(faults: str):
+    """r0 (a 200-token prompt) at step 0, r1 (the same prompt and more) at step 30: idle steps between."""
+    p = token_block(9, 200, 32000).tolist()
+    wl = manual_workload([p, p + [5, 6, 7]], [0, 30], [3, 3])
+    return simulate(tiny_scenario(mode="all", bs=16, budget=256, blocks=256, faults=faults), wl)
+
+
+def test_a_fault_in_an_idle_stretch_still_acts():
+    # the loop jumps over steps with nothing to schedule; a prefix cache reset there must still drop
+    # what r0 cached (it used to be jumped over: r1 then hit 192 tokens)
+    sim, recs = _two_apart("[{at_step: 20, kind: reset_prefix_cache}]")
+    assert max(p.step for p, _ in recs if any(s.req_id == "r0" for s in p.scheduled)) < 20
+    r1 = next(s for pl, _ in recs for s in pl.scheduled if s.req_id == "r1")
+    assert r1.prefix_hit_tokens == 0
+    assert not any("fault" in n for n in sim.stats.notes)
+    _, recs = _two_apart("[{at_step: 40, kind: reset_prefix_cache}]")  # (the control: no reset before r1)
+    assert next(s for pl, _ in recs for s in pl.scheduled if s.req_id == "r1").prefix_hit_tokens == 192
+
+
+def test_faults_that_did_nothing_are_noted():
+    sim, recs = _two_apart("[{at_step: 10, kind: preempt, requests: [r1]}, "
+                           "{at_step: 31, kind: preempt, requests: [r0, r1]}, {at_step: 900, kind: reset_prefix_cache}]")
+    notes = [n for n in sim.stats.notes if "fault" in n]
+    assert notes == ["fault at step 10: preempt did not preempt r1 (arrives at step 30): it acts on running requests "
+                     "only",
+                     "fault at step 31: preempt did not preempt r0 (finished): it acts on running requests only",
+                     f"fault at step 900 never acted: the run ended at step {sim.stats.last_step}"]
+    plan31 = next(p for p, _ in recs if p.step == 31)
+    assert plan31.preempted == ("r1",) and sim.stats.forced_preemptions == 1
+
+
 def test_none_mode_rows_are_one_plus_spec_blocks_and_never_hit():
     text = tiny_scenario(caching="false", mode="none", spec=2, acc="{kind: bernoulli, rate: 0.5}", frac=1.0)
     sim, recs = simulate(text)

@@ -205,6 +205,23 @@ def test_written_scenario_every_check_on(name, tmp_path):
 
 @peer
 @needs_vllm
+def test_faults_that_did_nothing_noted_as_ours_notes_them(tmp_path):
+    faults = ("[{at_step: 1, kind: preempt, requests: [r7]}, {at_step: 3, kind: preempt, requests: [r0, r2]}, "
+              "{at_step: 900, kind: reset_prefix_cache}]")
+    text = tiny_scenario(name="f", prefix=32, execution="{kernels: reference, device: cpu}",
+                         **dict(WRITTEN["pool_wraps"], faults=faults))
+    ours, a = _record(parse_scenario(text, "f.yaml"), tmp_path / "ours.jsonl", "hybridsim")
+    theirs, b = _record(parse_scenario(text, "f.yaml"), tmp_path / "vllm.jsonl", "vllm")
+    assert a[1:] == b[1:]
+    notes = [n for n in ours.stats.notes if n.startswith("fault")]
+    assert notes == [n for n in theirs.stats.notes if n.startswith("fault")]
+    assert notes[0] == "fault at step 1: preempt did not preempt r7 (arrives at step 7): it acts on running requests only"
+    assert notes[-1].startswith("fault at step 900 never acted: the run ended at step ")
+    assert len(notes) == 3, notes  # (step 3: r0 or r2 was not running, whichever the pool let in)
+
+
+@peer
+@needs_vllm
 def test_cli_says_whose_plan_ran(tmp_path):
     path = written("pool_wraps", tmp_path)
     r = hs("run", path, "--scheduler", "vllm", "--record", tmp_path / "t.jsonl", "--json", tmp_path / "r.json")

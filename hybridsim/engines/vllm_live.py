@@ -23,7 +23,7 @@ from ..errors import InputError
 from ..outputs import RecordedContinuation, SeededContinuation, acceptance_model, make_drafter
 from ..sched.plan import PLACEHOLDER_DRAFT, StepOutcome, StepPlan
 from ..sched.request import Request as Mirror
-from ..simulate import RunStats, StallWatch, kv_groups
+from ..simulate import FaultBook, RunStats, StallWatch, kv_groups
 from ..trace import Trace, check_accounting, header_dict
 from ..workload.base import Workload
 from .vllm import (in_schedule_order, make_scheduler, model_outputs, recording_step, request_hasher, runner_output,
@@ -149,9 +149,7 @@ class VllmPlanner:
         self.schedule_s = 0.0
         self.update_s = 0.0
         self.last_tokens = (0, 0)
-        self.faults: dict[int, list] = {}
-        for f in scenario.faults:
-            self.faults.setdefault(f.at_step, []).append(f)
+        self.faults = FaultBook(scenario.faults)
         self.stats = RunStats(requests=n, prompt_tokens=sum(len(w.prompt) for w in wreqs))
         self.stats.notes.extend(workload.notes)
         self._preempted: list[str] = []  # every preemption, in vLLM's order (its routine, observed)
@@ -189,6 +187,18 @@ class VllmPlanner:
         sched = self.scheduler
         return sched.has_unfinished_requests() or bool(sched.finished_req_ids)
 
+    def _whereabouts(self, rid: str) -> str:
+        """Where a request stands, for a fault that could not preempt it (as ``Simulation``'s says)."""
+        arrival, req = next(((a, r) for a, r in self.requests if r.request_id == rid), (None, None))
+        if req is None:
+            return "not in the workload"
+        if req.is_finished():
+            return "finished"
+        if rid not in self.scheduler.requests:
+            return f"arrives at step {arrival}"
+        state = req.status.name.lower()
+        return "waiting to resume" if state == "preempted" else state
+
     def _apply_faults(self, step: int) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
         """The step's faults through vLLM's entry points: (names, forced by a reset, preempted)."""
         sched = self.scheduler
@@ -212,6 +222,7 @@ class VllmPlanner:
                 preempted.extend(got)
                 self.stats.forced_preemptions += len(got)
                 names.append(f"preempt:{','.join(f.requests)}")
+                self.faults.missed(step, [r for r in f.requests if r not in got], self._whereabouts)
         return tuple(names), tuple(forced), tuple(preempted)
 
     def __iter__(self) -> Iterator[tuple[StepPlan, StepOutcome]]:
@@ -238,7 +249,7 @@ class VllmPlanner:
             if not self._has_work():
                 if nxt >= len(reqs):
                     break
-                step = max(step + 1, reqs[nxt][0])
+                step = self.faults.next_step(step, reqs[nxt][0])
                 continue
             del self._preempted[:]
             t0 = perf_counter()
@@ -297,6 +308,7 @@ class VllmPlanner:
             step += 1
         stats.prefill_tokens = stats.scheduled_tokens - stats.decode_tokens
         stats.evictions = self._evictions
+        stats.notes.extend(self.faults.ended(stats.last_step))
         unfinished = sum(1 for _, r in reqs if not r.is_finished())
         if unfinished:
             stats.notes.append(f"{unfinished} request(s) unfinished at max_steps ({self.max_steps})")
