@@ -73,13 +73,8 @@ if HAVE_GLUON:
         dt: gl.constexpr = kv_desc.dtype
 
         mt, sp, b, seq_len, k_start, k_end, n_tiles, table = _program_keys(seq_lens, block_table, max_blocks,
-                                                                           keys_per_split, BLOCK_N)
-        # no tile past the one holding the key of the tile's last query row (keys beyond it are under the
-        # causal mask for every row here): a request of many query tokens (the decode path over a prefill
-        # chunk, ``mla.paths``) would walk every key for its first token's rows too, twice the tiles a
-        # chunk that starts the sequence needs. A split left with none writes 0 and -inf.
-        last_q = (gl.minimum(mt * BLOCK_M + BLOCK_M, M) - 1) // H
-        n_tiles = gl.minimum(n_tiles, gl.cdiv(gl.maximum(seq_len - nq + last_q + 1 - k_start, 0), BLOCK_N))
+                                                                           keys_per_split, M, H, nq, BLOCK_M,
+                                                                           BLOCK_N)
         pair = counters + 4 * (b * gl.num_programs(0) + mt)  # this row tile's counters (two splits)
 
         # ---- shared memory: queries once, a ring of latent tiles, P, barriers
@@ -218,16 +213,25 @@ if HAVE_GLUON:
             _store_rows(o_part, lse_part, prow, rmask, cols, out_lo, out_hi, own_lse, L, HALF, row_layout)
 
     @gluon.jit
-    def _program_keys(seq_lens, block_table, max_blocks, keys_per_split, BLOCK_N: gl.constexpr):
+    def _program_keys(seq_lens, block_table, max_blocks, keys_per_split, M, H, nq, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr):
         """This program's row tile, split and request, the request's length, the keys of its split
-        [k_start, k_end), their number of tiles and the request's block-table row."""
+        [k_start, k_end), the number of tiles it walks and the request's block-table row.
+
+        No tile past the one holding the last visible key of the row tile's last query (keys beyond
+        it are under the causal mask for every row of the tile): a request of many query tokens (the
+        decode path over a prefill chunk, ``mla.paths``) would otherwise walk every key for its first
+        token's rows too, twice the tiles a chunk that starts its sequence needs. A split left with
+        none writes 0 and -inf."""
         mt = gl.program_id(0)
         sp = gl.program_id(1)
         b = gl.program_id(2).to(gl.int64)
         seq_len = gl.load(seq_lens + b).to(gl.int32)
         k_start = sp * keys_per_split
         k_end = gl.minimum(k_start + keys_per_split, seq_len)
-        n_tiles = gl.cdiv(gl.maximum(k_end - k_start, 0), BLOCK_N)
+        last_q = (gl.minimum(mt * BLOCK_M + BLOCK_M, M) - 1) // H  # the tile's last row's query token
+        k_stop = gl.minimum(k_end, seq_len - nq + last_q + 1)  # past that token's last visible key
+        n_tiles = gl.cdiv(gl.maximum(k_stop - k_start, 0), BLOCK_N)
         return mt, sp, b, seq_len, k_start, k_end, n_tiles, block_table + b * max_blocks
 
     @gluon.jit

@@ -286,10 +286,8 @@ if HAVE_GLUON:
         dt: gl.constexpr = kv_desc.dtype
 
         mt, sp, b, seq_len, k_start, k_end, n_tiles, table = _program_keys(seq_lens, block_table, max_blocks,
-                                                                           keys_per_split, BLOCK_N)
-        # no tile past the one holding the key of the tile's last query row (as mla_gluon's split kernel)
-        last_q = (gl.minimum(mt * BLOCK_M + BLOCK_M, M) - 1) // H
-        n_tiles = gl.minimum(n_tiles, gl.cdiv(gl.maximum(seq_len - nq + last_q + 1 - k_start, 0), BLOCK_N))
+                                                                           keys_per_split, M, H, nq, BLOCK_M,
+                                                                           BLOCK_N)
 
         q_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], dt)
         qr_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, R], dt)
