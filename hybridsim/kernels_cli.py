@@ -4,6 +4,7 @@ op runs, and a provider's ops against the reference (``kernels/provider_check.py
 from __future__ import annotations
 
 import statistics
+import time
 
 from rich.console import Console
 from rich.table import Table
@@ -69,17 +70,33 @@ def check_provider(name: str, device: str, only: tuple[str, ...], quick: bool, s
         os.environ.setdefault("TRITON_INTERPRET", "1")
     k = _load(name)
     k.poison = True  # outputs NaN-filled before each launch: an element never written fails
-    checker = Checker(k, dev, quick, seed)
+    if dev.type != "cuda" and not quick:  # (Triton providers' kernels under the interpreter: minutes)
+        out.print(f"checking {name} on the CPU: a few minutes where its kernels run under Triton's interpreter "
+                  "(--quick: smaller batches, seconds)", highlight=False)
+    status = out.status("") if out.is_terminal else None
+    progress = None
+    if status is not None:
+        def progress(op: str, cases: int, last: str) -> None:
+            status.update(f"{op}: {cases} case{'s' if cases > 1 else ''} checked (last: {last})")
+    checker = Checker(k, dev, quick, seed, on_case=progress)
+    t0 = time.perf_counter()
     t = Table(title=f"kernels check {name} on {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'CPU'}"
-                    + (" (Triton interpreter: small sizes)" if dev.type != "cuda" else ""),
-              caption="exact ops: worst = elements that differ; others: worst relative error "
-                      "(inf: NaN/inf positions differ)")
+                    + (" (Triton interpreter: small sizes)" if dev.type != "cuda" else ""))
     for col in ("op", "runs", "cases", "worst", "verdict"):
         t.add_column(col, justify="right" if col in ("cases", "worst") else "left")
     if dev.type == "cuda":
         t.add_column("median time (after a warm-up call)", justify="right")
     failed = 0
-    for r in checker.run(only):
+    if status is not None:
+        status.start()
+    try:
+        results = list(checker.run(only))
+    finally:
+        if status is not None:
+            status.stop()
+    t.caption = (f"exact ops: worst = elements that differ; others: worst relative error (inf: NaN/inf positions "
+                 f"differ); {time.perf_counter() - t0:,.1f} s in all")
+    for r in results:
         failed += r.failed
         worst = f"{int(r.worst):,}" if r.exact and r.worst != float("inf") else f"{r.worst:.2e}"
         verdict = "[green]pass[/]" if r.verdict == "pass" else f"[red]fail[/]: {r.first_failure}"

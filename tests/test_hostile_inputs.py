@@ -174,6 +174,26 @@ def test_hostile_workload_and_expected_files(tmp_path):
         assert words in e.value.message and str(expected) in e.value.where, e.value
 
 
+def test_a_workload_path_that_is_no_file_is_named_with_its_line(tmp_path):
+    """A trace path to nothing, or to a folder: one message at the scenario's line (a folder used to
+    end in a traceback), the relative path shown resolved."""
+    from hybridsim.workload import build_workload
+
+    (tmp_path / "dir").mkdir()
+    for path, words in (("dir", "workload.path: dir is a folder, not a trace file"),
+                        ("../nowhere.jsonl", "workload.path: trace file not found: ../nowhere.jsonl (relative to the "
+                                             f"scenario's folder: {tmp_path.parent.resolve() / 'nowhere.jsonl'})")):
+        sc = tmp_path / "s.yaml"
+        sc.write_text(tiny_scenario(n=2).split("workload:")[0]
+                      + f"workload:\n  kind: trace\n  format: mooncake\n  path: {path}\n")
+        line = sc.read_text().splitlines().index(f"  path: {path}") + 1
+        with pytest.raises(InputError) as e:
+            build_workload(load_scenario(sc))
+        assert e.value.message == words and e.value.where == f"{sc}:{line}", e.value
+        r = CliRunner().invoke(app, ["run", str(sc), "-q"])
+        assert r.exit_code == 2 and "Traceback" not in r.output and r.stderr.count("error:") == 1, r.output
+
+
 @pytest.mark.parametrize("args", [["validate"], ["replay"], ["convert"], ["fidelity"]])
 def test_cli_says_one_line_and_exits_2(args, tmp_path):
     """Through the command line: one message, exit 2, no traceback (a scenario for validate, a

@@ -127,6 +127,22 @@ def test_kernels_check_triton_under_the_interpreter():
            "reshape_and_cache")
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("pass") == 3
+    assert " s in all" in " ".join(r.stdout.split())
+
+
+def test_kernels_check_reports_each_case_as_it_goes():
+    """The progress a terminal shows (a full check on a CPU takes minutes): one call a case, counted per op."""
+    import torch
+
+    from hybridsim.kernels.provider_check import Checker
+    from hybridsim.kernels.reference import ReferenceKernels
+
+    seen = []
+    c = Checker(ReferenceKernels(), torch.device("cpu"), quick=True, on_case=lambda *a: seen.append(a))
+    results = {r.op: r for r in c.run(("merge_states", "mla_decode"))}
+    assert [n for op, n, _ in seen if op == "merge_states"] == list(range(1, results["merge_states"].cases + 1))
+    assert len(seen) == sum(r.cases for r in results.values()) > 2
+    assert ("mla_decode", 1, "page 16, batch 1, 1 query") in seen
 
 
 def test_unknown_provider_and_op_are_bad_input():

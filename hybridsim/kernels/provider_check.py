@@ -110,13 +110,15 @@ def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> tuple[bool, flo
 
 
 class Checker:
-    def __init__(self, k, device: torch.device, quick: bool, seed: int = 0):
+    def __init__(self, k, device: torch.device, quick: bool, seed: int = 0,
+                 on_case: Callable[[str, int, str], None] | None = None):
         self.k = k
         self.ref = ReferenceKernels()
         self.dev = device
         self.s = sizes_for(device, quick)
         self.gen = torch.Generator().manual_seed(seed)
         self.results: dict[str, OpResult] = {}
+        self.on_case = on_case  # (op, cases done, the last case): progress, for a run that takes minutes
 
     def _timed(self, fn: Callable[[], object]):
         if self.dev.type != "cuda":
@@ -132,6 +134,8 @@ class Checker:
     def _record(self, op: str, ok: bool, err: float, what: str, secs, exact: bool = False) -> None:
         r = self.results.setdefault(op, OpResult(op, exact=exact))
         r.cases += 1
+        if self.on_case is not None:
+            self.on_case(op, r.cases, what.split(":")[0])
         r.worst = max(r.worst, err)
         if secs is not None:
             r.seconds.append(secs)
@@ -273,7 +277,7 @@ class Checker:
                     ok_o, e_o = _close(got[0], want[0], tol)
                     ok_l, e_l = _close(got[1], want[1], tol)
                     self._record("mla_decode", ok_o and ok_l, max(e_o, e_l),
-                                 f"page {page}, batch {B}, {nq} queries: rel error {max(e_o, e_l):.2e}", secs)
+                                 f"page {page}, batch {B}, {nq} quer{'y' if nq == 1 else 'ies'}: rel error {max(e_o, e_l):.2e}", secs)
 
     def attention_partial(self) -> None:
         s = self.s

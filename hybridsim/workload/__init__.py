@@ -13,7 +13,8 @@ def build_workload(loaded: LoadedScenario) -> Workload:
     wl = s.workload
     if isinstance(wl, SyntheticWorkload):
         return build_synthetic(wl, s.seed, s.scheduler.max_model_len)
-    return build_from_trace(wl, loaded.resolve_path(wl.path), s.seed, s.scheduler.max_model_len)
+    return build_from_trace(wl, loaded.resolve_path(wl.path), s.seed, s.scheduler.max_model_len,
+                            loaded.where("workload", "path"))
 
 
 __all__ = ["Workload", "WorkloadRequest", "build_workload"]

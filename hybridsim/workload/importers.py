@@ -233,14 +233,21 @@ _READERS = {"mooncake": _read_mooncake, "azure": _read_azure, "burstgpt": _read_
 _STEP_TIMES = ("hybridsim", "vllm-recorded")  # their times are already engine steps
 
 
-def build_from_trace(wl: TraceWorkload, path: Path, seed: int, max_model_len: int) -> Workload:
+def build_from_trace(wl: TraceWorkload, path: Path, seed: int, max_model_len: int,
+                     where: str = "workload.path") -> Workload:
+    """The workload of the trace at ``path`` (``wl.path`` resolved); ``where``: the scenario's line for it."""
     if not path.exists():
-        raise InputError(f"trace file not found: {path}", "workload.path")
+        shown = "" if Path(wl.path).is_absolute() else f" (relative to the scenario's folder: {path.resolve()})"
+        raise InputError(f"workload.path: trace file not found: {wl.path}{shown}", where)
+    if not path.is_file():
+        raise InputError(f"workload.path: {wl.path} is a folder, not a trace file", where)
     try:
         rows, notes = _READERS[wl.format](path, wl.limit)
     except (UnicodeDecodeError, csv.Error) as e:  # (a binary file, or a line no CSV reader takes)
         kind = "csv.Error" if isinstance(e, csv.Error) else type(e).__name__
         raise InputError(f"cannot read it as a trace of format {wl.format} ({kind}: {e})", str(path)) from None
+    except OSError as e:  # (unreadable: permissions, a device)
+        raise InputError(f"workload.path: cannot read {wl.path} ({e.strerror or type(e).__name__})", where) from None
     if not rows:
         raise InputError("the trace holds no requests", str(path))
     vocab = wl.vocab_size
