@@ -125,11 +125,12 @@ def _writable(path: Optional[Path], flag: str) -> None:
     check_writable(path, flag)
 
 
-def _check_outputs(*outputs: tuple[Optional[Path], str]) -> None:
-    """Every output path checked before any work. One of them may be standard output (``-``, or
+def _check_outputs(*outputs: tuple[Optional[Path], str], reads: tuple[tuple[Optional[Path], str], ...] = ()) -> None:
+    """Every output path checked before any work: writable, no two of them one file, none a file the
+    command reads (``reads``: (path, what it is)). One of them may be standard output (``-``, or
     ``/dev/stdout`` piped): then standard output carries that data alone and the tables go to
     standard error."""
-    from .output_files import to_stdout
+    from .output_files import check_distinct, to_stdout
 
     on_stdout = [flag for path, flag in outputs if to_stdout(path)]
     if len(on_stdout) > 1:
@@ -137,8 +138,19 @@ def _check_outputs(*outputs: tuple[Optional[Path], str]) -> None:
                          on_stdout[1])
     for path, flag in outputs:
         _writable(path, flag)
+    check_distinct(list(outputs), list(reads))
     if on_stdout:
         out.file = sys.stderr
+
+
+def _trace_files(paths: List[Path]) -> tuple[tuple[Path, str], ...]:
+    """What a replay reads: each trace named, a folder's traces, and each trace's expected file."""
+    files = []
+    for p in paths:
+        files += sorted(p.glob("*.jsonl")) if p.is_dir() else [p]
+    return tuple((f, w) for t in files
+                 for f, w in ((t, "a trace"), (t.with_name(t.name.removesuffix(".jsonl") + ".expected.json"),
+                                               "an expected file")))
 
 
 def _write_json(path: Path, data: dict, flag: str = "--json") -> None:
@@ -189,12 +201,18 @@ def run(
         from .engines import SCHEDULERS
         _check_choice(scheduler, SCHEDULERS, "--scheduler")
         _check_outputs((record, "--record"), (json_out, "--json"), (plot, "--plot"),
-                       (kernel_variants, "--kernel-variants"))
+                       (kernel_variants, "--kernel-variants"), reads=((scenario, "the scenario"),))
         if kernel_variants is not None and str(kernel_variants) == "-":  # (its contents: plan_scenario reads them)
             raise InputError("a file, read and then written, not standard output", "--kernel-variants")
         from .output_files import check_folder
         check_folder(csv_dir, "--csv")
         loaded = load_scenario(scenario)
+        trace_path = getattr(loaded.scenario.workload, "path", None)
+        if trace_path is not None:  # (the workload's trace: read too)
+            from .output_files import check_distinct
+            check_distinct([(record, "--record"), (json_out, "--json"), (plot, "--plot"),
+                            (kernel_variants, "--kernel-variants")],
+                           [(loaded.resolve_path(trace_path), "the workload's trace")])
         announce = None if quiet else _announce
         if max_steps is not None:
             s = loaded.scenario
@@ -279,7 +297,7 @@ def replay(
         bugs = check_bugs(inject_bug)
         _check_kernels(kernels)
         _check_choice(device, ("auto", "cpu", "cuda"), "--device")
-        _check_outputs((json_out, "--json"), (junit, "--junit"))
+        _check_outputs((json_out, "--json"), (junit, "--junit"), reads=_trace_files(traces))
         if junit is not None and not golden:
             raise InputError("writes the golden gate's verdicts: use it with --check", "--junit")
         if update_expected:  # the expected files are what full checks of the reference kernels find
@@ -476,7 +494,7 @@ def shrink(
         from .shrink import shrink_trace
 
         bugs = check_bugs(inject_bug) if inject_bug else None
-        _check_outputs((out_path, "--out"))
+        _check_outputs((out_path, "--out"), reads=((trace, "the trace"),))
         with err.status("shrinking: replaying the trace to its first failure") as status:
             def progress(phase: str, tests: int, steps: int, reqs: int) -> None:
                 status.update(f"shrinking ({phase}): candidate {tests}; smallest failing so far: {steps} steps, "
@@ -572,7 +590,7 @@ def fidelity(
         from .fidelity import run_fidelity
         from .report import fidelity_table
 
-        _check_outputs((json_out, "--json"))
+        _check_outputs((json_out, "--json"), reads=tuple((r, "a recording") for r in recordings))
         reports = [run_fidelity(str(r)) for r in recordings]
         for rep in reports:
             out.print(fidelity_table(rep))
@@ -594,7 +612,7 @@ def convert(
     def body() -> int:
         from .convert import convert_recording
 
-        _check_outputs((out_path, "--out"))
+        _check_outputs((out_path, "--out"), reads=((recording, "the recording"),))
         n = convert_recording(recording, out_path)
         out.print(f"wrote {out_path}: {n} steps")
         return 0

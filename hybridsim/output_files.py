@@ -276,3 +276,40 @@ def to_stdout(path: Optional[str | Path]) -> bool:
     except OSError:
         return False
     return not stat.S_ISDIR(st.st_mode) and _same_as_stdout(st)
+
+
+def _file_key(path: Optional[str | Path]) -> Optional[tuple]:
+    """What identifies the regular file ``path`` writes or reads: its device and inode when it exists
+    (hard links and symlinks to it alike), else its resolved path; None where two names for it may
+    share it harmlessly (standard output, a device, a pipe) or for no path."""
+    if path is None or str(path) == STDOUT:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ("path", os.path.realpath(path))
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    return ("inode", st.st_dev, st.st_ino)
+
+
+def check_distinct(outputs: list[tuple[Optional[Path], str]],
+                   reads: list[tuple[Optional[Path], str]] = ()) -> None:
+    """Refuse, before any work, two outputs that are one file (one would overwrite the other: ``--record``
+    and ``--json`` onto one path lost the trace) or an output that is a file the command reads (``run
+    s.yaml --json s.yaml`` replaced the scenario with its results)."""
+    seen: dict[tuple, str] = {}
+    for path, what in reads:
+        key = _file_key(path)
+        if key is not None:
+            seen.setdefault(key, what)
+    read_keys = set(seen)
+    for path, flag in outputs:
+        key = _file_key(path)
+        if key is None:
+            continue
+        if key in seen:
+            if key in read_keys:
+                raise InputError(f"{path} is {seen[key]}, which this command reads: writing it would destroy it", flag)
+            raise InputError(f"{path} is {seen[key]}'s file too: one would overwrite the other", flag)
+        seen[key] = flag

@@ -247,6 +247,49 @@ def test_two_outputs_on_standard_output_are_refused(tmp_path):
     assert code == 2 and "only one output" in err
 
 
+def test_an_output_onto_an_input_or_another_output_is_refused_before_any_work(tmp_path, failing_trace):
+    """Two outputs on one file (by name, by a link, by a hard link) or an output onto a file the command
+    reads: exit 2 and every file as it was (``run s.yaml --json s.yaml`` replaced the scenario; ``--record``
+    and ``--json`` on one path kept only the JSON)."""
+    scen = tmp_path / "s.yaml"
+    scen.write_text(Path(QUICK).read_text())
+    trace = tmp_path / "t.jsonl"
+    trace.write_bytes(SMALL_TRACE.read_bytes())
+    expected = tmp_path / "t.expected.json"
+    expected.write_text("{}")
+    small = tmp_path / "small.jsonl"
+    small.write_bytes(failing_trace.read_bytes())
+    (tmp_path / "link").symlink_to(tmp_path / "out")
+    os.link(scen, tmp_path / "hard.yaml")
+    cases = [
+        (["run", scen, "-q", "--check", "off", "--json", scen], "--json", "is the scenario, which this command reads"),
+        (["run", scen, "-q", "--check", "off", "--json", tmp_path / "hard.yaml"], "--json", "is the scenario"),
+        (["run", scen, "-q", "--check", "off", "--record", tmp_path / "out", "--json", tmp_path / "out"], "--json",
+         "is --record's file too"),
+        (["run", scen, "-q", "--check", "off", "--record", tmp_path / "out", "--plot", tmp_path / "link"], "--plot",
+         "is --record's file too"),
+        (["replay", trace, "-q", "--json", trace], "--json", "is a trace, which this command reads"),
+        (["replay", tmp_path, "-q", "--json", expected], "--json", "is an expected file, which this command reads"),
+        (["shrink", small, "--out", small], "--out", "is the trace, which this command reads"),
+    ]
+    before = {p: p.read_bytes() for p in (scen, trace, expected, small)}
+    for args, flag, words in cases:
+        code, _, err = _invoke(args)
+        assert code == 2 and f"{flag}:" in err and words in " ".join(err.split()), (args, err)
+        assert {p: p.read_bytes() for p in before} == before
+        assert not (tmp_path / "out").exists()
+    code, _, err = _invoke(["run", scen, "-q", "--check", "off", "--record", os.devnull, "--json", os.devnull])
+    assert code == 0, err  # (a device both may write: nothing is overwritten)
+    # the workload's own trace file, read once the scenario is
+    wl = tmp_path / "m.jsonl"
+    wl.write_text('{"timestamp": 0, "input_length": 8, "output_length": 2, "hash_ids": [1]}\n')
+    sc = tmp_path / "w.yaml"
+    sc.write_text(tiny_scenario(n=2).split("workload:")[0] + "workload: {kind: trace, format: mooncake, path: m.jsonl}\n")
+    code, _, err = _invoke(["run", sc, "-q", "--check", "off", "--record", wl])
+    assert code == 2 and "is the workload's trace, which this command reads" in " ".join(err.split()), err
+    assert wl.read_text().startswith('{"timestamp": 0')
+
+
 def test_sweep_outputs(tmp_path):
     """sweep --out is a folder: one that cannot be made, or lies under a file, or refuses files, is
     exit 2 before any cell runs; a link to a folder is followed; results.parquet is written through
