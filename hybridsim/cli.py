@@ -509,19 +509,33 @@ def shrink(
 
 @app.command()
 def validate(files: List[Path] = typer.Argument(..., help="scenario YAML files and/or trace JSONL files")) -> None:
-    """Check scenarios (schema and cross-field rules) and traces (format and token accounting)."""
+    """Check scenarios (schema and cross-field rules) and traces (format, token accounting, and the
+    schedule held to the engine's rules, as replay does before it executes: exit 1 where it breaks one)."""
 
     def body() -> int:
         from .config import load_scenario
-        from .trace import read_trace
+        from .replay import CONVERTED_NOTE, verify_recorded
+        from .trace_verify import CHECK
         from .workload import build_workload
         from .runner import check_workload_fits
 
+        broken = 0
         for f in files:
             if f.suffix in (".jsonl", ".json"):
-                tr = read_trace(f)
-                out.print(f"[green]ok[/] {f}: hybridsim trace, {len(tr.steps)} steps, "
-                          f"{len(tr.requests)} requests, token accounting consistent")
+                v = verify_recorded(f)
+                tr, tally = v.trace, v.checks.tallies[CHECK]
+                kind = "vLLM recording" if CONVERTED_NOTE in v.notes else "hybridsim trace"
+                what = f"{len(tr.steps)} steps, {len(tr.requests)} requests, token accounting consistent"
+                if v.ok:
+                    out.print(f"[green]ok[/] {f}: {kind}, {what}, the schedule keeps the engine's rules "
+                              f"({tally.count:,} {CHECK} checks)")
+                else:
+                    broken += 1
+                    first = tally.first_failure
+                    out.print(f"[red]broken[/] {f}: {what}, but the schedule breaks the engine's rules "
+                              f"({CHECK}), first at step {first.step}: {first.message}", highlight=False)
+                for note in v.notes:
+                    out.print(f"   [yellow]note:[/] {note}")
             else:
                 loaded = load_scenario(f)
                 s = loaded.scenario
@@ -537,7 +551,7 @@ def validate(files: List[Path] = typer.Argument(..., help="scenario YAML files a
                 why = s.cannot_execute()
                 if why:
                     out.print(f"   [yellow]note:[/] {why}")
-        return 0
+        return 1 if broken else 0
 
     _guard(body)
 
