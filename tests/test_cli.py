@@ -30,7 +30,7 @@ def test_quickstart_runs_records_and_validates(tmp_path):
     assert d["summary"]["steps"] > 0 and d["summary"]["finished"] == d["summary"]["requests"]
     v = hs("validate", trace)
     assert v.returncode == 0 and "token accounting consistent" in v.stdout
-    assert "the schedule keeps the engine's rules" in " ".join(v.stdout.split())
+    assert _squeezed("the schedule keeps the engine's rules") in _squeezed(v.stdout)
     # a block handed to a second request while the first holds it: consistent tokens, a broken schedule
     lines = trace.read_text().splitlines()
     for i, line in enumerate(lines[1:], 1):
@@ -44,9 +44,10 @@ def test_quickstart_runs_records_and_validates(tmp_path):
     broken = tmp_path / "broken.jsonl"
     broken.write_text("\n".join(lines) + "\n")
     v = hs("validate", trace, broken)
-    said = " ".join(v.stdout.split())
+    said = _squeezed(v.stdout)  # (Rich wraps long paths anywhere)
     assert v.returncode == 1, v.stdout + v.stderr
-    assert f"broken {broken}:" in said and f"{broken}:{i + 1}: block {a['blocks'][0][0]} given to" in said, said
+    assert _squeezed(f"broken {broken}:") in said, said
+    assert _squeezed(f"{broken}:{i + 1}: block {a['blocks'][0][0]} given to") in said, said
 
 
 def test_every_scenario_validates_on_the_cli():
