@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, List, Optional
@@ -217,18 +218,23 @@ def run(
         if max_steps is not None:
             s = loaded.scenario
             loaded.scenario = s.model_copy(update={"execution": s.execution.model_copy(update={"max_steps": max_steps})})
-        total = None
         progress = None
         if not quiet and out.is_terminal:
-            progress = Progress(TextColumn("planning"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
+            executing = (check.value if check else loaded.scenario.execution.check) != "off"
+            progress = Progress(TextColumn("running and checking" if executing else "planning"), BarColumn(),
+                                MofNCompleteColumn(), TextColumn("requests finished, step {task.fields[step]}"),
                                 TimeElapsedColumn(), console=out, transient=True)
         if progress is not None:
             with progress:
-                task = progress.add_task("plan", total=total)
+                task = progress.add_task("plan", total=None, step=0)
+                shown = [0.0]
 
                 def tick(stats) -> None:
-                    if stats.steps % 64 == 0:
-                        progress.update(task, completed=stats.finished, total=stats.requests)
+                    # (a checked step can take seconds on a CPU: refresh by time, not only every 64 steps)
+                    now = time.perf_counter()
+                    if stats.steps % 64 == 0 or now - shown[0] > 0.25:
+                        shown[0] = now
+                        progress.update(task, completed=stats.finished, total=stats.requests, step=stats.last_step)
                 res = plan_scenario(loaded, record=record, check=check.value if check else None, progress=tick,
                                     bugs=bugs, kernels=kernels, device=device, announce=announce,
                                     scheduler=scheduler, kernel_variants=kernel_variants)
