@@ -349,8 +349,24 @@ def replay(
         from .replay import replay_trace
 
         files = trace_files(traces)
-        results = [replay_trace(t, announce=None if quiet else _announce, strict_bugs=len(files) == 1, **kw)
-                   for t in files]
+        if quiet or not out.is_terminal:
+            results = [replay_trace(t, announce=None if quiet else _announce, strict_bugs=len(files) == 1, **kw)
+                       for t in files]
+        else:  # (a long trace replays for minutes: its steps as they go)
+            results = []
+            with Progress(TextColumn("replaying {task.description}"), BarColumn(), MofNCompleteColumn(),
+                          TextColumn("steps"), TimeElapsedColumn(), console=out, transient=True) as bar:
+                for t in files:
+                    task = bar.add_task(t.name, total=None)
+                    shown = [0.0]
+
+                    def tick(done: int, steps: int, task=task, shown=shown) -> None:
+                        now = time.perf_counter()
+                        if done == steps or now - shown[0] > 0.25:
+                            shown[0] = now
+                            bar.update(task, completed=done, total=steps)
+                    results.append(replay_trace(t, announce=_announce, strict_bugs=len(files) == 1, progress=tick,
+                                                **kw))
         if json_out is not None:
             data = [r.as_dict() for r in results]
             _write_json(json_out, data[0] if len(data) == 1 else {"traces": data})

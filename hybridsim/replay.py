@@ -99,9 +99,11 @@ def verify_recorded(path: str | Path) -> Verified:
 
 def replay_trace(path: str | Path, *, check: str = "full", bugs: Optional[set[str]] = None,
                  kernels: str = "reference", device: str = "auto",
-                 announce: Optional[Callable[[list[str]], None]] = None, strict_bugs: bool = True) -> ReplayResult:
+                 announce: Optional[Callable[[list[str]], None]] = None, strict_bugs: bool = True,
+                 progress: Optional[Callable[[int, int], None]] = None) -> ReplayResult:
     """``strict_bugs``: a bug in a layer kind this trace's model lacks is bad input (one trace named);
-    else (a folder, a golden gate) a note on this trace."""
+    else (a folder, a golden gate) a note on this trace. ``progress``: called after each step with
+    (steps done, steps in all)."""
     v = verify_recorded(path)
     if check != "off":  # (a recording from before block copies were recorded: its partial hits cannot execute)
         _refuse_uncopied_hits(v.trace.steps, v.scenario.cache.block_size, path)
@@ -123,13 +125,15 @@ def replay_trace(path: str | Path, *, check: str = "full", bugs: Optional[set[st
                                                device, notes, where=f"{path}:1", announce=announce, digests=True,
                                                capacity=_distinct_blocks(tr.steps)), notes)
     t0 = perf_counter()
-    for ln, plan, outcome in tr.steps:
+    for i, (ln, plan, outcome) in enumerate(tr.steps, 1):
         try:
             ex.step(plan, outcome)
         except InputError as e:  # (what the executor finds wrong in a step: the trace's file and line)
             if e.where is None:
                 e.where = f"{path}:{ln}"
             raise
+        if progress is not None:
+            progress(i, len(tr.steps))
     ex.finish()
     wall = perf_counter() - t0
     return ReplayResult(Path(path), len(tr.steps), len(tr.requests), checks, wall, notes,

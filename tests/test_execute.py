@@ -151,3 +151,12 @@ def test_attention_bug_leaves_mamba_checks_green():
     assert res.checks.tallies["attn.output"].failures > 0
     assert res.checks.tallies["ssm.output"].failures == 0
     assert res.checks.tallies["ssm.output"].count > 0
+
+
+def test_replay_reports_each_step_as_it_goes():
+    """The progress a terminal shows: one call a step executed, in order, with the trace's step count."""
+    from hybridsim.replay import replay_trace
+
+    seen = []
+    res = replay_trace(REPO / "traces" / "spec_padding.jsonl", check="off", progress=lambda *a: seen.append(a))
+    assert seen == [(i, res.steps) for i in range(1, res.steps + 1)] and res.steps > 10
