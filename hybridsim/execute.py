@@ -91,6 +91,9 @@ def make_executor(s: Scenario, groups, checks: Checks, check: str, bugs: set[str
         k.poison = True  # every output buffer NaN-filled before its launch: unwritten elements fail
         if not torch.cuda.is_available() and any(c.__name__ == "TritonKernels" for c in type(k).__mro__):
             notes.append("Triton kernels run under TRITON_INTERPRET=1 (no GPU): correct, not fast")
+            if announce is not None:  # (said up front too: the quickstart's steps take minutes so)
+                announce(["the Triton kernels run under Triton's interpreter on this CPU: correct, and slow "
+                          "(minutes where the reference takes seconds; --kernels reference is the fast CPU path)"])
     timer = None
     if on_gpu:
         from .kernels.timed import TimedKernels
