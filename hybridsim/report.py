@@ -165,7 +165,9 @@ def timings_table(res: RunResult) -> Table:
                      + (f"; the oracles ({', '.join(p for p in dev if p in res.oracle_phases)}) "
                         f"{100 * share:.1f}% of it" if share is not None else "")
                      + (f", checking in all ({', '.join(p for p in dev if p in res.check_phases)}) "
-                        f"{100 * checking:.1f}%, the system's own work the rest" if checking is not None else ""))
+                        f"{100 * checking:.1f}%, the system's own work the rest" if checking is not None else "")
+                     + (f" (the oracles {res.oracle_per_system_work:.2f}× it)"
+                        if res.oracle_per_system_work is not None else ""))
     if res.kernel_builds:
         notes.append(builds_caption(res.kernel_builds, res.kernel_compiles))
     if notes:

@@ -75,6 +75,12 @@ class RunResult:
         left is the system's own work (GPU runs; None elsewhere)."""
         return phase_share(self.device_timings, self.check_phases) if self.device_timings is not None else None
 
+    @property
+    def oracle_per_system_work(self) -> Optional[float]:
+        """The oracles' device time over the system's own work (GPU runs; None elsewhere)."""
+        return (oracle_per_system_work(self.device_timings, self.oracle_phases, self.check_phases)
+                if self.device_timings is not None else None)
+
     def as_dict(self) -> dict:
         steps = max(self.stats.steps, 1)
         return {
@@ -115,11 +121,21 @@ def phase_share(phases: list[dict], of: tuple[str, ...]) -> Optional[float]:
     return sum(d["total_s"] for d in phases if d["phase"] in of) / total if total > 0 else None
 
 
+def oracle_per_system_work(phases: list[dict], oracle_phases: tuple[str, ...],
+                           check_phases: tuple[str, ...]) -> Optional[float]:
+    """The oracles' device time over the system's own work (every phase that checks nothing): a measure
+    that, unlike a share of the loop, does not rise when another check or the system gets faster; None
+    where the system did no work."""
+    system = sum(d["total_s"] for d in phases if d["phase"] not in check_phases)
+    return sum(d["total_s"] for d in phases if d["phase"] in oracle_phases) / system if system > 0 else None
+
+
 def device_shares(phases: list[dict], oracle_phases: tuple[str, ...], check_phases: tuple[str, ...]) -> dict:
-    """The oracles' and every check's share of the phases' device time, as a run's and a replay's ``--json``
-    give them."""
+    """The oracles' and every check's share of the phases' device time, and the oracles' time over the
+    system's own work, as a run's and a replay's ``--json`` give them."""
     return {"oracle_device_share": phase_share(phases, oracle_phases),
-            "checking_device_share": phase_share(phases, check_phases)}
+            "checking_device_share": phase_share(phases, check_phases),
+            "oracle_per_system_work": oracle_per_system_work(phases, oracle_phases, check_phases)}
 
 
 def check_workload_fits(loaded: LoadedScenario, wl: Workload) -> None:

@@ -98,6 +98,9 @@ def test_timings_table_with_device_columns_fits_80_columns():
     assert "checking in all (oracle, mla_paths, mla_oracle) 40.0%" in " ".join(text.split())
     assert res.as_dict()["oracle_device_share"] == pytest.approx(0.3)
     assert res.as_dict()["checking_device_share"] == pytest.approx(0.4)
+    # the oracles' 3.0 s over the system's own 6.0 (mamba, copies, mla: what checks nothing)
+    assert res.oracle_per_system_work == pytest.approx(0.5) == res.as_dict()["oracle_per_system_work"]
+    assert "the system's own work the rest (the oracles 0.50× it)" in " ".join(text.split())
 
 
 def test_decode_path_over_prefill_rows_is_a_checking_phase():
@@ -123,4 +126,5 @@ def test_replay_reports_the_same_shares_as_a_run(tmp_path):
     rep.device_timings = {"mamba": 3.0, "copies": 0.5, "oracle": 2.0, "mla": 2.5, "mla_paths": 1.0, "mla_oracle": 1.0}
     d = rep.as_dict()
     assert d["oracle_device_share"] == pytest.approx(0.3) and d["checking_device_share"] == pytest.approx(0.4)
+    assert d["oracle_per_system_work"] == pytest.approx(0.5)
 
