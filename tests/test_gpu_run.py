@@ -40,6 +40,8 @@ def test_gpu_run_and_replay_report_kernel_timings(tmp_path):
     # every check's share: the oracles', the MLA prefill rows' decode path (mla_paths) and the kernel checks'
     assert {"mla_paths", "kernel checks"} <= set(res.check_phases)
     assert res.oracle_device_share < res.checking_device_share < 1
+    own = sum(v for k, v in dev.items() if k not in res.check_phases)  # the system's own work
+    assert res.oracle_per_system_work == pytest.approx(sum(dev[p] for p in res.oracle_phases if p in dev) / own)
     rep = replay_trace(trace, kernels="triton", device="cuda")
     assert not rep.failed
     _assert_timings(rep.kernel_timings)
