@@ -230,11 +230,13 @@ def write(out: Path, count: int, seed: int, modes: tuple[str, ...] = ("align",),
             if method != "ngram":
                 layers = kind.choice([1, w["num_speculative_tokens"]]) if method == "mtp" else 1
                 w.update(spec_method=method, num_draft_layers=layers if multi_module else 1)
-                if layout > 1:  # (the Nemotron-H-8B layout with a drafter's own layers: the groups the engine
-                    # forms from the layers, on both sides. The recordings' fixed groups, one per Mamba four
-                    # and the drafter's apart, are not what it forms: an MTP layer joins the attention bucket,
-                    # five layers a group then, and the peer stalled at pools our planner fills)
-                    w["layer_pattern"] = "M" * (4 * layout) + "A" * 4
+                # (a drafter with layers of its own: the groups the engine forms from the layers, on both
+                # sides. The recordings' fixed groups, the drafter's apart from the target's, are not what
+                # it forms: an MTP layer joins the target attention's bucket, so with six Mamba groups of
+                # four it makes five of five, and three MTP modules beside one attention layer make four
+                # attention groups of one; the peer then planned another layout and stalled at pools our
+                # planner fills)
+                w["layer_pattern"] = ("M" * (4 * layout) + "A" * 4) if layout > 1 else "MA"
         if layouts:  # (a stream of its own)
             draw_layout(w, random.Random(f"{seed}/{k}/layers"))
         k += 1
