@@ -273,6 +273,9 @@ def load_recording(path: str | Path) -> Recording:
         bad = next((i for i, d in parsed if not isinstance(d, dict)), None)
         if bad is not None:
             raise InputError("each line of a vLLM recording is a JSON object", f"{p}:{bad}")
+        if parsed and isinstance(parsed[0][1], dict) and parsed[0][1].get("format") == "hybridsim-trace":
+            raise InputError("a hybridsim step trace, not a vLLM recording: replay or validate it as it is",
+                             f"{p}:1")
         raise InputError("not a vLLM recording: line 1 must be the config and line 2 the requests",
                          f"{p}:1")
     (cfg_line, cfg), (req_line, req_d) = parsed[0], parsed[1]

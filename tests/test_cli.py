@@ -141,6 +141,8 @@ def test_convert_then_validate(tmp_path):
     r = hsi("convert", DATA / "vllm-recorded/spec_ngram.jsonl", "--out", out)
     assert r.returncode == 0, r.stderr
     assert hsi("validate", out).returncode == 0
+    r = hsi("convert", out, "--out", tmp_path / "again.jsonl")  # (a trace given where a recording belongs)
+    assert r.returncode == 2 and "a hybridsim step trace, not a vLLM recording" in " ".join(r.stderr.split())
     r = hsi("validate", DATA / "vllm-recorded/spec_ngram.jsonl")  # (converted in memory, as replay does)
     said = " ".join(r.stdout.split())
     assert r.returncode == 0 and "vLLM recording" in said and "converted in memory" in said, r.stdout + r.stderr
