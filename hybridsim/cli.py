@@ -144,14 +144,25 @@ def _check_outputs(*outputs: tuple[Optional[Path], str], reads: tuple[tuple[Opti
         out.file = sys.stderr
 
 
-def _trace_files(paths: List[Path]) -> tuple[tuple[Path, str], ...]:
+def _replay_reads(paths: List[Path]) -> tuple[tuple[Path, str], ...]:
     """What a replay reads: each trace named, a folder's traces, and each trace's expected file."""
-    files = []
-    for p in paths:
-        files += sorted(p.glob("*.jsonl")) if p.is_dir() else [p]
-    return tuple((f, w) for t in files
-                 for f, w in ((t, "a trace"), (t.with_name(t.name.removesuffix(".jsonl") + ".expected.json"),
-                                               "an expected file")))
+    from .golden import expected_path, trace_files
+
+    return tuple(x for t in trace_files(paths) for x in ((t, "a trace"), (expected_path(t), "an expected file")))
+
+
+class _Throttle:
+    """A progress bar refreshed at most four times a second (a refresh costs more than a fast step)."""
+
+    def __init__(self) -> None:
+        self.last = 0.0
+
+    def due(self, force: bool = False) -> bool:
+        now = time.perf_counter()
+        if force or now - self.last > 0.25:
+            self.last = now
+            return True
+        return False
 
 
 def _write_json(path: Path, data: dict, flag: str = "--json") -> None:
@@ -201,8 +212,8 @@ def run(
         _check_choice(device, ("auto", "cpu", "cuda"), "--device")
         from .engines import SCHEDULERS
         _check_choice(scheduler, SCHEDULERS, "--scheduler")
-        _check_outputs((record, "--record"), (json_out, "--json"), (plot, "--plot"),
-                       (kernel_variants, "--kernel-variants"), reads=((scenario, "the scenario"),))
+        outputs = ((record, "--record"), (json_out, "--json"), (plot, "--plot"), (kernel_variants, "--kernel-variants"))
+        _check_outputs(*outputs, reads=((scenario, "the scenario"),))
         if kernel_variants is not None and str(kernel_variants) == "-":  # (its contents: plan_scenario reads them)
             raise InputError("a file, read and then written, not standard output", "--kernel-variants")
         from .output_files import check_folder
@@ -211,9 +222,7 @@ def run(
         trace_path = getattr(loaded.scenario.workload, "path", None)
         if trace_path is not None:  # (the workload's trace: read too)
             from .output_files import check_distinct
-            check_distinct([(record, "--record"), (json_out, "--json"), (plot, "--plot"),
-                            (kernel_variants, "--kernel-variants")],
-                           [(loaded.resolve_path(trace_path), "the workload's trace")])
+            check_distinct(list(outputs), [(loaded.resolve_path(trace_path), "the workload's trace")])
         announce = None if quiet else _announce
         if max_steps is not None:
             s = loaded.scenario
@@ -227,13 +236,11 @@ def run(
         if progress is not None:
             with progress:
                 task = progress.add_task("plan", total=None, step=0)
-                shown = [0.0]
+                throttle = _Throttle()
 
                 def tick(stats) -> None:
-                    # (a checked step can take seconds on a CPU: refresh by time, not only every 64 steps)
-                    now = time.perf_counter()
-                    if stats.steps % 64 == 0 or now - shown[0] > 0.25:
-                        shown[0] = now
+                    # (a checked step can take seconds on a CPU: refreshed by time, not only every 64 steps)
+                    if throttle.due(stats.steps % 64 == 0):
                         progress.update(task, completed=stats.finished, total=stats.requests, step=stats.last_step)
                 res = plan_scenario(loaded, record=record, check=check.value if check else None, progress=tick,
                                     bugs=bugs, kernels=kernels, device=device, announce=announce,
@@ -303,7 +310,7 @@ def replay(
         bugs = check_bugs(inject_bug)
         _check_kernels(kernels)
         _check_choice(device, ("auto", "cpu", "cuda"), "--device")
-        _check_outputs((json_out, "--json"), (junit, "--junit"), reads=_trace_files(traces))
+        _check_outputs((json_out, "--json"), (junit, "--junit"), reads=_replay_reads(traces))
         if junit is not None and not golden:
             raise InputError("writes the golden gate's verdicts: use it with --check", "--junit")
         if update_expected:  # the expected files are what full checks of the reference kernels find
@@ -358,12 +365,10 @@ def replay(
                           TextColumn("steps"), TimeElapsedColumn(), console=out, transient=True) as bar:
                 for t in files:
                     task = bar.add_task(t.name, total=None)
-                    shown = [0.0]
+                    throttle = _Throttle()
 
-                    def tick(done: int, steps: int, task=task, shown=shown) -> None:
-                        now = time.perf_counter()
-                        if done == steps or now - shown[0] > 0.25:
-                            shown[0] = now
+                    def tick(done: int, steps: int, task=task, throttle=throttle) -> None:
+                        if throttle.due(done == steps):
                             bar.update(task, completed=done, total=steps)
                     results.append(replay_trace(t, announce=_announce, strict_bugs=len(files) == 1, progress=tick,
                                                 **kw))

@@ -78,6 +78,11 @@ def trace_files(paths: list[Path]) -> list[Path]:
     return files
 
 
+def expected_path(trace: Path) -> Path:
+    """A golden trace's expected file: ``NAME.expected.json`` beside ``NAME.jsonl``."""
+    return trace.with_name(trace.name.removesuffix(".jsonl") + ".expected.json")
+
+
 def _read_expected(path: Path) -> dict:
     from .safe_load import load_json
 
@@ -129,7 +134,7 @@ def check_one(task: GoldenTask) -> GoldenRow:
     trace, update = task.trace, task.update
     res = replay_trace(trace, strict_bugs=False, **task.replay_kw)
     got = expected_of(res)
-    exp_path = trace.with_name(trace.name[: -len(".jsonl")] + ".expected.json")
+    exp_path = expected_path(trace)
     comparisons = sum(t.count for t in res.checks.tallies.values())
     failing = sorted((t for t in res.checks.tallies.values() if t.first_failure is not None),
                      key=lambda t: (t.name != "sched.recorded", t.first_failure.step))  # (earliest first)
