@@ -144,11 +144,14 @@ def _check_outputs(*outputs: tuple[Optional[Path], str], reads: tuple[tuple[Opti
         out.file = sys.stderr
 
 
-def _replay_reads(paths: List[Path]) -> tuple[tuple[Path, str], ...]:
-    """What a replay reads: each trace named, a folder's traces, and each trace's expected file."""
+def _replay_reads(paths: List[Path], golden: bool) -> tuple[tuple[Path, str], ...]:
+    """What a replay reads: each trace named, a folder's traces, and (a golden gate's, or its update's) each
+    trace's expected file."""
     from .golden import expected_path, trace_files
 
-    return tuple(x for t in trace_files(paths) for x in ((t, "a trace"), (expected_path(t), "an expected file")))
+    traces = trace_files(paths)
+    return tuple((t, "a trace") for t in traces) + (
+        tuple((expected_path(t), "an expected file") for t in traces) if golden else ())
 
 
 class _Throttle:
@@ -310,7 +313,7 @@ def replay(
         bugs = check_bugs(inject_bug)
         _check_kernels(kernels)
         _check_choice(device, ("auto", "cpu", "cuda"), "--device")
-        _check_outputs((json_out, "--json"), (junit, "--junit"), reads=_replay_reads(traces))
+        _check_outputs((json_out, "--json"), (junit, "--junit"), reads=_replay_reads(traces, golden or update_expected))
         if junit is not None and not golden:
             raise InputError("writes the golden gate's verdicts: use it with --check", "--junit")
         if update_expected:  # the expected files are what full checks of the reference kernels find

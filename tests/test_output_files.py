@@ -269,7 +269,8 @@ def test_an_output_onto_an_input_or_another_output_is_refused_before_any_work(tm
         (["run", scen, "-q", "--check", "off", "--record", tmp_path / "out", "--plot", tmp_path / "link"], "--plot",
          "is --record's file too"),
         (["replay", trace, "-q", "--json", trace], "--json", "is a trace, which this command reads"),
-        (["replay", tmp_path, "-q", "--json", expected], "--json", "is an expected file, which this command reads"),
+        (["replay", tmp_path, "-q", "--check", "--json", expected], "--json",
+         "is an expected file, which this command reads"),
         (["shrink", small, "--out", small], "--out", "is the trace, which this command reads"),
     ]
     before = {p: p.read_bytes() for p in (scen, trace, expected, small)}
