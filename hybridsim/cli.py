@@ -139,7 +139,7 @@ def _check_outputs(*outputs: tuple[Optional[Path], str], reads: tuple[tuple[Opti
                          on_stdout[1])
     for path, flag in outputs:
         _writable(path, flag)
-    check_distinct(list(outputs), list(reads))
+    check_distinct(outputs, reads)
     if on_stdout:
         out.file = sys.stderr
 
@@ -225,7 +225,7 @@ def run(
         trace_path = getattr(loaded.scenario.workload, "path", None)
         if trace_path is not None:  # (the workload's trace: read too)
             from .output_files import check_distinct
-            check_distinct(list(outputs), [(loaded.resolve_path(trace_path), "the workload's trace")])
+            check_distinct(outputs, [(loaded.resolve_path(trace_path), "the workload's trace")])
         announce = None if quiet else _announce
         if max_steps is not None:
             s = loaded.scenario

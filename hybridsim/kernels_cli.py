@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from contextlib import nullcontext
 
 from rich.console import Console
 from rich.table import Table
@@ -87,13 +88,8 @@ def check_provider(name: str, device: str, only: tuple[str, ...], quick: bool, s
     if dev.type == "cuda":
         t.add_column("median time (after a warm-up call)", justify="right")
     failed = 0
-    if status is not None:
-        status.start()
-    try:
+    with status if status is not None else nullcontext():
         results = list(checker.run(only))
-    finally:
-        if status is not None:
-            status.stop()
     t.caption = (f"exact ops: worst = elements that differ; others: worst relative error (inf: NaN/inf positions "
                  f"differ); {time.perf_counter() - t0:,.1f} s in all")
     for r in results:

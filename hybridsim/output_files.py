@@ -25,7 +25,7 @@ import stat
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Iterator, Optional
+from typing import IO, Iterable, Iterator, Optional
 
 from .errors import EnvironmentProblem, InputError
 
@@ -293,23 +293,23 @@ def _file_key(path: Optional[str | Path]) -> Optional[tuple]:
     return ("inode", st.st_dev, st.st_ino)
 
 
-def check_distinct(outputs: list[tuple[Optional[Path], str]],
-                   reads: list[tuple[Optional[Path], str]] = ()) -> None:
+def check_distinct(outputs: Iterable[tuple[Optional[Path], str]],
+                   reads: Iterable[tuple[Optional[Path], str]] = ()) -> None:
     """Refuse, before any work, two outputs that are one file (one would overwrite the other: ``--record``
     and ``--json`` onto one path lost the trace) or an output that is a file the command reads (``run
     s.yaml --json s.yaml`` replaced the scenario with its results)."""
-    seen: dict[tuple, str] = {}
+    read: dict[tuple, str] = {}  # file -> what it is to the command
     for path, what in reads:
         key = _file_key(path)
         if key is not None:
-            seen.setdefault(key, what)
-    read_keys = set(seen)
+            read.setdefault(key, what)
+    written: dict[tuple, str] = {}  # file -> the flag that writes it
     for path, flag in outputs:
         key = _file_key(path)
         if key is None:
             continue
-        if key in seen:
-            if key in read_keys:
-                raise InputError(f"{path} is {seen[key]}, which this command reads: writing it would destroy it", flag)
-            raise InputError(f"{path} is {seen[key]}'s file too: one would overwrite the other", flag)
-        seen[key] = flag
+        if key in read:
+            raise InputError(f"{path} is {read[key]}, which this command reads: writing it would destroy it", flag)
+        if key in written:
+            raise InputError(f"{path} is {written[key]}'s file too: one would overwrite the other", flag)
+        written[key] = flag
